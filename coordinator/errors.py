@@ -1,0 +1,115 @@
+"""The one error hierarchy of sarcomm, and its mapping to gRPC status codes.
+
+Domain code raises these; the gRPC servicer turns them into a status with :func:`to_status`, and
+the client turns a status back into the same class with :func:`from_rpc_error`. Messages are whole
+sentences that name the field, the value and the rule, because they reach users verbatim.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SarcommError(Exception):
+    """Base of every error sarcomm raises on purpose."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(SarcommError, ValueError):
+    """Raised when a request field or a setting has a value its rule forbids."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPreconditionError(SarcommError):
+    """Raised when a request is valid but the job is in a state that does not allow it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyExistsError(SarcommError):
+    """Raised when a member claims something another member holds, such as a rank."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotFoundError(SarcommError):
+    """Raised when a request names a job or member the coordinator does not know."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class UnauthenticatedError(SarcommError):
+    """Raised when a call carries no valid token or member secret."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhaustedError(SarcommError):
+    """Raised when a configured limit (jobs, members, streams, waiters) would be exceeded."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class JoinTimeoutError(SarcommError, TimeoutError):
+    """Raised when a job's world did not form before the join deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class CoordinatorUnavailableError(SarcommError, ConnectionError):
+    """Raised when the coordinator could not be reached before the call's deadline."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class PeerFailedError(SarcommError, RuntimeError):
+    """Raised in a rank when another rank of its job failed, instead of hanging in a collective.
+
+    ``rank``, ``host`` and ``reason`` name the failed peer (``rank`` is None when unknown).
+    """
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, *, rank: int | None = None, host: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.reason = reason
+
+
+_BY_CODE: dict[grpc.StatusCode, type[SarcommError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        FailedPreconditionError,
+        AlreadyExistsError,
+        NotFoundError,
+        UnauthenticatedError,
+        ResourceExhaustedError,
+        JoinTimeoutError,
+        CoordinatorUnavailableError,
+        PeerFailedError,
+    )
+}
+
+
+def to_status(error: SarcommError) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and details a servicer sends for ``error``."""
+    return error.code, str(error)
+
+
+def from_rpc_error(error: grpc.RpcError) -> SarcommError:
+    """The sarcomm error that a failed call's status stands for (``SarcommError`` if unmapped)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    cls = _BY_CODE.get(code, SarcommError)
+    message = details or f"the coordinator answered {code.name} without details"
+    return cls(message)
+
+
+def shorten(value: object, limit: int = 64) -> str:
+    """``repr`` of a value for an error message, cut so a hostile value cannot flood logs."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
