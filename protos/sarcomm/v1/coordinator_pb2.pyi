@@ -125,7 +125,7 @@ class JoinRequest(_message.Message):
     socket_name: _builtins.str
     """Interface forced by --socket-name / SAR_SOCKET_NAME; empty lets the coordinator choose."""
     generation: _builtins.int
-    """Generation this host last belonged to (0 = none). A stale one is refused."""
+    """The generation this host expects to join (0 = whichever is forming). A stale one is refused."""
     join_timeout_seconds: _builtins.float
     """How long to wait for the world to form, in seconds; 0 = the coordinator's --join-timeout."""
     backend: _builtins.str

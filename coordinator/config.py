@@ -1,0 +1,90 @@
+"""The coordinator's settings: one frozen, validated object built from flags and ``SARCOMM_*``.
+
+Configuration flows one way: ``cli`` parses flags (each falling back to ``SARCOMM_<FLAG>``), builds
+a :class:`CoordinatorConfig`, and the server only ever reads that object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from sarcomm.coordinator.errors import InvalidArgumentError
+
+
+def parse_host_port(field: str, value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6); port 0 means "any free port".
+
+    Raises:
+        InvalidArgumentError: naming ``field`` when the value is not of that form.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise InvalidArgumentError(
+            f"{field} {value!r} must be HOST:PORT with a port in 0..65535, e.g. 0.0.0.0:50051"
+        )
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port_text)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds that keep a hostile or broken client from exhausting the coordinator."""
+
+    max_world_size: int = 65536
+    max_jobs: int = 1024
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_interfaces: int = 64
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything the coordinator needs to run; see ``sar-coordinator --help`` for each field.
+
+    Times are in seconds. ``state`` None keeps the state in an in-memory SQLite database.
+    """
+
+    listen: str = "0.0.0.0:50051"
+    http: str = "0.0.0.0:9400"
+    state: Path | None = None
+    heartbeat_interval: float = 1.0
+    heartbeat_misses: int = 3
+    join_timeout: float = 600.0
+    shutdown_grace: float = 5.0
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    log_level: str = "INFO"
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        parse_host_port("listen", self.listen)
+        parse_host_port("http", self.http)
+        _positive("heartbeat_interval", self.heartbeat_interval)
+        _positive("join_timeout", self.join_timeout)
+        if self.shutdown_grace < 0 or not math.isfinite(self.shutdown_grace):
+            raise InvalidArgumentError(f"shutdown_grace {self.shutdown_grace!r} must be >= 0 seconds")
+        if self.heartbeat_misses < 1:
+            raise InvalidArgumentError(f"heartbeat_misses {self.heartbeat_misses!r} must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgumentError(
+                f"tls_cert {self.tls_cert} and tls_key {self.tls_key} must be given together"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidArgumentError(f"tls_client_ca {self.tls_client_ca} needs tls_cert and tls_key")
+        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise InvalidArgumentError(f"{name} {str(path)!r} must be a readable file")
+
+    @property
+    def liveness_timeout(self) -> float:
+        """Seconds of silence after which a member is judged dead (interval x misses)."""
+        return self.heartbeat_interval * self.heartbeat_misses
+
+
+def _positive(field: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise InvalidArgumentError(f"{field} {value!r} must be a positive number of seconds")

@@ -1,0 +1,89 @@
+"""The coordinator's HTTP side: ``/metrics``, ``/sd``, ``/healthz`` and ``/v1/jobs``.
+
+It runs on the same event loop as the gRPC server and reads the same :class:`Membership`, so what
+Prometheus discovers and what ``status`` shows can never disagree.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sarcomm.coordinator.membership import Member, Membership
+from sarcomm.coordinator.metrics import CoordinatorMetrics
+from sarcomm.coordinator.views import jobs_json
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_JOB_LABEL = "sar-coordinator"
+
+
+class HttpApi:
+    """The aiohttp application; ``serving`` flips to False when shutdown starts."""
+
+    def __init__(self, membership: Membership, metrics: CoordinatorMetrics, advertised_address: str) -> None:
+        self._membership = membership
+        self._metrics = metrics
+        self._advertised_address = advertised_address
+        self.serving = True
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/metrics", self.metrics),
+            web.get("/healthz", self.healthz),
+            web.get("/v1/jobs", self.jobs),
+            web.get("/sd", self.service_discovery),
+        ])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        status = "SERVING" if self.serving else "NOT_SERVING"
+        return web.json_response({"status": status}, status=200 if self.serving else 503)
+
+    async def jobs(self, request: web.Request) -> web.Response:
+        name = request.query.get("job")
+        jobs = self._membership.jobs()
+        if name:
+            jobs = [j for j in jobs if j.name == name]
+        return web.json_response(jobs_json(jobs))
+
+    async def service_discovery(self, request: web.Request) -> web.Response:
+        """Prometheus HTTP SD: the full target list on every call, one group per live rank."""
+        groups: list[dict[str, object]] = [
+            {"targets": [self._advertised_address], "labels": {"job": COORDINATOR_JOB_LABEL}}
+        ]
+        for job, member in self._membership.live_members():
+            target = metrics_target(member)
+            if target is None:
+                continue
+            groups.append({
+                "targets": [target],
+                "labels": {
+                    "job": job.name,
+                    "rank": str(member.rank),
+                    "host": member.host,
+                    "generation": str(job.generation),
+                },
+            })
+        return web.json_response(groups)
+
+
+def metrics_target(member: Member) -> str | None:
+    """Where Prometheus scrapes a member: its reported endpoint, with a wildcard host replaced by
+    the address the coordinator handed it (a rank listening on 0.0.0.0 is reachable there)."""
+    if not member.metrics_address:
+        return None
+    host, _, port = member.metrics_address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        unspecified = False
+    if unspecified and member.address:
+        host = member.address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

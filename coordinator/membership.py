@@ -1,0 +1,636 @@
+"""Membership and rendezvous: the coordinator's domain logic, free of gRPC and HTTP.
+
+A *job* is a name plus a *generation*: every world that forms under a name gets the next
+generation number, and member ids belong to exactly one generation, so nothing from an earlier
+run (a member id, an address, a port) can leak into a later one.
+
+States::
+
+    job:    FORMING --(world_size members joined)--> RUNNING --(all left with 0)--> FINISHED
+                                                        \\--(a member failed)-----> FAILED
+    member: JOINING --> RUNNING --> LEFT (exit code 0) | FAILED (non-zero exit, missed beats)
+
+All methods are synchronous and run on the event loop thread; the only asynchronous piece is the
+per-generation ``formed`` event that pending joins wait on. Every change a client is told about is
+written to the store before the method returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sarcomm.coordinator.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from sarcomm.coordinator.interfaces import InterfaceInfo, address_on, choose_interface
+from sarcomm.coordinator.store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+class JobState(str, enum.Enum):
+    FORMING = "FORMING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobState.FINISHED, JobState.FAILED)
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "JOINING"
+    RUNNING = "RUNNING"
+    LEFT = "LEFT"
+    FAILED = "FAILED"
+
+
+class EventKind(str, enum.Enum):
+    WORLD_FORMED = "WORLD_FORMED"
+    MEMBER_FAILED = "MEMBER_FAILED"
+    JOB_FINISHED = "JOB_FINISHED"
+    JOB_FAILED = "JOB_FAILED"
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """Something every member of a job must hear about; ``rank``/``host`` name the member."""
+
+    kind: EventKind
+    job: str
+    generation: int
+    time: float
+    rank: int | None = None
+    host: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MemberRequest:
+    """One member of a join: the rank it asks for (None = deal one) and its local index."""
+
+    local_rank: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """A validated join request (see ``validation.join_spec``)."""
+
+    job: str
+    world_size: int
+    host: str
+    interfaces: tuple[InterfaceInfo, ...]
+    members: tuple[MemberRequest, ...]
+    store_port: int
+    socket_name: str = ""
+    generation: int = 0
+    backend: str = ""
+    peer_address: str | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a rank is in its sequence of collectives (see the proto's ``Progress``)."""
+
+    seq: int = 0
+    op: str = ""
+    in_collective: bool = False
+    since: float = 0.0
+
+
+@dataclass
+class Member:
+    member_id: str
+    secret_digest: str
+    host: str
+    local_rank: int
+    requested_rank: int | None
+    store_port: int
+    interfaces: tuple[InterfaceInfo, ...]
+    peer_address: str | None
+    socket_name: str
+    joined_at: float
+    state: MemberState = MemberState.JOINING
+    rank: int | None = None
+    interface: str = ""
+    address: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+    last_heartbeat: float = 0.0
+    progress: Progress = field(default_factory=Progress)
+    metrics_address: str = ""
+    # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
+    last_seen: float = 0.0
+
+    def check_secret(self, secret: str) -> bool:
+        return hmac.compare_digest(self.secret_digest, _digest(secret))
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "member_id": self.member_id,
+            "secret_digest": self.secret_digest,
+            "host": self.host,
+            "local_rank": self.local_rank,
+            "requested_rank": self.requested_rank,
+            "store_port": self.store_port,
+            "interfaces": [
+                {"name": i.name, "addresses": list(i.addresses), "kind": int(i.kind),
+                 "default_route": i.default_route}
+                for i in self.interfaces
+            ],
+            "peer_address": self.peer_address,
+            "socket_name": self.socket_name,
+            "joined_at": self.joined_at,
+            "state": self.state.value,
+            "rank": self.rank,
+            "interface": self.interface,
+            "address": self.address,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "last_heartbeat": self.last_heartbeat,
+            "metrics_address": self.metrics_address,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Member:
+        from sarcomm.coordinator.interfaces import InterfaceKind
+
+        interfaces = tuple(
+            InterfaceInfo(i["name"], tuple(i["addresses"]), InterfaceKind(i["kind"]), i["default_route"])
+            for i in record["interfaces"]
+        )
+        return cls(
+            member_id=record["member_id"],
+            secret_digest=record["secret_digest"],
+            host=record["host"],
+            local_rank=record["local_rank"],
+            requested_rank=record["requested_rank"],
+            store_port=record["store_port"],
+            interfaces=interfaces,
+            peer_address=record["peer_address"],
+            socket_name=record["socket_name"],
+            joined_at=record["joined_at"],
+            state=MemberState(record["state"]),
+            rank=record["rank"],
+            interface=record["interface"],
+            address=record["address"],
+            exit_code=record["exit_code"],
+            reason=record["reason"],
+            last_heartbeat=record["last_heartbeat"],
+            metrics_address=record["metrics_address"],
+        )
+
+
+@dataclass
+class Job:
+    name: str
+    generation: int
+    world_size: int
+    created: float
+    backend: str = ""
+    state: JobState = JobState.FORMING
+    formed: float = 0.0
+    ended: float = 0.0
+    master_addr: str = ""
+    master_port: int = 0
+    restart_count: int = 0
+    reason: str = ""
+    members: list[Member] = field(default_factory=list)
+    # Set when the world forms or the job is abandoned; pending joins wait on it. Not persisted.
+    formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"job {self.name!r} generation {self.generation}"
+
+    def ranked_members(self) -> list[Member]:
+        return sorted(self.members, key=lambda m: (m.rank is None, m.rank or 0, m.joined_at))
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "created": self.created,
+            "backend": self.backend,
+            "state": self.state.value,
+            "formed": self.formed,
+            "ended": self.ended,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "restart_count": self.restart_count,
+            "reason": self.reason,
+            "members": [m.to_record() for m in self.members],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Job:
+        job = cls(
+            name=record["name"],
+            generation=record["generation"],
+            world_size=record["world_size"],
+            created=record["created"],
+            backend=record["backend"],
+            state=JobState(record["state"]),
+            formed=record["formed"],
+            ended=record["ended"],
+            master_addr=record["master_addr"],
+            master_port=record["master_port"],
+            restart_count=record["restart_count"],
+            reason=record["reason"],
+            members=[Member.from_record(m) for m in record["members"]],
+        )
+        if job.state is not JobState.FORMING:
+            job.formed_event.set()
+        return job
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a join call holds while it waits: its job and its members, in request order."""
+
+    job: Job
+    members: tuple[Member, ...]
+    secrets: tuple[str, ...]
+
+
+EventListener = Callable[[JobEvent], None]
+
+
+class Membership:
+    """Jobs, their members and generations; the coordinator's single source of truth.
+
+    ``clock`` is monotonic (liveness), ``wall`` is Unix time (what users see).
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        liveness_timeout: float,
+        max_jobs: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._liveness_timeout = liveness_timeout
+        self._max_jobs = max_jobs
+        self._clock = clock
+        self._wall = wall
+        self._jobs: dict[str, Job] = {}
+        self._members: dict[str, tuple[Job, Member]] = {}
+        self._listeners: list[EventListener] = []
+        self._restore()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def jobs(self) -> list[Job]:
+        return sorted(self._jobs.values(), key=lambda j: j.name)
+
+    def job(self, name: str) -> Job | None:
+        return self._jobs.get(name)
+
+    def live_members(self) -> Iterable[tuple[Job, Member]]:
+        """Members of running jobs that are still alive, for service discovery."""
+        for job in self._jobs.values():
+            if job.state is JobState.RUNNING:
+                for member in job.members:
+                    if member.state is MemberState.RUNNING:
+                        yield job, member
+
+    def add_listener(self, listener: EventListener) -> None:
+        self._listeners.append(listener)
+
+    # -- join ------------------------------------------------------------------------------------
+
+    def join(self, spec: JoinSpec) -> Ticket:
+        """Add the members of ``spec`` to the job's forming world; form it if it is now complete.
+
+        Returns at once; the caller waits on ``ticket.job.formed_event`` and then reads the
+        assignment with :meth:`assignment`.
+
+        Raises:
+            FailedPreconditionError: the job is running, has another world size, is full, or the
+                request names a generation that is not the forming one.
+            AlreadyExistsError: a requested rank is taken.
+            ResourceExhaustedError: the coordinator already holds ``max_jobs`` active jobs.
+        """
+        job = self._forming_job(spec)
+        if spec.world_size != job.world_size:
+            raise FailedPreconditionError(
+                f"world_size {spec.world_size} does not match {job.label}, which was created with "
+                f"world_size {job.world_size}; every member of a job must ask for the same world size"
+            )
+        if spec.generation and spec.generation != job.generation:
+            raise FailedPreconditionError(
+                f"generation {spec.generation} is stale: {job.label} is forming now; a member of an "
+                f"older generation cannot join a newer one (join with generation 0 to start afresh)"
+            )
+        joined = len(job.members)
+        if joined + len(spec.members) > job.world_size:
+            raise FailedPreconditionError(
+                f"members: joining {len(spec.members)} more would make {joined + len(spec.members)} "
+                f"members in {job.label}, which has world_size {job.world_size}"
+            )
+        taken = {m.requested_rank: m for m in job.members if m.requested_rank is not None}
+        for request in spec.members:
+            if request.rank is not None and request.rank in taken:
+                holder = taken[request.rank]
+                raise AlreadyExistsError(
+                    f"rank {request.rank} is already taken in {job.label} by a member on host "
+                    f"{holder.host!r}; each rank can be requested once"
+                )
+        now = self._wall()
+        ticket_members: list[Member] = []
+        ticket_secrets: list[str] = []
+        for request in spec.members:
+            secret = secrets.token_urlsafe(24)
+            member = Member(
+                member_id=secrets.token_hex(8),
+                secret_digest=_digest(secret),
+                host=spec.host,
+                local_rank=request.local_rank,
+                requested_rank=request.rank,
+                store_port=spec.store_port,
+                interfaces=spec.interfaces,
+                peer_address=spec.peer_address,
+                socket_name=spec.socket_name,
+                joined_at=now,
+            )
+            job.members.append(member)
+            ticket_members.append(member)
+            ticket_secrets.append(secret)
+        log.info(
+            "%s: host %s joined with %d member(s); %d of %d joined",
+            job.label, spec.host, len(spec.members), len(job.members), job.world_size,
+        )
+        if len(job.members) == job.world_size:
+            self._form(job)
+        return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
+
+    def abandon(self, ticket: Ticket) -> None:
+        """Withdraw a join whose caller gave up (deadline, cancel) before the world formed."""
+        job = ticket.job
+        if job.state is not JobState.FORMING:
+            return
+        gone = {m.member_id for m in ticket.members}
+        job.members = [m for m in job.members if m.member_id not in gone]
+        log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
+        if not job.members and self._jobs.get(job.name) is job:
+            # Nobody is waiting any more: forget the job so the next join starts it afresh.
+            del self._jobs[job.name]
+
+    def missing_description(self, job: Job) -> str:
+        """Which ranks a forming job still lacks, as if it formed now."""
+        ranks = _deal_ranks(job.world_size, job.members)
+        missing = sorted(set(range(job.world_size)) - set(ranks.values()))
+        shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
+        return f"{len(job.members)} of {job.world_size} members joined; ranks missing: {shown}"
+
+    def _forming_job(self, spec: JoinSpec) -> Job:
+        job = self._jobs.get(spec.job)
+        if job is not None and job.state is JobState.FORMING:
+            return job
+        if job is not None and job.state is JobState.RUNNING:
+            raise FailedPreconditionError(
+                f"job {spec.job!r}: generation {job.generation} is running with world_size "
+                f"{job.world_size}; a new world can form under this name once it has finished or failed"
+            )
+        active = sum(1 for j in self._jobs.values() if not j.state.ended)
+        if active >= self._max_jobs:
+            raise ResourceExhaustedError(
+                f"job {spec.job!r}: the coordinator already holds {active} active jobs, its limit "
+                f"max_jobs {self._max_jobs}"
+            )
+        previous = job.generation if job is not None else self._store.last_generation(spec.job)
+        job = Job(
+            name=spec.job,
+            generation=previous + 1,
+            world_size=spec.world_size,
+            created=self._wall(),
+            backend=spec.backend,
+        )
+        if previous:
+            # Members of the ended generation are forgotten: their ids can never act again.
+            for member_id in [k for k, (j, _) in self._members.items() if j.name == spec.job]:
+                del self._members[member_id]
+        self._jobs[spec.job] = job
+        return job
+
+    def _form(self, job: Job) -> None:
+        single_host = all(_is_loopback(m.peer_address) for m in job.members)
+        ranks = _deal_ranks(job.world_size, job.members)
+        now_mono = self._clock()
+        for member in job.members:
+            chosen = choose_interface(
+                member.interfaces, member.peer_address, member.socket_name,
+                single_host=single_host, host=member.host,
+            )
+            member.interface = chosen.name
+            member.address = address_on(chosen)
+            member.rank = ranks[member.member_id]
+            member.state = MemberState.RUNNING
+            member.last_seen = now_mono
+            self._members[member.member_id] = (job, member)
+        master = next(m for m in job.members if m.rank == 0)
+        job.master_addr = master.address
+        job.master_port = master.store_port
+        job.state = JobState.RUNNING
+        job.formed = self._wall()
+        self._store.save_job(job.to_record())
+        job.formed_event.set()
+        log.info(
+            "%s: world formed, %d ranks, master %s:%d on %s",
+            job.label, job.world_size, job.master_addr, job.master_port, master.interface,
+        )
+        self._emit(JobEvent(EventKind.WORLD_FORMED, job.name, job.generation, job.formed))
+
+    # -- running members -------------------------------------------------------------------------
+
+    def authenticate(self, member_id: str, secret: str) -> tuple[Job, Member]:
+        """The member ``member_id`` of a current generation, if ``secret`` is its own.
+
+        Raises:
+            NotFoundError: no current generation has that member (it left, or its job moved on).
+            UnauthenticatedError: the secret is not the member's.
+        """
+        found = self._members.get(member_id)
+        if found is None:
+            raise NotFoundError(
+                f"member_id {member_id[:32]!r} is not a member of any current job generation; "
+                f"its job ended or moved to a newer generation"
+            )
+        if not found[1].check_secret(secret):
+            raise UnauthenticatedError("the member secret does not match")
+        return found
+
+    def heartbeat(
+        self, member_id: str, secret: str, progress: Progress | None, metrics_address: str
+    ) -> tuple[Job, Member]:
+        """Record a sign of life (and progress) from a member; returns its job and member."""
+        job, member = self.authenticate(member_id, secret)
+        member.last_seen = self._clock()
+        member.last_heartbeat = self._wall()
+        if progress is not None:
+            member.progress = progress
+        if metrics_address and metrics_address != member.metrics_address:
+            member.metrics_address = metrics_address
+            self._store.save_job(job.to_record())
+        return job, member
+
+    def leave(self, member_id: str, secret: str, exit_code: int, reason: str = "") -> Job:
+        """Record that a member is done; a non-zero exit code fails the job.
+
+        Idempotent: leaving twice returns the job unchanged.
+        """
+        job, member = self.authenticate(member_id, secret)
+        if member.state in (MemberState.LEFT, MemberState.FAILED):
+            return job
+        member.exit_code = exit_code
+        if exit_code == 0:
+            member.state = MemberState.LEFT
+            member.reason = reason or "exited with code 0"
+            log.info("%s: rank %s on %s left with code 0", job.label, member.rank, member.host)
+        else:
+            self._fail_member(job, member, reason or f"exited with code {exit_code}")
+        self._settle(job)
+        self._store.save_job(job.to_record())
+        return job
+
+    def sweep(self) -> list[tuple[Job, Member]]:
+        """Fail every running member silent for longer than the liveness timeout."""
+        now = self._clock()
+        failed: list[tuple[Job, Member]] = []
+        for job in list(self._jobs.values()):
+            if job.state is not JobState.RUNNING:
+                continue
+            changed = False
+            for member in job.members:
+                silent = now - member.last_seen
+                if member.state is MemberState.RUNNING and silent > self._liveness_timeout:
+                    self._fail_member(job, member, f"missed heartbeats: silent for {silent:.1f} s")
+                    failed.append((job, member))
+                    changed = True
+            if changed:
+                self._settle(job)
+                self._store.save_job(job.to_record())
+        return failed
+
+    def _fail_member(self, job: Job, member: Member, reason: str) -> None:
+        member.state = MemberState.FAILED
+        member.reason = reason
+        now = self._wall()
+        log.warning("%s: rank %s on host %s failed: %s", job.label, member.rank, member.host, reason)
+        if job.state is JobState.RUNNING:
+            job.state = JobState.FAILED
+            job.reason = f"rank {member.rank} on host {member.host} {reason}"
+            self._emit(JobEvent(EventKind.MEMBER_FAILED, job.name, job.generation, now,
+                                member.rank, member.host, reason))
+            self._emit(JobEvent(EventKind.JOB_FAILED, job.name, job.generation, now,
+                                member.rank, member.host, job.reason))
+
+    def _settle(self, job: Job) -> None:
+        """Finish a job whose members are all gone."""
+        if any(m.state is MemberState.RUNNING for m in job.members):
+            return
+        if job.state is JobState.RUNNING:
+            job.state = JobState.FINISHED
+            job.ended = self._wall()
+            log.info("%s: finished, every rank exited with code 0", job.label)
+            self._emit(JobEvent(EventKind.JOB_FINISHED, job.name, job.generation, job.ended))
+        elif job.state is JobState.FAILED and not job.ended:
+            job.ended = self._wall()
+        for member in job.members:
+            self._members.pop(member.member_id, None)
+
+    def _emit(self, event: JobEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not stop the others from hearing
+                log.exception("event listener failed on %s", event)
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        now = self._clock()
+        for record in self._store.load_jobs():
+            job = Job.from_record(record)
+            if job.state is JobState.FORMING:
+                continue
+            self._jobs[job.name] = job
+            for member in job.members:
+                # A restored member gets a whole liveness timeout to reconnect before it is judged.
+                member.last_seen = now
+                if member.state is MemberState.RUNNING:
+                    self._members[member.member_id] = (job, member)
+        if self._jobs:
+            log.info("restored %d job(s) from the state store", len(self._jobs))
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _is_loopback(address: str | None) -> bool:
+    import ipaddress
+
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def _deal_ranks(world_size: int, members: Sequence[Member]) -> dict[str, int]:
+    """Ranks for ``members``: requested ranks as asked, the rest dealt so each host's are contiguous.
+
+    Hosts are served in the order they first joined; within a host, by local rank. A host gets the
+    first run of free ranks long enough for all its members, or the lowest free ranks if no run
+    is long enough (requested ranks can fragment the range).
+    """
+    ranks = {m.member_id: m.requested_rank for m in members if m.requested_rank is not None}
+    free = sorted(set(range(world_size)) - set(ranks.values()))
+    by_host: dict[str, list[Member]] = {}
+    for member in members:
+        if member.requested_rank is None:
+            by_host.setdefault(member.host, []).append(member)
+    for host_members in by_host.values():
+        host_members.sort(key=lambda m: (m.local_rank, m.joined_at))
+        want = len(host_members)
+        start = _first_run(free, want)
+        chosen = free[start:start + want] if start is not None else free[:want]
+        for member, rank in zip(host_members, chosen, strict=False):
+            ranks[member.member_id] = rank
+        free = [r for r in free if r not in set(chosen)]
+    return ranks
+
+
+def _first_run(free: list[int], length: int) -> int | None:
+    """Index in sorted ``free`` where ``length`` consecutive integers start, or None."""
+    run_start = 0
+    for i in range(len(free)):
+        if i > 0 and free[i] != free[i - 1] + 1:
+            run_start = i
+        if i - run_start + 1 >= length:
+            return run_start
+    return None

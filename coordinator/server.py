@@ -1,0 +1,164 @@
+"""Assembles the coordinator: state store, membership, gRPC server, HTTP side, liveness sweeper.
+
+:func:`serve` runs until SIGTERM/SIGINT (or ``stop`` is set), then shuts down gracefully: health
+goes NOT_SERVING first, in-flight RPCs get ``shutdown_grace`` seconds, then everything closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sarcomm.coordinator.config import CoordinatorConfig, parse_host_port
+from sarcomm.coordinator.events import EventHub
+from sarcomm.coordinator.http import HttpApi
+from sarcomm.coordinator.interceptor import StatusInterceptor
+from sarcomm.coordinator.membership import EventKind, JobEvent, Membership
+from sarcomm.coordinator.metrics import CoordinatorMetrics, failure_reason_label
+from sarcomm.coordinator.service import CoordinatorService
+from sarcomm.coordinator.store import SqliteStore
+from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+@contextlib.contextmanager
+def _stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGTERM/SIGINT while inside; the previous handlers come back on exit."""
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+            pass
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+class Coordinator:
+    """One running coordinator; ``grpc_port``/``http_port`` are the bound ports once started."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.store = SqliteStore(config.state)
+        self.membership = Membership(
+            self.store, liveness_timeout=config.liveness_timeout, max_jobs=config.limits.max_jobs
+        )
+        self.metrics = CoordinatorMetrics(self.membership)
+        self.events = EventHub()
+        self.membership.add_listener(self.events.publish)
+        self.membership.add_listener(self._count_event)
+        self.health = health.aio.HealthServicer()
+        http_host, http_port = parse_host_port("http", config.http)
+        advertised = f"{socket.gethostname() if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
+        self.http = HttpApi(self.membership, self.metrics, advertised)
+        self.grpc_port = 0
+        self.http_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def _count_event(self, event: JobEvent) -> None:
+        if event.kind is EventKind.MEMBER_FAILED:
+            self.metrics.member_failures.labels(failure_reason_label(event.reason)).inc()
+        elif event.kind is EventKind.WORLD_FORMED:
+            job = self.membership.job(event.job)
+            if job is not None:
+                self.metrics.rendezvous_duration.observe(max(0.0, job.formed - job.created))
+
+    async def start(self) -> None:
+        limits = self.config.limits
+        server = grpc.aio.server(
+            interceptors=[StatusInterceptor(self.metrics)],
+            options=[
+                ("grpc.max_receive_message_length", limits.max_message_bytes),
+                ("grpc.max_send_message_length", limits.max_message_bytes),
+                # Clients ping every 20 s to keep long Join/Watch calls alive through NATs.
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            CoordinatorService(self.membership, self.events, self.metrics, self.config), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )
+        self.grpc_port = server.add_insecure_port(self.config.listen)
+        if self.grpc_port == 0:
+            raise OSError(f"listen {self.config.listen!r}: the gRPC port could not be bound")
+        await server.start()
+        self._server = server
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+        host, port = parse_host_port("http", self.config.http)
+        runner = web.AppRunner(self.http.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
+        self.http_port = sockets[0].getsockname()[1] if sockets else port
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
+        log.info(
+            "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d",
+            self.config.listen, self.grpc_port, self.config.http, self.http_port,
+            self.config.state or "in memory", self.config.heartbeat_interval, self.config.heartbeat_misses,
+        )
+
+    async def _sweep_forever(self) -> None:
+        # Sweeping at a fraction of the interval bounds detection at interval x misses + interval/4.
+        period = self.config.heartbeat_interval / 4
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.membership.sweep()
+            except Exception:  # the sweeper must outlive any one bad sweep
+                log.exception("liveness sweep failed")
+
+    async def stop(self) -> None:
+        log.info("shutting down: health NOT_SERVING, %g s grace for in-flight calls",
+                 self.config.shutdown_grace)
+        self.http.serving = False
+        await self.health.enter_graceful_shutdown()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.store.close()
+        log.info("coordinator stopped")
+
+
+async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
+    """Run a coordinator until SIGTERM/SIGINT or until ``stop`` is set."""
+    stop = stop or asyncio.Event()
+    coordinator = Coordinator(config)
+    with _stop_on_signals(asyncio.get_running_loop(), stop):
+        await coordinator.start()
+        try:
+            await stop.wait()
+        finally:
+            await coordinator.stop()

@@ -1,0 +1,75 @@
+"""``sar-coordinator status``: jobs, members, health and each rank's last collective, as a table."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from sarcomm.coordinator.errors import from_rpc_error
+from sarcomm.v1 import coordinator_pb2 as pb
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+async def fetch_jobs(target: str, job: str = "", timeout: float = 10.0) -> pb.ListJobsResponse:
+    """The coordinator's view of ``job`` (all jobs when empty); waits up to ``timeout`` seconds."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        try:
+            return await stub.ListJobs(pb.ListJobsRequest(job=job), timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from error
+
+
+def _ago(timestamp: float, now: float) -> str:
+    if not timestamp:
+        return "-"
+    seconds = max(0.0, now - timestamp)
+    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
+    """Human-readable table of every job and its members."""
+    now = time.time() if now is None else now
+    if not response.jobs:
+        return "no jobs"
+    lines: list[str] = []
+    for job in response.jobs:
+        master = f"{job.master_addr}:{job.master_port}" if job.master_addr else "-"
+        lines.append(
+            f"job {job.job}  generation {job.generation}  {job.state}  world_size {job.world_size}  "
+            f"master {master}  restarts {job.restart_count}"
+        )
+        if job.reason:
+            lines.append(f"  reason: {job.reason}")
+        rows = [["RANK", "HOST", "INTERFACE", "ADDRESS", "STATE", "EXIT", "HEARTBEAT", "LAST COLLECTIVE"]]
+        for m in job.members:
+            progress = m.progress
+            if progress.seq:
+                where = "in" if progress.in_collective else "after"
+                last = f"#{progress.seq} {progress.op} ({where}, {_ago(progress.since, now)})"
+            else:
+                last = "-"
+            exit_code = str(m.exit_code) if m.state in ("LEFT", "FAILED") else "-"
+            state = m.state if not m.reason or m.state == "LEFT" else f"{m.state} ({m.reason})"
+            rows.append([str(m.rank), m.host, m.interface or "-", m.address or "-", state, exit_code,
+                         _ago(m.last_heartbeat, now), last])
+        lines.extend("  " + line for line in _table(rows))
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def render_json(response: pb.ListJobsResponse) -> str:
+    return json.dumps(
+        json_format.MessageToDict(response, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True),
+        indent=2,
+    )

@@ -1,0 +1,183 @@
+"""Checks of every request field, in one place, before any state changes.
+
+Each failure is an :class:`InvalidArgumentError` whose message names the field, the (shortened)
+value and the rule, e.g. ``job '' must be 1 to 128 letters, digits, '.', '_' or '-', starting with a
+letter or digit``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+
+from sarcomm.coordinator.config import Limits
+from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Progress
+from sarcomm.v1 import coordinator_pb2 as pb
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+# Linux interface names: up to 15 bytes, no '/', no whitespace.
+_IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
+_MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
+BACKENDS = ("", "auto", "gloo", "nccl", "ccl", "mpi", "ucc")
+MAX_ADDRESSES_PER_INTERFACE = 32
+MAX_REASON_CHARS = 1024
+MAX_OP_CHARS = 64
+
+
+def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{field} {shorten(value)} {rule}")
+
+
+def job_name(value: str, field: str = "job") -> str:
+    if not _JOB_NAME.fullmatch(value):
+        raise invalid(field, value, "must be 1 to 128 letters, digits, '.', '_' or '-', "
+                                    "starting with a letter or digit")
+    return value
+
+
+def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits) -> JoinSpec:
+    """The validated domain form of a ``JoinRequest``."""
+    job = job_name(request.job)
+    if not 1 <= request.world_size <= limits.max_world_size:
+        raise invalid("world_size", request.world_size, f"must be in 1..{limits.max_world_size}")
+    world_size = request.world_size
+    if not _HOST_NAME.fullmatch(request.host):
+        raise invalid("host", request.host, "must be 1 to 253 letters, digits, '.', '_' or '-'")
+    if not 1 <= request.store_port <= 65535:
+        raise invalid("store_port", request.store_port, "must be a TCP port in 1..65535")
+    if request.backend not in BACKENDS:
+        raise invalid("backend", request.backend, f"must be one of {', '.join(b for b in BACKENDS if b)}")
+    if request.generation < 0:
+        raise invalid("generation", request.generation, "must be >= 0 (0 = the forming generation)")
+    timeout = request.join_timeout_seconds
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise invalid("join_timeout_seconds", timeout, "must be a finite number of seconds >= 0")
+    interfaces = _interfaces(request, limits.max_interfaces)
+    members = _members(request, world_size)
+    if request.socket_name:
+        if not _IFACE_NAME.fullmatch(request.socket_name):
+            raise invalid("socket_name", request.socket_name, "must be a Linux interface name (1 to 15 "
+                                                              "letters, digits, '_', '.', ':', '@', '-')")
+        names = sorted(i.name for i in interfaces)
+        if request.socket_name not in names:
+            raise invalid("socket_name", request.socket_name,
+                          f"is not an interface of host {request.host!r}; it has: {', '.join(names)}")
+    return JoinSpec(
+        job=job,
+        world_size=world_size,
+        host=request.host,
+        interfaces=interfaces,
+        members=members,
+        store_port=request.store_port,
+        socket_name=request.socket_name,
+        generation=request.generation,
+        backend=request.backend,
+        peer_address=peer_address,
+    )
+
+
+def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[InterfaceInfo, ...]:
+    if not request.interfaces:
+        raise invalid("interfaces", [], "must list at least one network interface of the host")
+    if len(request.interfaces) > max_interfaces:
+        raise invalid("interfaces", f"<{len(request.interfaces)} entries>",
+                      f"must list at most {max_interfaces} interfaces")
+    seen: set[str] = set()
+    result = []
+    for i, iface in enumerate(request.interfaces):
+        field = f"interfaces[{i}]"
+        if not _IFACE_NAME.fullmatch(iface.name):
+            raise invalid(f"{field}.name", iface.name, "must be a Linux interface name (1 to 15 letters, "
+                                                       "digits, '_', '.', ':', '@', '-')")
+        if iface.name in seen:
+            raise invalid(f"{field}.name", iface.name, "must not repeat an earlier interface")
+        seen.add(iface.name)
+        if len(iface.addresses) > MAX_ADDRESSES_PER_INTERFACE:
+            raise invalid(f"{field}.addresses", f"<{len(iface.addresses)} entries>",
+                          f"must hold at most {MAX_ADDRESSES_PER_INTERFACE} addresses")
+        for j, address in enumerate(iface.addresses):
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise invalid(f"{field}.addresses[{j}]", address,
+                              "must be an IPv4 or IPv6 address without prefix length") from None
+        try:
+            kind = InterfaceKind(iface.kind)
+        except ValueError:
+            raise invalid(f"{field}.kind", iface.kind, "must be a known InterfaceKind") from None
+        result.append(InterfaceInfo(iface.name, tuple(iface.addresses), kind, iface.default_route))
+    return tuple(result)
+
+
+def _members(request: pb.JoinRequest, world_size: int) -> tuple[MemberRequest, ...]:
+    if not request.members:
+        return (MemberRequest(local_rank=0),)
+    if len(request.members) > world_size:
+        raise invalid("members", f"<{len(request.members)} entries>",
+                      f"must hold at most world_size ({world_size}) members")
+    local_ranks: set[int] = set()
+    ranks: set[int] = set()
+    result = []
+    for i, member in enumerate(request.members):
+        if not 0 <= member.local_rank < len(request.members):
+            raise invalid(f"members[{i}].local_rank", member.local_rank,
+                          f"must be in 0..{len(request.members) - 1} (one per local rank)")
+        if member.local_rank in local_ranks:
+            raise invalid(f"members[{i}].local_rank", member.local_rank, "must not repeat in one request")
+        local_ranks.add(member.local_rank)
+        rank: int | None = None
+        if member.HasField("rank"):
+            rank = member.rank
+            if not 0 <= rank < world_size:
+                raise invalid(f"members[{i}].rank", rank, f"must be in 0..{world_size - 1} (world_size "
+                                                          f"{world_size})")
+            if rank in ranks:
+                raise invalid(f"members[{i}].rank", rank, "must not be requested twice in one request")
+            ranks.add(rank)
+        result.append(MemberRequest(local_rank=member.local_rank, rank=rank))
+    return tuple(result)
+
+
+def member_id(value: str, field: str = "member_id") -> str:
+    if not _MEMBER_ID.fullmatch(value):
+        raise invalid(field, value, "must be the member id that Join returned")
+    return value
+
+
+def progress(message: pb.Progress, field: str) -> Progress:
+    if message.seq < 0:
+        raise invalid(f"{field}.seq", message.seq, "must be >= 0")
+    if len(message.op) > MAX_OP_CHARS:
+        raise invalid(f"{field}.op", message.op, f"must be at most {MAX_OP_CHARS} characters")
+    if not math.isfinite(message.since):
+        raise invalid(f"{field}.since", message.since, "must be a finite Unix time")
+    return Progress(message.seq, message.op, message.in_collective, message.since)
+
+
+def metrics_address(value: str, field: str) -> str:
+    if not value:
+        return value
+    host, sep, port = value.rpartition(":")
+    try:
+        if not sep or not 1 <= int(port) <= 65535:
+            raise ValueError
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise invalid(field, value, "must be IP:PORT of the rank's metrics endpoint") from None
+    return value
+
+
+def exit_code(value: int) -> int:
+    if not -255 <= value <= 255:
+        raise invalid("exit_code", value, "must be in -255..255 (negative = killed by that signal)")
+    return value
+
+
+def reason(value: str) -> str:
+    if len(value) > MAX_REASON_CHARS:
+        raise invalid("reason", value, f"must be at most {MAX_REASON_CHARS} characters")
+    return value

@@ -1,0 +1,81 @@
+"""Domain objects as the messages and JSON that clients see; secrets never leave through here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+
+from sarcomm.coordinator.membership import EventKind, Job, JobEvent, Member
+from sarcomm.v1 import coordinator_pb2 as pb
+
+_EVENT_KINDS = {
+    EventKind.WORLD_FORMED: pb.JobEvent.WORLD_FORMED,
+    EventKind.MEMBER_FAILED: pb.JobEvent.MEMBER_FAILED,
+    EventKind.JOB_FINISHED: pb.JobEvent.JOB_FINISHED,
+    EventKind.JOB_FAILED: pb.JobEvent.JOB_FAILED,
+}
+
+
+def event_message(event: JobEvent) -> pb.JobEvent:
+    return pb.JobEvent(
+        kind=_EVENT_KINDS[event.kind],
+        job=event.job,
+        generation=event.generation,
+        rank=event.rank if event.rank is not None else -1,
+        host=event.host,
+        reason=event.reason,
+        time=event.time,
+    )
+
+
+def member_status(member: Member) -> pb.MemberStatus:
+    return pb.MemberStatus(
+        member_id=member.member_id,
+        rank=member.rank if member.rank is not None else -1,
+        local_rank=member.local_rank,
+        host=member.host,
+        address=member.address,
+        interface=member.interface,
+        state=member.state.value,
+        exit_code=member.exit_code or 0,
+        reason=member.reason,
+        last_heartbeat=member.last_heartbeat,
+        progress=pb.Progress(
+            seq=member.progress.seq,
+            op=member.progress.op,
+            in_collective=member.progress.in_collective,
+            since=member.progress.since,
+        ),
+        metrics_address=member.metrics_address,
+    )
+
+
+def job_status(job: Job) -> pb.JobStatus:
+    return pb.JobStatus(
+        job=job.name,
+        generation=job.generation,
+        state=job.state.value,
+        world_size=job.world_size,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        restart_count=job.restart_count,
+        created=job.created,
+        formed=job.formed,
+        ended=job.ended,
+        members=[member_status(m) for m in job.ranked_members()],
+        reason=job.reason,
+    )
+
+
+def jobs_json(jobs: list[Job]) -> dict[str, Any]:
+    """The ``/v1/jobs`` document: the ``ListJobsResponse`` as JSON with every field present."""
+    message = pb.ListJobsResponse(jobs=[job_status(j) for j in jobs])
+    document = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    # The JSON mapping writes int64 as a string; a sequence number reads better as a number.
+    for job in document["jobs"]:
+        for member in job["members"]:
+            member["progress"]["seq"] = int(member["progress"]["seq"])
+    return document

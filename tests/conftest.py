@@ -1,0 +1,120 @@
+"""Shared fixtures: a real ``sar-coordinator`` process on loopback for each test that asks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class CoordinatorProcess:
+    """A ``sar-coordinator`` started as a child process; ``stop()`` sends SIGTERM and waits."""
+
+    grpc_port: int
+    http_port: int
+    state_path: Path | None
+    args: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        cmd = [
+            sys.executable, "-m", "sarcomm.coordinator.cli",
+            "--listen", self.grpc_target,
+            "--http", f"127.0.0.1:{self.http_port}",
+            *(["--state", str(self.state_path)] if self.state_path else []),
+            *self.args,
+        ]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}: {self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/healthz", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"coordinator not healthy within {timeout} s: {self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def get_json(self, path: str) -> object:
+        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5) as resp:
+            return str(resp.read().decode())
+
+
+@pytest.fixture
+def start_coordinator(tmp_path: Path) -> Iterator[object]:
+    """Factory: ``start_coordinator(*extra_args, state=True)`` starts a coordinator and returns it."""
+    started: list[CoordinatorProcess] = []
+
+    def _start(*args: str, state: bool = True, env: dict[str, str] | None = None) -> CoordinatorProcess:
+        coord = CoordinatorProcess(
+            grpc_port=free_port(),
+            http_port=free_port(),
+            state_path=tmp_path / f"state{len(started)}.sqlite" if state else None,
+            args=list(args),
+            log_path=tmp_path / f"coordinator{len(started)}.log",
+            env=env or {},
+        )
+        coord.start()
+        started.append(coord)
+        return coord
+
+    yield _start
+    for coord in started:
+        coord.stop()
+
+
+@pytest.fixture
+def coordinator(start_coordinator: object) -> CoordinatorProcess:
+    """One coordinator with a SQLite state file, short heartbeat settings for fast tests."""
+    return start_coordinator("--heartbeat-interval", "0.5", "--join-timeout", "60")  # type: ignore[operator,no-any-return]
