@@ -7,6 +7,7 @@ either: its errors are mapped and its calls appear in ``sar_coordinator_rpcs_tot
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -69,7 +70,12 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, metrics: CoordinatorMetri
 
         return wrapped
 
-    def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    def streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(behavior):
+            # Handlers that stream with ``await context.write(...)`` (grpc_health's Watch) are
+            # coroutines, not generators: wrap them like a unary handler.
+            return unary(behavior)
+
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:

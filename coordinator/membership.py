@@ -213,6 +213,8 @@ class Job:
     members: list[Member] = field(default_factory=list)
     # Set when the world forms or the job is abandoned; pending joins wait on it. Not persisted.
     formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
+    requested: dict[int, Member] = field(default_factory=dict, repr=False)
 
     @property
     def label(self) -> str:
@@ -347,10 +349,9 @@ class Membership:
                 f"members: joining {len(spec.members)} more would make {joined + len(spec.members)} "
                 f"members in {job.label}, which has world_size {job.world_size}"
             )
-        taken = {m.requested_rank: m for m in job.members if m.requested_rank is not None}
         for request in spec.members:
-            if request.rank is not None and request.rank in taken:
-                holder = taken[request.rank]
+            if request.rank is not None and request.rank in job.requested:
+                holder = job.requested[request.rank]
                 raise AlreadyExistsError(
                     f"rank {request.rank} is already taken in {job.label} by a member on host "
                     f"{holder.host!r}; each rank can be requested once"
@@ -373,6 +374,8 @@ class Membership:
                 joined_at=now,
             )
             job.members.append(member)
+            if request.rank is not None:
+                job.requested[request.rank] = member
             ticket_members.append(member)
             ticket_secrets.append(secret)
         log.info(
@@ -390,6 +393,7 @@ class Membership:
             return
         gone = {m.member_id for m in ticket.members}
         job.members = [m for m in job.members if m.member_id not in gone]
+        job.requested = {r: m for r, m in job.requested.items() if m.member_id not in gone}
         log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
         if not job.members and self._jobs.get(job.name) is job:
             # Nobody is waiting any more: forget the job so the next join starts it afresh.

@@ -1,0 +1,162 @@
+"""The coordinator process over real gRPC and HTTP: streams, events, health, reflection, shutdown.
+
+Uses the generated stub directly, so these tests pin the wire contract independently of the
+worker-side client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from sarcomm.v1 import coordinator_pb2 as pb
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import CoordinatorProcess
+
+LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+
+
+def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, **kw: Any) -> pb.JoinRequest:
+    return pb.JoinRequest(job=job, world_size=world_size, host=host, interfaces=[LO], store_port=29500,
+                          members=[pb.MemberSpec(local_rank=i) for i in range(nproc)], **kw)
+
+
+async def form(stub: pb_grpc.CoordinatorStub, job: str = "rpc") -> list[pb.JoinResponse]:
+    return list(await asyncio.gather(
+        stub.Join(join_request("a", 2, job), timeout=10), stub.Join(join_request("b", 2, job), timeout=10)
+    ))
+
+
+def reports(responses: list[pb.JoinResponse]) -> list[pb.MemberReport]:
+    return [pb.MemberReport(member_id=a.member_id, secret=a.secret) for r in responses for a in r.assignments]
+
+
+@pytest.fixture
+async def stub(coordinator: CoordinatorProcess) -> AsyncIterator[pb_grpc.CoordinatorStub]:
+    async with grpc.aio.insecure_channel(coordinator.grpc_target) as channel:
+        yield pb_grpc.CoordinatorStub(channel)
+
+
+async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
+    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+) -> None:
+    responses = await form(stub)
+    outgoing: asyncio.Queue[pb.HeartbeatRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.HeartbeatRequest]:
+        while (item := await outgoing.get()) is not None:
+            yield item
+
+    call = stub.Heartbeat(requests(), timeout=20)
+    outgoing.put_nowait(pb.HeartbeatRequest(reports=reports(responses)[:3]))
+    ack = await asyncio.wait_for(call.read(), 5)
+    assert list(ack.unknown_members) == []
+    assert list(ack.events) == []
+    # Rank 3 reports failure through Leave; the stream learns without sending anything more.
+    failed = responses[1].assignments[1]
+    await stub.Leave(pb.LeaveRequest(member_id=failed.member_id, secret=failed.secret, exit_code=7), timeout=5)
+    pushed = await asyncio.wait_for(call.read(), 5)
+    kinds = [e.kind for e in pushed.events]
+    assert kinds[0] == pb.JobEvent.MEMBER_FAILED
+    assert (pushed.events[0].rank, pushed.events[0].host, pushed.events[0].reason) == (3, "b", "exited with code 7")
+    outgoing.put_nowait(None)
+    call.cancel()
+    jobs = coordinator.get_json("/v1/jobs")
+    assert jobs["jobs"][0]["state"] == "FAILED"  # type: ignore[index]
+    assert jobs["jobs"][0]["reason"] == "rank 3 on host b exited with code 7"  # type: ignore[index]
+
+
+async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(stub: pb_grpc.CoordinatorStub) -> None:
+    responses = await form(stub)
+    member = responses[0].assignments[0]
+    call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[
+        pb.MemberReport(member_id=member.member_id, secret="not-the-secret")])]), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_sweep_fails_job_and_watch_tells_if_member_goes_silent(
+    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+) -> None:
+    await form(stub, job="silent")
+    watch = stub.Watch(pb.WatchRequest(job="silent"), timeout=15)
+    first = await asyncio.wait_for(watch.read(), 5)
+    assert first.kind == pb.JobEvent.WORLD_FORMED
+    # Nobody heartbeats: the coordinator (0.5 s x 3 misses) must fail a member within ~2 s.
+    failed = await asyncio.wait_for(watch.read(), 5)
+    assert failed.kind == pb.JobEvent.MEMBER_FAILED
+    assert failed.reason.startswith("missed heartbeats: silent for ")
+    watch.cancel()
+    metrics = coordinator.get_text("/metrics")
+    assert 'sar_coordinator_member_failures_total{reason="missed_heartbeats"}' in metrics
+
+
+async def test_sd_lists_reported_metrics_endpoints_with_labels(
+    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+) -> None:
+    responses = await form(stub, job="sd")
+    beats = reports(responses)
+    for i, report in enumerate(beats):
+        report.metrics_address = f"0.0.0.0:{9100 + i}"
+    call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=beats)]), timeout=5)
+    async for _ in call:
+        break
+    call.cancel()
+    groups = coordinator.get_json("/sd")
+    assert isinstance(groups, list)
+    workers = sorted((g for g in groups if g["labels"]["job"] == "sd"), key=lambda g: int(g["labels"]["rank"]))
+    assert [g["targets"] for g in workers] == [[f"127.0.0.1:{9100 + i}"] for i in range(4)]
+    assert [g["labels"] for g in workers] == [
+        {"job": "sd", "rank": str(i), "host": "a" if i < 2 else "b", "generation": "1"} for i in range(4)
+    ]
+    assert any(g["labels"]["job"] == "sar-coordinator" for g in groups)
+
+
+async def test_health_serving_and_reflection_lists_services(coordinator: CoordinatorProcess) -> None:
+    async with grpc.aio.insecure_channel(coordinator.grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "sarcomm.v1.Coordinator"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                    timeout=5)
+        names = {s.name async for r in responses for s in r.list_services_response.service}
+    assert {"sarcomm.v1.Coordinator", "grpc.health.v1.Health"} <= names
+
+
+async def test_sigterm_sets_not_serving_then_exits_cleanly(coordinator: CoordinatorProcess) -> None:
+    async with grpc.aio.insecure_channel(coordinator.grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=15)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        assert coordinator.proc is not None
+        coordinator.proc.send_signal(signal.SIGTERM)
+        assert (await asyncio.wait_for(watch.read(), 5)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await asyncio.to_thread(coordinator.proc.wait, 15) == 0
+    assert "coordinator stopped" in coordinator.log()
+
+
+async def test_restart_with_same_state_keeps_job(start_coordinator: Any) -> None:
+    first: CoordinatorProcess = start_coordinator("--heartbeat-interval", "5")
+    async with grpc.aio.insecure_channel(first.grpc_target) as channel:
+        responses = await form(pb_grpc.CoordinatorStub(channel), job="keep")
+    before = first.get_json("/v1/jobs")
+    first.kill()
+    first.start()
+    after = first.get_json("/v1/jobs")
+    assert after == before
+    async with grpc.aio.insecure_channel(first.grpc_target) as channel:
+        member = responses[0].assignments[0]
+        left = await pb_grpc.CoordinatorStub(channel).Leave(
+            pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=0), timeout=5)
+    assert left.job_state == "RUNNING"

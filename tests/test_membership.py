@@ -1,0 +1,260 @@
+"""Membership and rendezvous logic, with an in-memory store and a fake clock (no network)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sarcomm.coordinator.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.coordinator.membership import (
+    EventKind,
+    JobEvent,
+    JobState,
+    JoinSpec,
+    Membership,
+    MemberRequest,
+    MemberState,
+    Ticket,
+)
+from sarcomm.coordinator.store import SqliteStore
+
+LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
+
+
+def nic(address: str) -> InterfaceInfo:
+    return InterfaceInfo("eth0", (address,), InterfaceKind.PHYSICAL, default_route=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(
+    host: str,
+    *ranks: int | None,
+    job: str = "gnn",
+    world_size: int = 4,
+    peer: str = "127.0.0.1",
+    generation: int = 0,
+    address: str | None = None,
+    port: int = 29500,
+) -> JoinSpec:
+    members = tuple(MemberRequest(local_rank=i, rank=r) for i, r in enumerate(ranks or (None,)))
+    interfaces = (LO, nic(address)) if address else (LO,)
+    return JoinSpec(job=job, world_size=world_size, host=host, interfaces=interfaces, members=members,
+                    store_port=port, generation=generation, peer_address=peer)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def events() -> list[JobEvent]:
+    return []
+
+
+@pytest.fixture
+def membership(clock: FakeClock, events: list[JobEvent]) -> Membership:
+    m = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    m.add_listener(events.append)
+    return m
+
+
+def form(membership: Membership, *specs: JoinSpec) -> list[Ticket]:
+    return [membership.join(s) for s in specs]
+
+
+def test_join_forms_world_with_contiguous_ranks_per_host(membership: Membership) -> None:
+    a, b = form(membership, spec("a", None, None), spec("b", None, None))
+    assert a.job.state is JobState.RUNNING
+    assert a.job.formed_event.is_set()
+    assert [m.rank for m in a.members] == [0, 1]
+    assert [m.rank for m in b.members] == [2, 3]
+    assert a.job.master_addr == "127.0.0.1"
+    assert a.job.master_port == 29500
+    assert {m.member_id for m in a.members + b.members} == {m.member_id for m in a.job.members}
+
+
+def test_join_honours_requested_ranks_and_deals_the_rest_contiguously(membership: Membership) -> None:
+    a, b, c = form(membership, spec("a", 1), spec("b", None, None), spec("c", 3))
+    assert [m.rank for m in a.members] == [1]
+    assert [m.rank for m in c.members] == [3]
+    # Only 0 and 2 are left: no contiguous run of two exists, so host b gets the lowest two free.
+    assert sorted(m.rank for m in b.members) == [0, 2]
+
+
+def test_join_keeps_a_host_contiguous_when_requested_ranks_leave_a_gap(membership: Membership) -> None:
+    tickets = form(membership, spec("a", 0, job="j", world_size=6), spec("b", None, None, job="j", world_size=6),
+                   spec("c", 2, job="j", world_size=6), spec("d", None, None, job="j", world_size=6))
+    b, d = tickets[1], tickets[3]
+    assert [m.rank for m in b.members] == [3, 4]  # 1 is free but alone; 3,4 is the first run of two
+    assert sorted(m.rank for m in d.members) == [1, 5]
+
+
+def test_join_master_is_rank_zeros_address_on_its_interface(membership: Membership) -> None:
+    first = membership.join(spec("a", 1, peer="10.0.0.1", address="10.0.0.1", port=1111))
+    second = membership.join(spec("b", 0, peer="10.0.0.2", address="10.0.0.2", port=2222))
+    form(membership, spec("c", peer="10.0.0.3", address="10.0.0.3"), spec("d", peer="10.0.0.4", address="10.0.0.4"))
+    job = first.job
+    assert job.master_addr == "10.0.0.2"
+    assert job.master_port == 2222
+    assert second.members[0].interface == "eth0"
+    assert first.members[0].address == "10.0.0.1"
+
+
+def test_join_uses_routable_interface_if_any_member_is_remote(membership: Membership) -> None:
+    local = membership.join(spec("a", 0, peer="127.0.0.1", address="10.0.0.1"))
+    form(membership, spec("b", peer="10.0.0.2", address="10.0.0.2"), spec("c", peer="10.0.0.3", address="10.0.0.3"),
+         spec("d", peer="10.0.0.4", address="10.0.0.4"))
+    assert local.members[0].interface == "eth0"
+    assert local.job.master_addr == "10.0.0.1"
+
+
+def test_join_raises_already_exists_if_rank_taken(membership: Membership) -> None:
+    membership.join(spec("a", 2))
+    with pytest.raises(AlreadyExistsError, match=r"^rank 2 is already taken in job 'gnn' generation 1 by a "
+                                                 r"member on host 'a'; each rank can be requested once$"):
+        membership.join(spec("b", 2))
+
+
+def test_join_raises_failed_precondition_if_world_size_differs(membership: Membership) -> None:
+    membership.join(spec("a"))
+    with pytest.raises(FailedPreconditionError, match=r"^world_size 8 does not match job 'gnn' generation 1, "
+                                                      r"which was created with world_size 4"):
+        membership.join(spec("b", world_size=8))
+
+
+def test_join_raises_failed_precondition_if_job_is_running(membership: Membership) -> None:
+    form(membership, spec("a", None, None), spec("b", None, None))
+    with pytest.raises(FailedPreconditionError, match=r"generation 1 is running with world_size 4"):
+        membership.join(spec("c"))
+
+
+def test_join_raises_failed_precondition_if_too_many_members(membership: Membership) -> None:
+    membership.join(spec("a", None, None, None))
+    with pytest.raises(FailedPreconditionError, match=r"^members: joining 2 more would make 5 members"):
+        membership.join(spec("b", None, None))
+
+
+def test_join_raises_failed_precondition_if_generation_is_stale(membership: Membership) -> None:
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    for ticket in tickets:
+        for member, secret in zip(ticket.members, ticket.secrets, strict=True):
+            membership.leave(member.member_id, secret, 0)
+    assert tickets[0].job.state is JobState.FINISHED
+    with pytest.raises(FailedPreconditionError, match=r"^generation 1 is stale: job 'gnn' generation 2 is "
+                                                      r"forming now"):
+        membership.join(spec("a", generation=1))
+    assert membership.join(spec("a", generation=2)).job.generation == 2
+
+
+def test_join_raises_resource_exhausted_if_max_jobs_active(clock: FakeClock) -> None:
+    membership = Membership(SqliteStore(None), liveness_timeout=3.0, max_jobs=2, clock=clock, wall=clock)
+    membership.join(spec("a", job="one"))
+    membership.join(spec("a", job="two"))
+    with pytest.raises(ResourceExhaustedError, match=r"already holds 2 active jobs, its limit max_jobs 2"):
+        membership.join(spec("a", job="three"))
+
+
+def test_abandon_frees_requested_rank_and_forgets_empty_job(membership: Membership) -> None:
+    ticket = membership.join(spec("a", 2))
+    membership.abandon(ticket)
+    assert membership.job("gnn") is None
+    assert membership.join(spec("b", 2)).members[0].requested_rank == 2
+
+
+def test_missing_description_names_joined_count_and_free_ranks(membership: Membership) -> None:
+    ticket = membership.join(spec("a", 0, None))
+    assert membership.missing_description(ticket.job) == "2 of 4 members joined; ranks missing: 2, 3"
+
+
+def test_leave_finishes_job_when_all_exit_zero(membership: Membership, events: list[JobEvent]) -> None:
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    for ticket in tickets:
+        for member, secret in zip(ticket.members, ticket.secrets, strict=True):
+            assert membership.leave(member.member_id, secret, 0).name == "gnn"
+    job = tickets[0].job
+    assert job.state is JobState.FINISHED
+    assert all(m.state is MemberState.LEFT for m in job.members)
+    assert [e.kind for e in events] == [EventKind.WORLD_FORMED, EventKind.JOB_FINISHED]
+
+
+def test_leave_with_nonzero_code_fails_job_and_names_rank(membership: Membership, events: list[JobEvent]) -> None:
+    a, _ = form(membership, spec("a", None, None), spec("b", None, None))
+    membership.leave(a.members[1].member_id, a.secrets[1], 3)
+    assert a.job.state is JobState.FAILED
+    assert a.job.reason == "rank 1 on host a exited with code 3"
+    failed = [e for e in events if e.kind is EventKind.MEMBER_FAILED]
+    assert [(e.rank, e.host, e.reason) for e in failed] == [(1, "a", "exited with code 3")]
+
+
+def test_leave_raises_unauthenticated_if_secret_wrong(membership: Membership) -> None:
+    a, b = form(membership, spec("a", None, None), spec("b", None, None))
+    with pytest.raises(UnauthenticatedError):
+        membership.leave(a.members[0].member_id, b.secrets[0], 1)
+    assert a.job.state is JobState.RUNNING
+
+
+def test_heartbeat_raises_not_found_if_member_of_old_generation(membership: Membership) -> None:
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    old_id, old_secret = tickets[0].members[0].member_id, tickets[0].secrets[0]
+    membership.leave(old_id, old_secret, 9)  # fails generation 1
+    membership.join(spec("a"))  # generation 2 forms under the same name
+    with pytest.raises(NotFoundError, match=r"is not a member of any current job generation"):
+        membership.heartbeat(old_id, old_secret, None, "")
+
+
+def test_sweep_fails_silent_member_after_liveness_timeout(
+    membership: Membership, clock: FakeClock, events: list[JobEvent]
+) -> None:
+    a, b = form(membership, spec("a", None, None), spec("b", None, None))
+    clock.now += 2.0
+    for ticket in (a, b):
+        for member, secret in zip(ticket.members, ticket.secrets, strict=True):
+            if member.rank != 3:
+                membership.heartbeat(member.member_id, secret, None, "")
+    assert membership.sweep() == []
+    clock.now += 1.5  # rank 3 silent for 3.5 s > 3 s; the others for 1.5 s
+    failed = membership.sweep()
+    assert [(m.rank, m.host) for _, m in failed] == [(3, "b")]
+    assert re.fullmatch(r"missed heartbeats: silent for 3\.5 s", failed[0][1].reason)
+    assert a.job.state is JobState.FAILED
+    assert [e.kind for e in events][-2:] == [EventKind.MEMBER_FAILED, EventKind.JOB_FAILED]
+
+
+def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "state.sqlite"
+    first = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    a, _ = form(first, spec("a", None, None), spec("b", None, None))
+    restored = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    job = restored.job("gnn")
+    assert job is not None
+    assert (job.state, job.generation, job.master_port) == (JobState.RUNNING, 1, 29500)
+    assert [m.rank for m in job.ranked_members()] == [0, 1, 2, 3]
+    # Secrets survive as digests: the member can still act after the restart.
+    restored.leave(a.members[0].member_id, a.secrets[0], 0)
+    assert restored.job("gnn").members[0].state is MemberState.LEFT  # type: ignore[union-attr]
+
+
+def test_generation_grows_across_restart_and_name_reuse(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "state.sqlite"
+    first = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    tickets = form(first, spec("a", None, None), spec("b", None, None))
+    first.leave(tickets[0].members[0].member_id, tickets[0].secrets[0], 1)
+    restored = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    assert restored.join(spec("a")).job.generation == 2
