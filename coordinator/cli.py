@@ -27,12 +27,21 @@ def _env_name(flag: str) -> str:
     return "SARCOMM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _add(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str, *,
-         default: Any = None, type: Callable[[str], Any] = str, help: str) -> None:
+def _add(
+    parser: argparse.ArgumentParser,
+    env: Mapping[str, str],
+    flag: str,
+    *,
+    default: Any = None,
+    type: Callable[[str], Any] = str,
+    help: str,
+) -> None:
     """A flag whose default comes from ``SARCOMM_<FLAG>`` when that is set."""
     env_value = env.get(_env_name(flag))
     parser.add_argument(
-        flag, type=type, default=env_value if env_value is not None else default,
+        flag,
+        type=type,
+        default=env_value if env_value is not None else default,
         help=f"{help} (env {_env_name(flag)}; default {default})",
     )
 
@@ -44,22 +53,55 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sarcomm {__version__}")
     _add(parser, env, "--listen", default="0.0.0.0:50051", help="gRPC address HOST:PORT")
-    _add(parser, env, "--http", default="0.0.0.0:9400",
-         help="HTTP address HOST:PORT for /metrics, /sd, /healthz, /v1/jobs")
-    _add(parser, env, "--state", type=Path, help="SQLite file for jobs, members and generations "
-                                                 "(in memory when not given)")
+    _add(
+        parser,
+        env,
+        "--http",
+        default="0.0.0.0:9400",
+        help="HTTP address HOST:PORT for /metrics, /sd, /healthz, /v1/jobs",
+    )
+    _add(
+        parser,
+        env,
+        "--state",
+        type=Path,
+        help="SQLite file for jobs, members and generations (in memory when not given)",
+    )
     _add(parser, env, "--heartbeat-interval", type=float, default=1.0, help="seconds between member reports")
-    _add(parser, env, "--heartbeat-misses", type=int, default=3,
-         help="missed reports after which a member is judged dead")
-    _add(parser, env, "--join-timeout", type=float, default=600.0,
-         help="seconds a join waits for its world to form")
-    _add(parser, env, "--shutdown-grace", type=float, default=5.0,
-         help="seconds in-flight calls get on SIGTERM/SIGINT")
+    _add(
+        parser,
+        env,
+        "--heartbeat-misses",
+        type=int,
+        default=3,
+        help="missed reports after which a member is judged dead",
+    )
+    _add(
+        parser,
+        env,
+        "--join-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a join waits for its world to form",
+    )
+    _add(
+        parser,
+        env,
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight calls get on SIGTERM/SIGINT",
+    )
     _add(parser, env, "--token-file", type=Path, help="file holding the shared token clients must send")
     _add(parser, env, "--tls-cert", type=Path, help="PEM certificate for gRPC and HTTP")
     _add(parser, env, "--tls-key", type=Path, help="PEM private key for --tls-cert")
-    _add(parser, env, "--tls-client-ca", type=Path, help="PEM CA bundle; clients must present a "
-                                                         "certificate it signed (mutual TLS)")
+    _add(
+        parser,
+        env,
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
+    )
     _add(parser, env, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
     commands = parser.add_subparsers(dest="command", metavar="{status}")
@@ -67,8 +109,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _add(status_parser, env, "--coord", default="127.0.0.1:50051", help="coordinator gRPC address HOST:PORT")
     _add(status_parser, env, "--job", default="", help="only this job")
     status_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status_parser.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
-                               help="refresh every SECONDS (default 2) until interrupted")
+    status_parser.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until interrupted",
+    )
     return parser
 
 
@@ -108,8 +157,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except SystemExit as exit_:
         return int(exit_.code or 0)
     level = str(args.log_level).upper()
-    logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level if isinstance(logging.getLevelName(level), int) else "INFO",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         if args.command == "status":
             loop.run(_status(args))

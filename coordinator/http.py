@@ -30,12 +30,14 @@ class HttpApi:
         self._advertised_address = advertised_address
         self.serving = True
         self.app = web.Application()
-        self.app.add_routes([
-            web.get("/metrics", self.metrics),
-            web.get("/healthz", self.healthz),
-            web.get("/v1/jobs", self.jobs),
-            web.get("/sd", self.service_discovery),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/metrics", self.metrics),
+                web.get("/healthz", self.healthz),
+                web.get("/v1/jobs", self.jobs),
+                web.get("/sd", self.service_discovery),
+            ]
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._metrics.registry)
@@ -61,15 +63,17 @@ class HttpApi:
             target = metrics_target(member)
             if target is None:
                 continue
-            groups.append({
-                "targets": [target],
-                "labels": {
-                    "job": job.name,
-                    "rank": str(member.rank),
-                    "host": member.host,
-                    "generation": str(job.generation),
-                },
-            })
+            groups.append(
+                {
+                    "targets": [target],
+                    "labels": {
+                        "job": job.name,
+                        "rank": str(member.rank),
+                        "host": member.host,
+                        "generation": str(job.generation),
+                    },
+                }
+            )
         return web.json_response(groups)
 
 

@@ -21,27 +21,31 @@ from sarcomm.coordinator.metrics import CoordinatorMetrics
 log = logging.getLogger(__name__)
 
 
-class StatusInterceptor(grpc.aio.ServerInterceptor):
+class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self._metrics = metrics
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
-            return handler
+            return handler  # type: ignore[unreachable]
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return _wrap(handler, method, self._metrics)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, metrics: CoordinatorMetrics) -> grpc.RpcMethodHandler:
+def _wrap(
+    handler: grpc.RpcMethodHandler[Any, Any], method: str, metrics: CoordinatorMetrics
+) -> grpc.RpcMethodHandler[Any, Any]:
     counter = metrics.rpcs
     duration = metrics.rpc_duration.labels(method)
 
-    async def finish(context: grpc.aio.ServicerContext, error: BaseException | None, start: float) -> None:
+    async def finish(
+        context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None, start: float
+    ) -> None:
         duration.observe(time.perf_counter() - start)
         if isinstance(error, SarcommError):
             code, details = to_status(error)
@@ -51,14 +55,14 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, metrics: CoordinatorMetri
             counter.labels(method, "CANCELLED").inc()
             return
         if error is not None and not _is_abort(error):
-            log.exception("%s failed unexpectedly", method, exc_info=error)
+            log.error("%s failed unexpectedly", method, exc_info=error)
             counter.labels(method, "INTERNAL").inc()
             await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the coordinator")
-        code = context.code() if error is not None else None
+        code: object = context.code() if error is not None else None
         counter.labels(method, _code_name(code)).inc()
 
     def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             start = time.perf_counter()
             try:
                 response = await behavior(request, context)
@@ -76,7 +80,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, metrics: CoordinatorMetri
             # coroutines, not generators: wrap them like a unary handler.
             return unary(behavior)
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
                 async for response in behavior(request, context):

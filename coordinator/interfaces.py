@@ -178,8 +178,8 @@ def address_on(interface: InterfaceInfo, prefer_ipv4: bool = True) -> str:
         reported = ", ".join(_short_name(a) for a in interface.addresses[:8]) or "none"
         raise InvalidArgumentError(
             f"interface {shorten(interface.name)} has no address other hosts could dial "
-            f"(it reports: {reported}); a member's interface needs an IPv4 address or a "
-            f"non-link-local IPv6 address."
+            f"(it reports: {reported}); an interface needs an IPv4 address or an IPv6 address "
+            f"that is not link-local, and loopback addresses count on loopback only."
         )
     return str(addresses[0])
 

@@ -18,4 +18,4 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         log.debug("uvloop is not installed; using asyncio's default event loop")
         return asyncio.run(main)
-    return uvloop.run(main)  # type: ignore[no-any-return]
+    return uvloop.run(main)

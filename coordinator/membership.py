@@ -149,8 +149,12 @@ class Member:
             "requested_rank": self.requested_rank,
             "store_port": self.store_port,
             "interfaces": [
-                {"name": i.name, "addresses": list(i.addresses), "kind": int(i.kind),
-                 "default_route": i.default_route}
+                {
+                    "name": i.name,
+                    "addresses": list(i.addresses),
+                    "kind": int(i.kind),
+                    "default_route": i.default_route,
+                }
                 for i in self.interfaces
             ],
             "peer_address": self.peer_address,
@@ -380,7 +384,11 @@ class Membership:
             ticket_secrets.append(secret)
         log.info(
             "%s: host %s joined with %d member(s); %d of %d joined",
-            job.label, spec.host, len(spec.members), len(job.members), job.world_size,
+            job.label,
+            spec.host,
+            len(spec.members),
+            len(job.members),
+            job.world_size,
         )
         if len(job.members) == job.world_size:
             self._form(job)
@@ -440,13 +448,18 @@ class Membership:
         single_host = all(_is_loopback(m.peer_address) for m in job.members)
         ranks = _deal_ranks(job.world_size, job.members)
         now_mono = self._clock()
-        for member in job.members:
-            chosen = choose_interface(
-                member.interfaces, member.peer_address, member.socket_name,
-                single_host=single_host, host=member.host,
+        # Choose every interface before changing any member, so a failure leaves nothing half-set.
+        # (validation.join_spec already ensured each host has a dialable address.)
+        chosen = {
+            m.member_id: choose_interface(
+                m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
             )
-            member.interface = chosen.name
-            member.address = address_on(chosen)
+            for m in job.members
+        }
+        addresses = {member_id: address_on(iface) for member_id, iface in chosen.items()}
+        for member in job.members:
+            member.interface = chosen[member.member_id].name
+            member.address = addresses[member.member_id]
             member.rank = ranks[member.member_id]
             member.state = MemberState.RUNNING
             member.last_seen = now_mono
@@ -460,7 +473,11 @@ class Membership:
         job.formed_event.set()
         log.info(
             "%s: world formed, %d ranks, master %s:%d on %s",
-            job.label, job.world_size, job.master_addr, job.master_port, master.interface,
+            job.label,
+            job.world_size,
+            job.master_addr,
+            job.master_port,
+            master.interface,
         )
         self._emit(JobEvent(EventKind.WORLD_FORMED, job.name, job.generation, job.formed))
 
@@ -543,10 +560,16 @@ class Membership:
         if job.state is JobState.RUNNING:
             job.state = JobState.FAILED
             job.reason = f"rank {member.rank} on host {member.host} {reason}"
-            self._emit(JobEvent(EventKind.MEMBER_FAILED, job.name, job.generation, now,
-                                member.rank, member.host, reason))
-            self._emit(JobEvent(EventKind.JOB_FAILED, job.name, job.generation, now,
-                                member.rank, member.host, job.reason))
+            self._emit(
+                JobEvent(
+                    EventKind.MEMBER_FAILED, job.name, job.generation, now, member.rank, member.host, reason
+                )
+            )
+            self._emit(
+                JobEvent(
+                    EventKind.JOB_FAILED, job.name, job.generation, now, member.rank, member.host, job.reason
+                )
+            )
 
     def _settle(self, job: Job) -> None:
         """Finish a job whose members are all gone."""
@@ -622,7 +645,7 @@ def _deal_ranks(world_size: int, members: Sequence[Member]) -> dict[str, int]:
         host_members.sort(key=lambda m: (m.local_rank, m.joined_at))
         want = len(host_members)
         start = _first_run(free, want)
-        chosen = free[start:start + want] if start is not None else free[:want]
+        chosen = free[start : start + want] if start is not None else free[:want]
         for member, rank in zip(host_members, chosen, strict=False):
             ranks[member.member_id] = rank
         free = [r for r in free if r not in set(chosen)]

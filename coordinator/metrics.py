@@ -24,10 +24,12 @@ class _StateCollector(Collector):
         self._membership = membership
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        jobs = GaugeMetricFamily("sar_coordinator_jobs", "Jobs by state (latest generation of each name).",
-                                 labels=["state"])
-        members = GaugeMetricFamily("sar_coordinator_members", "Members of latest generations by state.",
-                                    labels=["state"])
+        jobs = GaugeMetricFamily(
+            "sar_coordinator_jobs", "Jobs by state (latest generation of each name).", labels=["state"]
+        )
+        members = GaugeMetricFamily(
+            "sar_coordinator_members", "Members of latest generations by state.", labels=["state"]
+        )
         job_counts = dict.fromkeys(JobState, 0)
         member_counts = dict.fromkeys(MemberState, 0)
         for job in self._membership.jobs():
@@ -48,23 +50,35 @@ class CoordinatorMetrics:
     def __init__(self, membership: Membership) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(membership))
-        self.joins = Counter("sar_coordinator_joins", "Members that joined a job.",
-                             registry=self.registry)
+        self.joins = Counter("sar_coordinator_joins", "Members that joined a job.", registry=self.registry)
         self.rendezvous_duration = Histogram(
             "sar_coordinator_rendezvous_duration_seconds",
             "Time from a generation's first join to its world forming.",
-            buckets=RENDEZVOUS_BUCKETS, registry=self.registry,
+            buckets=RENDEZVOUS_BUCKETS,
+            registry=self.registry,
         )
-        self.heartbeats = Counter("sar_coordinator_heartbeats", "Member reports received.",
-                                  registry=self.registry)
-        self.member_failures = Counter("sar_coordinator_member_failures",
-                                       "Members judged failed, by reason.", ["reason"],
-                                       registry=self.registry)
-        self.rpcs = Counter("sar_coordinator_rpcs", "gRPC calls handled, by method and status code.",
-                            ["method", "code"], registry=self.registry)
-        self.rpc_duration = Histogram("sar_coordinator_rpc_duration_seconds",
-                                      "gRPC call handling time by method.", ["method"],
-                                      buckets=RPC_BUCKETS, registry=self.registry)
+        self.heartbeats = Counter(
+            "sar_coordinator_heartbeats", "Member reports received.", registry=self.registry
+        )
+        self.member_failures = Counter(
+            "sar_coordinator_member_failures",
+            "Members judged failed, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.rpcs = Counter(
+            "sar_coordinator_rpcs",
+            "gRPC calls handled, by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_duration = Histogram(
+            "sar_coordinator_rpc_duration_seconds",
+            "gRPC call handling time by method.",
+            ["method"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
 
 
 def failure_reason_label(reason: str) -> str:

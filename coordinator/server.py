@@ -63,7 +63,8 @@ class Coordinator:
         self.events = EventHub()
         self.membership.add_listener(self.events.publish)
         self.membership.add_listener(self._count_event)
-        self.health = health.aio.HealthServicer()
+        # grpc-stubs predates the asyncio health servicer, hence the ignore.
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         http_host, http_port = parse_host_port("http", config.http)
         advertised = f"{socket.gethostname() if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
         self.http = HttpApi(self.membership, self.metrics, advertised)
@@ -98,8 +99,11 @@ class Coordinator:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             server,
         )
         self.grpc_port = server.add_insecure_port(self.config.listen)
@@ -116,13 +120,17 @@ class Coordinator:
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         self._runner = runner
-        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
-        self.http_port = sockets[0].getsockname()[1] if sockets else port
+        self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
         log.info(
             "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d",
-            self.config.listen, self.grpc_port, self.config.http, self.http_port,
-            self.config.state or "in memory", self.config.heartbeat_interval, self.config.heartbeat_misses,
+            self.config.listen,
+            self.grpc_port,
+            self.config.http,
+            self.http_port,
+            self.config.state or "in memory",
+            self.config.heartbeat_interval,
+            self.config.heartbeat_misses,
         )
 
     async def _sweep_forever(self) -> None:
@@ -136,8 +144,9 @@ class Coordinator:
                 log.exception("liveness sweep failed")
 
     async def stop(self) -> None:
-        log.info("shutting down: health NOT_SERVING, %g s grace for in-flight calls",
-                 self.config.shutdown_grace)
+        log.info(
+            "shutting down: health NOT_SERVING, %g s grace for in-flight calls", self.config.shutdown_grace
+        )
         self.http.serving = False
         await self.health.enter_graceful_shutdown()
         if self._sweeper is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -41,7 +42,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._metrics = metrics
         self._config = config
 
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:  # type: ignore[override]
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.JoinResponse:
         spec = validation.join_spec(request, parse_peer(context.peer()), self._config.limits)
         ticket = self._membership.join(spec)
         self._metrics.joins.inc(len(spec.members))
@@ -72,13 +75,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             address=first.address,
             restart_count=job.restart_count,
             assignments=[
-                pb.Assignment(rank=m.rank, local_rank=m.local_rank, member_id=m.member_id, secret=s)
+                pb.Assignment(rank=_rank(m.rank), local_rank=m.local_rank, member_id=m.member_id, secret=s)
                 for m, s in zip(ticket.members, ticket.secrets, strict=True)
             ],
         )
 
-    async def Heartbeat(  # type: ignore[override]
-        self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    async def Heartbeat(
+        self,
+        request_iterator: AsyncIterator[pb.HeartbeatRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.HeartbeatResponse]:
         # Acks and pushed events share one outbox so a failure reaches the reporter at once,
         # not at its next beat.
@@ -124,8 +129,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for i, report in enumerate(request.reports):
                 field = f"reports[{i}]"
                 member_id = validation.member_id(report.member_id, f"{field}.member_id")
-                progress = validation.progress(report.progress, f"{field}.progress") \
-                    if report.HasField("progress") else None
+                progress = (
+                    validation.progress(report.progress, f"{field}.progress")
+                    if report.HasField("progress")
+                    else None
+                )
                 address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
                 try:
                     job, _ = self._membership.heartbeat(member_id, report.secret, progress, address)
@@ -150,20 +158,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert job is not None
         failed = next((m for m in job.members if m.state.value == "FAILED"), None)
         return pb.JobEvent(
-            kind=pb.JobEvent.JOB_FAILED, job=job.name, generation=job.generation,
+            kind=pb.JobEvent.JOB_FAILED,
+            job=job.name,
+            generation=job.generation,
             rank=failed.rank if failed and failed.rank is not None else -1,
-            host=failed.host if failed else "", reason=job.reason, time=job.ended or job.formed,
+            host=failed.host if failed else "",
+            reason=job.reason,
+            time=job.ended or job.formed,
         )
 
-    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:  # type: ignore[override]
+    async def Leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LeaveResponse:
         member_id = validation.member_id(request.member_id)
         exit_code = validation.exit_code(request.exit_code)
         reason = validation.reason(request.reason)
         job = self._membership.leave(member_id, request.secret, exit_code, reason)
         return pb.LeaveResponse(job_state=job.state.value)
 
-    async def Watch(  # type: ignore[override]
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.JobEvent]:
         name = validation.job_name(request.job)
         queue = self._events.subscribe(name)
@@ -182,11 +196,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             self._events.unsubscribe(name, queue)
 
-    async def ListJobs(  # type: ignore[override]
-        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListJobsResponse:
         if request.job:
             name = validation.job_name(request.job)
             job = self._membership.job(name)
             return pb.ListJobsResponse(jobs=[job_status(job)] if job else [])
         return pb.ListJobsResponse(jobs=[job_status(j) for j in self._membership.jobs()])
+
+
+def _rank(rank: int | None) -> int:
+    # Every member of a formed world has a rank; None here would be a bug in membership.
+    if rank is None:
+        raise RuntimeError("a member of a formed world has no rank")
+    return rank

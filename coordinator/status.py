@@ -60,8 +60,18 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
                 last = "-"
             exit_code = str(m.exit_code) if m.state in ("LEFT", "FAILED") else "-"
             state = m.state if not m.reason or m.state == "LEFT" else f"{m.state} ({m.reason})"
-            rows.append([str(m.rank), m.host, m.interface or "-", m.address or "-", state, exit_code,
-                         _ago(m.last_heartbeat, now), last])
+            rows.append(
+                [
+                    str(m.rank),
+                    m.host,
+                    m.interface or "-",
+                    m.address or "-",
+                    state,
+                    exit_code,
+                    _ago(m.last_heartbeat, now),
+                    last,
+                ]
+            )
         lines.extend("  " + line for line in _table(rows))
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -69,7 +79,8 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
 
 def render_json(response: pb.ListJobsResponse) -> str:
     return json.dumps(
-        json_format.MessageToDict(response, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True),
+        json_format.MessageToDict(
+            response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        ),
         indent=2,
     )

@@ -13,7 +13,7 @@ import re
 
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.errors import InvalidArgumentError, shorten
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
 
@@ -34,8 +34,9 @@ def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
 
 def job_name(value: str, field: str = "job") -> str:
     if not _JOB_NAME.fullmatch(value):
-        raise invalid(field, value, "must be 1 to 128 letters, digits, '.', '_' or '-', "
-                                    "starting with a letter or digit")
+        raise invalid(
+            field, value, "must be 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
     return value
 
 
@@ -60,12 +61,32 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
     members = _members(request, world_size)
     if request.socket_name:
         if not _IFACE_NAME.fullmatch(request.socket_name):
-            raise invalid("socket_name", request.socket_name, "must be a Linux interface name (1 to 15 "
-                                                              "letters, digits, '_', '.', ':', '@', '-')")
+            raise invalid(
+                "socket_name",
+                request.socket_name,
+                "must be a Linux interface name (1 to 15 letters, digits, '_', '.', ':', '@', '-')",
+            )
         names = sorted(i.name for i in interfaces)
         if request.socket_name not in names:
-            raise invalid("socket_name", request.socket_name,
-                          f"is not an interface of host {request.host!r}; it has: {', '.join(names)}")
+            raise invalid(
+                "socket_name",
+                request.socket_name,
+                f"is not an interface of host {request.host!r}; it has: {', '.join(names)}",
+            )
+        forced = next(i for i in interfaces if i.name == request.socket_name)
+        if not usable_addresses(forced):
+            raise invalid(
+                "socket_name",
+                request.socket_name,
+                f"must name an interface with an address other hosts can dial; host {request.host!r} "
+                f"reported {list(forced.addresses) or 'no addresses'} on it",
+            )
+    elif not any(usable_addresses(i) for i in interfaces):
+        raise invalid(
+            "interfaces",
+            [i.name for i in interfaces],
+            "must include at least one interface with an address other hosts can dial",
+        )
     return JoinSpec(
         job=job,
         world_size=world_size,
@@ -84,27 +105,39 @@ def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[Interface
     if not request.interfaces:
         raise invalid("interfaces", [], "must list at least one network interface of the host")
     if len(request.interfaces) > max_interfaces:
-        raise invalid("interfaces", f"<{len(request.interfaces)} entries>",
-                      f"must list at most {max_interfaces} interfaces")
+        raise invalid(
+            "interfaces",
+            f"<{len(request.interfaces)} entries>",
+            f"must list at most {max_interfaces} interfaces",
+        )
     seen: set[str] = set()
     result = []
     for i, iface in enumerate(request.interfaces):
         field = f"interfaces[{i}]"
         if not _IFACE_NAME.fullmatch(iface.name):
-            raise invalid(f"{field}.name", iface.name, "must be a Linux interface name (1 to 15 letters, "
-                                                       "digits, '_', '.', ':', '@', '-')")
+            raise invalid(
+                f"{field}.name",
+                iface.name,
+                "must be a Linux interface name (1 to 15 letters, digits, '_', '.', ':', '@', '-')",
+            )
         if iface.name in seen:
             raise invalid(f"{field}.name", iface.name, "must not repeat an earlier interface")
         seen.add(iface.name)
         if len(iface.addresses) > MAX_ADDRESSES_PER_INTERFACE:
-            raise invalid(f"{field}.addresses", f"<{len(iface.addresses)} entries>",
-                          f"must hold at most {MAX_ADDRESSES_PER_INTERFACE} addresses")
+            raise invalid(
+                f"{field}.addresses",
+                f"<{len(iface.addresses)} entries>",
+                f"must hold at most {MAX_ADDRESSES_PER_INTERFACE} addresses",
+            )
         for j, address in enumerate(iface.addresses):
             try:
                 ipaddress.ip_address(address)
             except ValueError:
-                raise invalid(f"{field}.addresses[{j}]", address,
-                              "must be an IPv4 or IPv6 address without prefix length") from None
+                raise invalid(
+                    f"{field}.addresses[{j}]",
+                    address,
+                    "must be an IPv4 or IPv6 address without prefix length",
+                ) from None
         try:
             kind = InterfaceKind(iface.kind)
         except ValueError:
@@ -117,15 +150,21 @@ def _members(request: pb.JoinRequest, world_size: int) -> tuple[MemberRequest, .
     if not request.members:
         return (MemberRequest(local_rank=0),)
     if len(request.members) > world_size:
-        raise invalid("members", f"<{len(request.members)} entries>",
-                      f"must hold at most world_size ({world_size}) members")
+        raise invalid(
+            "members",
+            f"<{len(request.members)} entries>",
+            f"must hold at most world_size ({world_size}) members",
+        )
     local_ranks: set[int] = set()
     ranks: set[int] = set()
     result = []
     for i, member in enumerate(request.members):
         if not 0 <= member.local_rank < len(request.members):
-            raise invalid(f"members[{i}].local_rank", member.local_rank,
-                          f"must be in 0..{len(request.members) - 1} (one per local rank)")
+            raise invalid(
+                f"members[{i}].local_rank",
+                member.local_rank,
+                f"must be in 0..{len(request.members) - 1} (one per local rank)",
+            )
         if member.local_rank in local_ranks:
             raise invalid(f"members[{i}].local_rank", member.local_rank, "must not repeat in one request")
         local_ranks.add(member.local_rank)
@@ -133,8 +172,9 @@ def _members(request: pb.JoinRequest, world_size: int) -> tuple[MemberRequest, .
         if member.HasField("rank"):
             rank = member.rank
             if not 0 <= rank < world_size:
-                raise invalid(f"members[{i}].rank", rank, f"must be in 0..{world_size - 1} (world_size "
-                                                          f"{world_size})")
+                raise invalid(
+                    f"members[{i}].rank", rank, f"must be in 0..{world_size - 1} (world_size {world_size})"
+                )
             if rank in ranks:
                 raise invalid(f"members[{i}].rank", rank, "must not be requested twice in one request")
             ranks.add(rank)

@@ -45,12 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         generated = _generate_into(Path(tmp))
-        stale = [p.name for p in generated if not (PACKAGE_DIR / p.name).exists()
-                 or not filecmp.cmp(p, PACKAGE_DIR / p.name, shallow=False)]
+        stale = [
+            p.name
+            for p in generated
+            if not (PACKAGE_DIR / p.name).exists() or not filecmp.cmp(p, PACKAGE_DIR / p.name, shallow=False)
+        ]
         if args.check:
             if stale:
-                print(f"stale generated code: {', '.join(stale)}; run python protos/generate.py",
-                      file=sys.stderr)
+                print(
+                    f"stale generated code: {', '.join(stale)}; run python protos/generate.py",
+                    file=sys.stderr,
+                )
                 return 1
             print("generated code is fresh")
             return 0

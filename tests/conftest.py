@@ -45,14 +45,20 @@ class CoordinatorProcess:
 
     def start(self, timeout: float = 20.0) -> None:
         cmd = [
-            sys.executable, "-m", "sarcomm.coordinator.cli",
-            "--listen", self.grpc_target,
-            "--http", f"127.0.0.1:{self.http_port}",
+            sys.executable,
+            "-m",
+            "sarcomm.coordinator.cli",
+            "--listen",
+            self.grpc_target,
+            "--http",
+            f"127.0.0.1:{self.http_port}",
             *(["--state", str(self.state_path)] if self.state_path else []),
             *self.args,
         ]
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -24,14 +24,23 @@ LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_K
 
 
 def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, **kw: Any) -> pb.JoinRequest:
-    return pb.JoinRequest(job=job, world_size=world_size, host=host, interfaces=[LO], store_port=29500,
-                          members=[pb.MemberSpec(local_rank=i) for i in range(nproc)], **kw)
+    return pb.JoinRequest(
+        job=job,
+        world_size=world_size,
+        host=host,
+        interfaces=[LO],
+        store_port=29500,
+        members=[pb.MemberSpec(local_rank=i) for i in range(nproc)],
+        **kw,
+    )
 
 
 async def form(stub: pb_grpc.CoordinatorStub, job: str = "rpc") -> list[pb.JoinResponse]:
-    return list(await asyncio.gather(
-        stub.Join(join_request("a", 2, job), timeout=10), stub.Join(join_request("b", 2, job), timeout=10)
-    ))
+    return list(
+        await asyncio.gather(
+            stub.Join(join_request("a", 2, job), timeout=10), stub.Join(join_request("b", 2, job), timeout=10)
+        )
+    )
 
 
 def reports(responses: list[pb.JoinResponse]) -> list[pb.MemberReport]:
@@ -61,23 +70,36 @@ async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
     assert list(ack.events) == []
     # Rank 3 reports failure through Leave; the stream learns without sending anything more.
     failed = responses[1].assignments[1]
-    await stub.Leave(pb.LeaveRequest(member_id=failed.member_id, secret=failed.secret, exit_code=7), timeout=5)
+    await stub.Leave(
+        pb.LeaveRequest(member_id=failed.member_id, secret=failed.secret, exit_code=7), timeout=5
+    )
     pushed = await asyncio.wait_for(call.read(), 5)
     kinds = [e.kind for e in pushed.events]
     assert kinds[0] == pb.JobEvent.MEMBER_FAILED
-    assert (pushed.events[0].rank, pushed.events[0].host, pushed.events[0].reason) == (3, "b", "exited with code 7")
+    event = pushed.events[0]
+    assert (event.rank, event.host, event.reason) == (failed.rank, "b", "exited with code 7")
     outgoing.put_nowait(None)
     call.cancel()
     jobs = coordinator.get_json("/v1/jobs")
     assert jobs["jobs"][0]["state"] == "FAILED"  # type: ignore[index]
-    assert jobs["jobs"][0]["reason"] == "rank 3 on host b exited with code 7"  # type: ignore[index]
+    assert jobs["jobs"][0]["reason"] == f"rank {failed.rank} on host b exited with code 7"  # type: ignore[index]
 
 
-async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(stub: pb_grpc.CoordinatorStub) -> None:
+async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(
+    stub: pb_grpc.CoordinatorStub,
+) -> None:
     responses = await form(stub)
     member = responses[0].assignments[0]
-    call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[
-        pb.MemberReport(member_id=member.member_id, secret="not-the-secret")])]), timeout=5)
+    call = stub.Heartbeat(
+        iter(
+            [
+                pb.HeartbeatRequest(
+                    reports=[pb.MemberReport(member_id=member.member_id, secret="not-the-secret")]
+                )
+            ]
+        ),
+        timeout=5,
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         async for _ in call:
             pass
@@ -105,18 +127,22 @@ async def test_sd_lists_reported_metrics_endpoints_with_labels(
 ) -> None:
     responses = await form(stub, job="sd")
     beats = reports(responses)
-    for i, report in enumerate(beats):
-        report.metrics_address = f"0.0.0.0:{9100 + i}"
+    rank_of = {a.member_id: (a.rank, r) for r in responses for a in r.assignments}
+    for report in beats:
+        report.metrics_address = f"0.0.0.0:{9100 + rank_of[report.member_id][0]}"
+    host_of_rank = {rank: ("a" if response is responses[0] else "b") for rank, response in rank_of.values()}
     call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=beats)]), timeout=5)
     async for _ in call:
         break
     call.cancel()
     groups = coordinator.get_json("/sd")
     assert isinstance(groups, list)
-    workers = sorted((g for g in groups if g["labels"]["job"] == "sd"), key=lambda g: int(g["labels"]["rank"]))
+    workers = sorted(
+        (g for g in groups if g["labels"]["job"] == "sd"), key=lambda g: int(g["labels"]["rank"])
+    )
     assert [g["targets"] for g in workers] == [[f"127.0.0.1:{9100 + i}"] for i in range(4)]
     assert [g["labels"] for g in workers] == [
-        {"job": "sd", "rank": str(i), "host": "a" if i < 2 else "b", "generation": "1"} for i in range(4)
+        {"job": "sd", "rank": str(i), "host": host_of_rank[i], "generation": "1"} for i in range(4)
     ]
     assert any(g["labels"]["job"] == "sar-coordinator" for g in groups)
 
@@ -128,8 +154,9 @@ async def test_health_serving_and_reflection_lists_services(coordinator: Coordin
             answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                    timeout=5)
+        responses = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         names = {s.name async for r in responses for s in r.list_services_response.service}
     assert {"sarcomm.v1.Coordinator", "grpc.health.v1.Health"} <= names
 
@@ -158,5 +185,6 @@ async def test_restart_with_same_state_keeps_job(start_coordinator: Any) -> None
     async with grpc.aio.insecure_channel(first.grpc_target) as channel:
         member = responses[0].assignments[0]
         left = await pb_grpc.CoordinatorStub(channel).Leave(
-            pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=0), timeout=5)
+            pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=0), timeout=5
+        )
     assert left.job_state == "RUNNING"

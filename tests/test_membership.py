@@ -20,8 +20,8 @@ from sarcomm.coordinator.membership import (
     JobEvent,
     JobState,
     JoinSpec,
-    Membership,
     MemberRequest,
+    Membership,
     MemberState,
     Ticket,
 )
@@ -54,8 +54,16 @@ def spec(
 ) -> JoinSpec:
     members = tuple(MemberRequest(local_rank=i, rank=r) for i, r in enumerate(ranks or (None,)))
     interfaces = (LO, nic(address)) if address else (LO,)
-    return JoinSpec(job=job, world_size=world_size, host=host, interfaces=interfaces, members=members,
-                    store_port=port, generation=generation, peer_address=peer)
+    return JoinSpec(
+        job=job,
+        world_size=world_size,
+        host=host,
+        interfaces=interfaces,
+        members=members,
+        store_port=port,
+        generation=generation,
+        peer_address=peer,
+    )
 
 
 @pytest.fixture
@@ -99,8 +107,13 @@ def test_join_honours_requested_ranks_and_deals_the_rest_contiguously(membership
 
 
 def test_join_keeps_a_host_contiguous_when_requested_ranks_leave_a_gap(membership: Membership) -> None:
-    tickets = form(membership, spec("a", 0, job="j", world_size=6), spec("b", None, None, job="j", world_size=6),
-                   spec("c", 2, job="j", world_size=6), spec("d", None, None, job="j", world_size=6))
+    tickets = form(
+        membership,
+        spec("a", 0, job="j", world_size=6),
+        spec("b", None, None, job="j", world_size=6),
+        spec("c", 2, job="j", world_size=6),
+        spec("d", None, None, job="j", world_size=6),
+    )
     b, d = tickets[1], tickets[3]
     assert [m.rank for m in b.members] == [3, 4]  # 1 is free but alone; 3,4 is the first run of two
     assert sorted(m.rank for m in d.members) == [1, 5]
@@ -109,7 +122,11 @@ def test_join_keeps_a_host_contiguous_when_requested_ranks_leave_a_gap(membershi
 def test_join_master_is_rank_zeros_address_on_its_interface(membership: Membership) -> None:
     first = membership.join(spec("a", 1, peer="10.0.0.1", address="10.0.0.1", port=1111))
     second = membership.join(spec("b", 0, peer="10.0.0.2", address="10.0.0.2", port=2222))
-    form(membership, spec("c", peer="10.0.0.3", address="10.0.0.3"), spec("d", peer="10.0.0.4", address="10.0.0.4"))
+    form(
+        membership,
+        spec("c", peer="10.0.0.3", address="10.0.0.3"),
+        spec("d", peer="10.0.0.4", address="10.0.0.4"),
+    )
     job = first.job
     assert job.master_addr == "10.0.0.2"
     assert job.master_port == 2222
@@ -119,23 +136,33 @@ def test_join_master_is_rank_zeros_address_on_its_interface(membership: Membersh
 
 def test_join_uses_routable_interface_if_any_member_is_remote(membership: Membership) -> None:
     local = membership.join(spec("a", 0, peer="127.0.0.1", address="10.0.0.1"))
-    form(membership, spec("b", peer="10.0.0.2", address="10.0.0.2"), spec("c", peer="10.0.0.3", address="10.0.0.3"),
-         spec("d", peer="10.0.0.4", address="10.0.0.4"))
+    form(
+        membership,
+        spec("b", peer="10.0.0.2", address="10.0.0.2"),
+        spec("c", peer="10.0.0.3", address="10.0.0.3"),
+        spec("d", peer="10.0.0.4", address="10.0.0.4"),
+    )
     assert local.members[0].interface == "eth0"
     assert local.job.master_addr == "10.0.0.1"
 
 
 def test_join_raises_already_exists_if_rank_taken(membership: Membership) -> None:
     membership.join(spec("a", 2))
-    with pytest.raises(AlreadyExistsError, match=r"^rank 2 is already taken in job 'gnn' generation 1 by a "
-                                                 r"member on host 'a'; each rank can be requested once$"):
+    with pytest.raises(
+        AlreadyExistsError,
+        match=r"^rank 2 is already taken in job 'gnn' generation 1 by a "
+        r"member on host 'a'; each rank can be requested once$",
+    ):
         membership.join(spec("b", 2))
 
 
 def test_join_raises_failed_precondition_if_world_size_differs(membership: Membership) -> None:
     membership.join(spec("a"))
-    with pytest.raises(FailedPreconditionError, match=r"^world_size 8 does not match job 'gnn' generation 1, "
-                                                      r"which was created with world_size 4"):
+    with pytest.raises(
+        FailedPreconditionError,
+        match=r"^world_size 8 does not match job 'gnn' generation 1, "
+        r"which was created with world_size 4",
+    ):
         membership.join(spec("b", world_size=8))
 
 
@@ -157,8 +184,11 @@ def test_join_raises_failed_precondition_if_generation_is_stale(membership: Memb
         for member, secret in zip(ticket.members, ticket.secrets, strict=True):
             membership.leave(member.member_id, secret, 0)
     assert tickets[0].job.state is JobState.FINISHED
-    with pytest.raises(FailedPreconditionError, match=r"^generation 1 is stale: job 'gnn' generation 2 is "
-                                                      r"forming now"):
+    with pytest.raises(
+        FailedPreconditionError,
+        match=r"^generation 1 is stale: job 'gnn' generation 2 is "
+        r"forming now",
+    ):
         membership.join(spec("a", generation=1))
     assert membership.join(spec("a", generation=2)).job.generation == 2
 
@@ -194,7 +224,9 @@ def test_leave_finishes_job_when_all_exit_zero(membership: Membership, events: l
     assert [e.kind for e in events] == [EventKind.WORLD_FORMED, EventKind.JOB_FINISHED]
 
 
-def test_leave_with_nonzero_code_fails_job_and_names_rank(membership: Membership, events: list[JobEvent]) -> None:
+def test_leave_with_nonzero_code_fails_job_and_names_rank(
+    membership: Membership, events: list[JobEvent]
+) -> None:
     a, _ = form(membership, spec("a", None, None), spec("b", None, None))
     membership.leave(a.members[1].member_id, a.secrets[1], 3)
     assert a.job.state is JobState.FAILED
