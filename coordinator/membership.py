@@ -382,7 +382,8 @@ class Membership:
                 job.requested[request.rank] = member
             ticket_members.append(member)
             ticket_secrets.append(secret)
-        log.info(
+        # DEBUG: a world of thousands would otherwise log thousands of lines while forming.
+        log.debug(
             "%s: host %s joined with %d member(s); %d of %d joined",
             job.label,
             spec.host,
@@ -526,7 +527,7 @@ class Membership:
         if exit_code == 0:
             member.state = MemberState.LEFT
             member.reason = reason or "exited with code 0"
-            log.info("%s: rank %s on %s left with code 0", job.label, member.rank, member.host)
+            log.debug("%s: rank %s on %s left with code 0", job.label, member.rank, member.host)
         else:
             self._fail_member(job, member, reason or f"exited with code {exit_code}")
         self._settle(job)
