@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self._metrics = metrics
+        # Wrapping builds closures and a handler object; do it once per method, not once per call.
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -33,8 +35,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
             return handler  # type: ignore[unreachable]
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        return _wrap(handler, method, self._metrics)
+        wrapped = self._wrapped.get(handler_call_details.method)
+        if wrapped is None:
+            method = handler_call_details.method.rsplit("/", 1)[-1]
+            wrapped = self._wrapped[handler_call_details.method] = _wrap(handler, method, self._metrics)
+        return wrapped
 
 
 def _wrap(

@@ -450,17 +450,20 @@ class Membership:
         ranks = _deal_ranks(job.world_size, job.members)
         now_mono = self._clock()
         # Choose every interface before changing any member, so a failure leaves nothing half-set.
-        # (validation.join_spec already ensured each host has a dialable address.)
-        chosen = {
-            m.member_id: choose_interface(
-                m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
-            )
-            for m in job.members
-        }
-        addresses = {member_id: address_on(iface) for member_id, iface in chosen.items()}
+        # (validation.join_spec already ensured each host has a dialable address.) Members of one
+        # host share the answer: compute it once per host, not once per rank.
+        per_host: dict[tuple[str, str | None, str], tuple[str, str]] = {}
+        for m in job.members:
+            key = (m.host, m.peer_address, m.socket_name)
+            if key not in per_host:
+                iface = choose_interface(
+                    m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
+                )
+                per_host[key] = (iface.name, address_on(iface))
         for member in job.members:
-            member.interface = chosen[member.member_id].name
-            member.address = addresses[member.member_id]
+            member.interface, member.address = per_host[
+                (member.host, member.peer_address, member.socket_name)
+            ]
             member.rank = ranks[member.member_id]
             member.state = MemberState.RUNNING
             member.last_seen = now_mono
@@ -642,15 +645,23 @@ def _deal_ranks(world_size: int, members: Sequence[Member]) -> dict[str, int]:
     for member in members:
         if member.requested_rank is None:
             by_host.setdefault(member.host, []).append(member)
+    if not ranks:
+        # The common case, nobody asked for a rank: deal in one pass, host by host in join order.
+        dealt = (m for host_members in by_host.values() for m in _by_local_rank(host_members))
+        return {m.member_id: rank for rank, m in enumerate(dealt)}
     for host_members in by_host.values():
-        host_members.sort(key=lambda m: (m.local_rank, m.joined_at))
         want = len(host_members)
         start = _first_run(free, want)
         chosen = free[start : start + want] if start is not None else free[:want]
-        for member, rank in zip(host_members, chosen, strict=False):
+        for member, rank in zip(_by_local_rank(host_members), chosen, strict=False):
             ranks[member.member_id] = rank
-        free = [r for r in free if r not in set(chosen)]
+        taken = set(chosen)
+        free = [r for r in free if r not in taken]
     return ranks
+
+
+def _by_local_rank(members: list[Member]) -> list[Member]:
+    return sorted(members, key=lambda m: (m.local_rank, m.joined_at))
 
 
 def _first_run(free: list[int], length: int) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -92,6 +93,10 @@ class Coordinator:
                 # Clients ping every 20 s to keep long Join/Watch calls alive through NATs.
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # A world forms only when all its members' joins are waiting at once; gRPC's
+                # default of 1000 pending calls would refuse members of larger worlds at random.
+                ("grpc.server.max_pending_requests", 2 * limits.max_world_size),
+                ("grpc.server.max_pending_requests_hard_limit", 4 * limits.max_world_size),
             ],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -122,6 +127,8 @@ class Coordinator:
         self._runner = runner
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
+        # Everything allocated so far lives as long as the process: keep the collector off it.
+        gc.freeze()
         log.info(
             "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d",
             self.config.listen,

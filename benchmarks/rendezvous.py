@@ -1,0 +1,1150 @@
+"""Rendezvous benchmark: how long N concurrent members take to form a world, sarcomm against torch.
+
+What is measured, for each world size N (default 64, 256, 1024), in one run and on one machine:
+
+- ``sarcomm``: a real ``sar-coordinator`` process (started here, on loopback, with a SQLite state
+  file). The N members are spread over ``--procs`` client processes; each process runs one asyncio
+  loop with one ``grpc.aio`` channel and sends its members' ``Join`` calls concurrently through the
+  raw generated ``CoordinatorStub`` (one member per call, ``host=f"h{i}"``, one loopback interface).
+- ``tcpstore``: the floor, a bare ``torch.distributed.TCPStore`` barrier. One master store; each
+  member has its own client connection, does ``add("arrived", 1)``, the one that sees N sets
+  ``"go"``, and every member returns from ``wait(["go"])``.
+- ``c10d``: torch elastic's ``DynamicRendezvousHandler`` over ``C10dRendezvousBackend`` (what
+  ``torchrun --rdzv-backend c10d`` uses), ``min_nodes = max_nodes = N``, one handler and one store
+  connection per member, each calling ``next_rendezvous()`` in its own thread. It is known to be
+  slow, so it runs under ``--c10d-deadline`` and, once a size fails, larger sizes are skipped.
+
+How: every member's connection is made and every client process reports ready before the clock
+starts, so process start-up and imports are excluded. The parent then hands all processes the same
+start instant (``time.monotonic()``, which is one system-wide clock on Linux) a little in the
+future; each process sleeps until it and releases all its members at once. A member's latency is
+the time from that start to its own answer; the world-formation time is the start to the last
+answer. Each client process shares the machine's cores with the coordinator (or the master store),
+so on a small machine the client side's CPU is part of what is measured, for all three methods
+alike. For sarcomm the coordinator's own view is recorded too (``ListJobs``: first join seen and
+world formed, relative to the start).
+
+sarcomm and TCPStore run ``--repeats`` rounds per size (the median round is reported; a failed
+round is recorded and the next one runs); c10d runs once. Client processes fork from a server that
+has imported torch already (``forkserver``), so a round's set-up takes seconds, not tens of them.
+Each run also records CPU seconds per round: the coordinator's (or the master store's process's)
+and all clients' together, which shows what bounds a round on a small machine.
+
+Run (it stops by itself; about 2 minutes with the defaults on 2 cores, one of them c10d's deadline
+at N=256)::
+
+    python benchmarks/rendezvous.py --json benchmarks/results/rendezvous.json \\
+        --markdown benchmarks/results/rendezvous.md
+    python benchmarks/rendezvous.py --sizes 64,256,1024,2048,4096 --repeats 1
+    python benchmarks/rendezvous.py --methods sarcomm --sizes 1024 --repeats 10 \\
+        --profile-coordinator coordinator.raw        # py-spy samples; see benchmarks/README.md
+
+Targets this benchmark checks sarcomm against: 1024 members form a world in under 1 s, and no member
+waits more than 3x the median member. Only 127.0.0.1 is ever contacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from multiprocessing import connection as mp_connection
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+Method = Literal["sarcomm", "tcpstore", "c10d"]
+METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d")
+T = TypeVar("T")
+
+LOOPBACK = "127.0.0.1"
+# The port a sarcomm member reserves for the torch store; nothing listens on it in this benchmark.
+STORE_PORT = 29500
+# Time between "everyone is ready" and the common start: long enough for every sleeping client
+# process on a busy 2-core machine to be scheduled and waiting before the clock starts.
+START_MARGIN_S = 0.3
+# How long to keep listening for other client processes' errors after the first one.
+ERROR_GRACE_S = 2.0
+TARGET_SECONDS = 1.0
+TARGET_SIZE = 1024
+TARGET_SPREAD = 3.0
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """One world formation: per-member latencies in seconds from the common start."""
+
+    latencies: list[float]
+    # CPU seconds spent from the start to the last answer: all client processes together, and
+    # the server side (the coordinator process, or this process, whose thread serves the master
+    # TCPStore). With two cores, the two together bound how fast a round can be.
+    client_cpu_s: float = 0.0
+    server_cpu_s: float = 0.0
+    # sarcomm only: the coordinator's first-join and formed times, seconds after the start.
+    server_first_join_s: float | None = None
+    server_formed_s: float | None = None
+
+    @property
+    def formation_s(self) -> float:
+        return max(self.latencies)
+
+    @property
+    def p50_s(self) -> float:
+        return statistics.median(self.latencies)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "formation_s": round(self.formation_s, 6),
+            "member_p50_s": round(self.p50_s, 6),
+            "member_min_s": round(min(self.latencies), 6),
+            "max_over_p50": round(self.formation_s / self.p50_s, 3) if self.p50_s > 0 else None,
+            "client_cpu_s": round(self.client_cpu_s, 4),
+            "server_cpu_s": round(self.server_cpu_s, 4),
+            "server_first_join_s": _rounded(self.server_first_join_s),
+            "server_formed_s": _rounded(self.server_formed_s),
+        }
+
+
+@dataclass
+class Outcome:
+    """Everything measured for one method at one size: the rounds that formed a world, the failures."""
+
+    method: Method
+    size: int
+    rounds: list[Round] = field(default_factory=list)
+    # One line per failed round; the first full message is kept in ``message``.
+    failures: list[str] = field(default_factory=list)
+    message: str = ""
+    timed_out: bool = False
+    skipped: bool = False
+
+    @property
+    def status(self) -> Literal["ok", "partial", "timeout", "error", "skipped"]:
+        """ok: every round formed; partial: some did; timeout/error: none did; skipped: not run."""
+        if self.skipped:
+            return "skipped"
+        if self.rounds:
+            return "partial" if self.failures else "ok"
+        return "timeout" if self.timed_out else "error"
+
+    @property
+    def typical(self) -> Round | None:
+        """The median round by formation time (the upper median for an even count)."""
+        if not self.rounds:
+            return None
+        ordered = sorted(self.rounds, key=lambda r: r.formation_s)
+        return ordered[len(ordered) // 2]
+
+    def to_json(self) -> dict[str, Any]:
+        typical = self.typical
+        return {
+            "method": self.method,
+            "size": self.size,
+            "status": self.status,
+            "ok_rounds": len(self.rounds),
+            "failed_rounds": len(self.failures),
+            "failures": self.failures,
+            "message": self.message,
+            **(typical.summary() if typical else {}),
+            "rounds": [r.summary() for r in self.rounds],
+        }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+class RoundError(Exception):
+    """Raised when a round cannot produce a result: a client failed, or the deadline passed."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+# -- client processes ------------------------------------------------------------------------------
+#
+# Every client process speaks the same small protocol over its pipe: it sends ("ready",) once its
+# members are connected, receives the common start instant (a time.monotonic() value), and sends
+# ("result", [(member_index, monotonic_done, rank), ...], cpu_seconds), ("timeout", text) or
+# ("error", text).
+
+
+class Link:
+    """A client process's end of its pipe to the parent."""
+
+    def __init__(self, conn: mp_connection.Connection) -> None:
+        self.conn = conn
+        self.cpu_at_start = 0.0
+
+    def await_start(self, timeout: float) -> float:
+        """Report ready; block until the parent sends the start instant (at most ``timeout`` s).
+
+        Raises:
+            TimeoutError: no start arrived in time.
+        """
+        self.conn.send(("ready",))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no start signal from the parent within {timeout:g} s")
+        start = self.conn.recv()
+        if not isinstance(start, float):
+            raise TypeError(f"expected a start time, got {start!r}")
+        # Waiting for the start costs no CPU, so from here on the count is the round's alone.
+        self.cpu_at_start = time.process_time()
+        return start
+
+
+def _client_main(
+    conn: mp_connection.Connection, body: Callable[..., list[tuple[int, float, int]]], *args: Any
+) -> None:
+    """Entry point of every client process: run ``body`` and report what came of it."""
+    # The parent ends stragglers with SIGTERM; exit at once without a traceback on the pipe.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+    link = Link(conn)
+    try:
+        rows = body(link, *args)
+        conn.send(("result", rows, time.process_time() - link.cpu_at_start))
+    except TimeoutError:
+        with contextlib.suppress(OSError):
+            conn.send(("timeout", traceback.format_exc()))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop when available, as the coordinator does, so clients cost less CPU."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def _sarcomm_client(
+    link: Link, target: str, job: str, size: int, members: list[int], timeout: float
+) -> list[tuple[int, float, int]]:
+    return _run_async(_sarcomm_members(link, target, job, size, members, timeout))
+
+
+async def _sarcomm_members(
+    link: Link, target: str, job: str, size: int, members: list[int], timeout: float
+) -> list[tuple[int, float, int]]:
+    import asyncio
+
+    import grpc
+
+    from sarcomm.v1 import coordinator_pb2 as pb
+    from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+    lo = pb.NetworkInterface(name="lo", addresses=[LOOPBACK], kind=pb.INTERFACE_KIND_LOOPBACK)
+    requests = {
+        i: pb.JoinRequest(
+            job=job,
+            world_size=size,
+            host=f"h{i}",
+            interfaces=[lo],
+            store_port=STORE_PORT,
+            join_timeout_seconds=timeout,
+        )
+        for i in members
+    }
+    async with grpc.aio.insecure_channel(target) as channel:
+        # Connect before the clock starts: connection set-up is not what this benchmark measures.
+        await asyncio.wait_for(channel.channel_ready(), timeout)
+        stub = pb_grpc.CoordinatorStub(channel)
+        start = link.await_start(timeout)
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+
+        async def join(i: int) -> tuple[int, float, int]:
+            response = await stub.Join(requests[i], timeout=timeout)
+            return i, time.monotonic(), response.assignments[0].rank
+
+        tasks = [asyncio.create_task(join(i)) for i in members]
+        _, pending = await asyncio.wait(tasks, timeout=timeout + 1, return_when=asyncio.FIRST_EXCEPTION)
+        if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
+            # One failed join means the world cannot form. Give the coordinator's other refusals
+            # a moment to arrive, so the report says how many and why, then stop waiting.
+            await asyncio.wait(pending, timeout=0.5)
+            for task in tasks:
+                task.cancel()
+            raise RuntimeError(_join_failures(tasks, len(members)))
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(members)} joins unanswered after {timeout:g} s")
+        return [t.result() for t in tasks]
+
+
+def _join_failures(tasks: Sequence[Any], total: int) -> str:
+    """'k of n joins failed: CODE x count (details), ...' for the failed joins among ``tasks``."""
+    import collections
+
+    import grpc
+
+    counts: collections.Counter[str] = collections.Counter()
+    for task in tasks:
+        if task.cancelled() or not task.done() or task.exception() is None:
+            continue
+        error = task.exception()
+        if isinstance(error, grpc.aio.AioRpcError):
+            counts[f"{error.code().name} ({error.details()})"] += 1
+        else:
+            counts[repr(error)] += 1
+    summary = ", ".join(f"{what} x{n}" for what, n in counts.most_common())
+    return f"{sum(counts.values())} of {total} joins failed: {summary}"
+
+
+def _tcpstore_client(
+    link: Link, port: int, prefix: str, size: int, members: list[int], timeout: float
+) -> list[tuple[int, float, int]]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    stores = {
+        i: dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+        for i in members
+    }
+
+    def member(i: int) -> tuple[int, float, int]:
+        arrived = stores[i].add(f"{prefix}/arrived", 1)
+        if arrived == size:
+            stores[i].set(f"{prefix}/go", "1")
+        stores[i].wait([f"{prefix}/go"])
+        # The arrival order stands in for a rank, so the parent can check every member counted once.
+        return i, time.monotonic(), arrived - 1
+
+    return _run_threads(link, members, member, timeout)
+
+
+def _c10d_client(
+    link: Link, port: int, run_id: str, size: int, members: list[int], timeout: float
+) -> list[tuple[int, float, int]]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    handlers = {}
+    for i in members:
+        # One store connection per member, as separate nodes would have.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+        handlers[i] = DynamicRendezvousHandler.from_backend(
+            run_id=run_id,
+            store=store,
+            backend=C10dRendezvousBackend(store, run_id),
+            min_nodes=size,
+            max_nodes=size,
+            local_addr=LOOPBACK,
+            # Longer than our own deadline, so a slow round reads as "did not finish", not an error.
+            timeout=RendezvousTimeout(join=timedelta(seconds=timeout + 30)),
+        )
+
+    def member(i: int) -> tuple[int, float, int]:
+        info = handlers[i].next_rendezvous()
+        return i, time.monotonic(), info.rank
+
+    return _run_threads(link, members, member, timeout)
+
+
+def _run_threads(
+    link: Link,
+    members: list[int],
+    member: Callable[[int], tuple[int, float, int]],
+    timeout: float,
+) -> list[tuple[int, float, int]]:
+    """Run ``member(i)`` for every member in its own thread, all released at the common start."""
+    go = threading.Event()
+    results: dict[int, tuple[int, float, int] | BaseException] = {}
+
+    def run(i: int) -> None:
+        if not go.wait(START_MARGIN_S + timeout):
+            results[i] = TimeoutError(f"member {i} was never released")
+            return
+        try:
+            results[i] = member(i)
+        except BaseException as error:
+            results[i] = error
+
+    start = link.await_start(timeout)
+    # Started inside the margin before the start (a few ms for hundreds), so their wait for the
+    # release is short. Daemon threads: one stuck in torch's rendezvous must not keep us alive.
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in members]
+    for thread in threads:
+        thread.start()
+    time.sleep(max(0.0, start - time.monotonic()))
+    go.set()
+    deadline = start + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    out = []
+    for i in members:
+        result = results.get(i)
+        if result is None:
+            raise TimeoutError(f"member {i} did not finish within {timeout:g} s")
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"member {i} failed") from result
+        out.append(result)
+    return out
+
+
+# -- one round -------------------------------------------------------------------------------------
+
+
+def _split(size: int, procs: int) -> list[list[int]]:
+    """Member indices 0..size-1 in ``min(size, procs)`` contiguous, nearly equal groups."""
+    count = min(size, procs)
+    base, extra = divmod(size, count)
+    groups, first = [], 0
+    for p in range(count):
+        length = base + (1 if p < extra else 0)
+        groups.append(list(range(first, first + length)))
+        first += length
+    return groups
+
+
+def _collect(conns: Sequence[mp_connection.Connection], deadline: float, want: str) -> list[Any]:
+    """One ``want`` message from every pipe before ``deadline``; raises RoundError otherwise.
+
+    After the first failure it listens up to ERROR_GRACE_S longer, so the error names every
+    client process that failed and why, not only the quickest to report.
+    """
+    pending = {id(c): (n, c) for n, c in enumerate(conns)}
+    got: list[Any] = [None] * len(conns)
+    errors: list[str] = []
+    timed_out = False
+    while pending:
+        left = deadline - time.monotonic()
+        ready = (
+            mp_connection.wait([c for _, c in pending.values()], timeout=max(0.0, left)) if left > 0 else []
+        )
+        if not ready:
+            if not errors:
+                errors.append(
+                    f"{len(pending)} of {len(conns)} client processes had not sent {want!r} in time"
+                )
+                timed_out = True
+            break
+        for c in ready:
+            n, conn = pending.pop(id(c))
+            try:
+                message = conn.recv()
+            except EOFError:
+                message = ("error", f"exited without sending {want!r}")
+            if message[0] in ("timeout", "error"):
+                timed_out = timed_out or message[0] == "timeout"
+                verb = "ran out of time" if message[0] == "timeout" else "failed"
+                errors.append(f"client process {n} {verb}:\n{message[1]}")
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+            got[n] = message
+    if errors:
+        raise RoundError("\n".join(errors), timed_out=timed_out)
+    return got
+
+
+def run_round(
+    body: Callable[..., list[tuple[int, float, int]]],
+    size: int,
+    procs: int,
+    args: tuple[Any, ...],
+    *,
+    setup_timeout: float,
+    timeout: float,
+    server_cpu: Callable[[], float],
+) -> tuple[Round, float]:
+    """Start client processes running ``body(link, *args, size, members, timeout)``; time them.
+
+    ``server_cpu`` reads the CPU seconds used so far by whatever serves the rendezvous. Blocks for
+    at most ``setup_timeout + timeout`` s plus clean-up. Returns the round (latencies in seconds
+    after the common start, in member order) and the start as Unix time.
+
+    Raises:
+        RoundError: a client failed, the ranks were not exactly 0..size-1, or a deadline passed
+            (``timed_out`` is set then).
+    """
+    ctx = mp.get_context("forkserver")
+    groups = _split(size, procs)
+    processes, conns = [], []
+    try:
+        for members in groups:
+            parent_end, child_end = ctx.Pipe()
+            process = ctx.Process(
+                target=_client_main, args=(child_end, body, *args, size, members, timeout), daemon=True
+            )
+            process.start()
+            # Without closing our copy, a dead child's pipe would never read as EOF.
+            child_end.close()
+            processes.append(process)
+            conns.append(parent_end)
+        _collect(conns, time.monotonic() + setup_timeout, "ready")
+        start = time.monotonic() + START_MARGIN_S
+        start_wall = time.time() + (start - time.monotonic())
+        for c in conns:
+            c.send(start)
+        cpu_before = server_cpu()
+        messages = _collect(conns, start + timeout + 5.0, "result")
+        server_cpu_s = server_cpu() - cpu_before
+    finally:
+        _stop_processes(processes)
+        for c in conns:
+            c.close()
+    done = sorted(row for message in messages for row in message[1])
+    ranks = sorted(rank for _, _, rank in done)
+    if ranks != list(range(size)):
+        raise RoundError(f"ranks handed out are not 0..{size - 1}: {len(set(ranks))} distinct of {size}")
+    client_cpu_s = sum(message[2] for message in messages)
+    return Round([t - start for _, t, _ in done], client_cpu_s, server_cpu_s), start_wall
+
+
+def preload_torch() -> None:
+    """Import torch once, in the fork server, rather than once per client process per round.
+
+    Importing ``torch.distributed`` costs about 2 s of CPU; eight clients per round on two cores
+    made each TCPStore or c10d round spend ~20 s starting up. Nothing in torch has run yet when
+    the server forks, so the clients start clean.
+    """
+    mp.get_context("forkserver").set_forkserver_preload(
+        [
+            "torch.distributed",
+            "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+            "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        ]
+    )
+
+
+def _stop_processes(processes: Sequence[mp.process.BaseProcess]) -> None:
+    """Let finished clients exit; SIGTERM, then SIGKILL, the ones still running after 5 s."""
+    deadline = time.monotonic() + 5.0
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+
+
+# -- the three methods -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class Coordinator:
+    """A ``sar-coordinator`` child process on loopback; a context manager that stops it on exit."""
+
+    def __init__(self, workdir: Path, log_level: str, profile: Path | None = None) -> None:
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.log_path = workdir / "coordinator.log"
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "sarcomm.coordinator.cli",
+            "--listen",
+            f"{LOOPBACK}:{self.grpc_port}",
+            "--http",
+            f"{LOOPBACK}:{self.http_port}",
+            "--state",
+            str(workdir / "state.sqlite"),
+            "--join-timeout",
+            "120",
+            # Benchmark members never heartbeat; a long liveness window keeps the sweeper from
+            # failing an earlier round's members in the middle of a later round's measurement.
+            "--heartbeat-interval",
+            "600",
+            "--heartbeat-misses",
+            "1",
+            "--log-level",
+            log_level,
+        ]
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.profile = profile
+        self._profiler: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{self.http_port}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"coordinator not healthy within {timeout:g} s; see {self.log_path}")
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the coordinator process has used so far (user + system, all threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def job_times(self, job: str, start_wall: float) -> tuple[float | None, float | None]:
+        """The coordinator's (first join, world formed) for ``job``, in seconds after the start."""
+        import grpc
+
+        from sarcomm.v1 import coordinator_pb2 as pb
+        from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            reply = pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(job=job), timeout=10)
+        if not reply.jobs:
+            return None, None
+        status = reply.jobs[0]
+        return status.created - start_wall, (status.formed - start_wall) if status.formed else None
+
+    def __enter__(self) -> Coordinator:
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.__exit__()
+            raise
+        if self.profile is not None:
+            # Attached once the coordinator is up, so start-up imports stay out of the profile;
+            # py-spy leaves idle samples out by default, so the gaps between rounds do not count.
+            self._profiler = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(self.proc.pid),
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--output",
+                    str(self.profile),
+                ],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._profiler is not None:
+            # py-spy writes its output when interrupted, as after Ctrl-C.
+            self._profiler.send_signal(signal.SIGINT)
+            try:
+                self._profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                self._profiler.kill()
+                self._profiler.wait(5)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+class Bench:
+    """Runs the rounds of every method; holds the settings shared by all of them."""
+
+    def __init__(self, args: argparse.Namespace, coordinator: Coordinator | None) -> None:
+        self.args = args
+        self.coordinator = coordinator
+        self._round = 0
+
+    def _name(self, method: str, size: int) -> str:
+        self._round += 1
+        return f"bench-{method}-{size}-{os.getpid()}-{self._round}"
+
+    def sarcomm(self, size: int) -> Round:
+        assert self.coordinator is not None
+        job = self._name("sarcomm", size)
+        result, start_wall = run_round(
+            _sarcomm_client,
+            size,
+            self.args.procs,
+            (self.coordinator.target, job),
+            setup_timeout=self.args.setup_timeout,
+            timeout=self.args.timeout,
+            server_cpu=self.coordinator.cpu_seconds,
+        )
+        result.server_first_join_s, result.server_formed_s = self.coordinator.job_times(job, start_wall)
+        return result
+
+    def tcpstore(self, size: int) -> Round:
+        with _master_store(self.args.timeout) as port:
+            result, _ = run_round(
+                _tcpstore_client,
+                size,
+                self.args.procs,
+                (port, self._name("tcpstore", size)),
+                setup_timeout=self.args.setup_timeout,
+                timeout=self.args.timeout,
+                server_cpu=time.process_time,
+            )
+        return result
+
+    def c10d(self, size: int) -> Round:
+        with _master_store(self.args.c10d_deadline) as port:
+            result, _ = run_round(
+                _c10d_client,
+                size,
+                self.args.procs,
+                (port, self._name("c10d", size)),
+                setup_timeout=self.args.setup_timeout,
+                timeout=self.args.c10d_deadline,
+                server_cpu=time.process_time,
+            )
+        return result
+
+
+@contextlib.contextmanager
+def _master_store(timeout: float) -> Any:
+    """A master ``TCPStore`` on a free loopback port, served by a thread of this process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        LOOPBACK, 0, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def measure(bench: Bench, method: Method, size: int, repeats: int) -> Outcome:
+    """``repeats`` rounds of ``method`` at ``size``.
+
+    A round that fails outright is recorded and the next one runs (a flaky failure should not hide
+    the timings); a round that runs out of time ends the series, since the next would too.
+    """
+    outcome = Outcome(method, size)
+    run = getattr(bench, method)
+    for _ in range(repeats):
+        try:
+            outcome.rounds.append(run(size))
+        except RoundError as error:
+            outcome.failures.append(_first_line(str(error), error.timed_out))
+            outcome.message = outcome.message or str(error)
+            if error.timed_out:
+                outcome.timed_out = True
+                deadline = bench.args.c10d_deadline if method == "c10d" else bench.args.timeout
+                outcome.failures[-1] = f"did not finish within {deadline:g} s"
+                break
+    return outcome
+
+
+def _first_line(message: str, timed_out: bool) -> str:
+    """What went wrong in a round, one line: each client's headline and its exception's last line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "timed out" if timed_out else "failed"
+    # Each client's report starts "client process N ..." and, if a traceback follows, the line
+    # that names the exception is the last one before the next report.
+    parts: list[str] = []
+    for i, line in enumerate(lines):
+        if line.startswith("client process ") or i == 0:
+            parts.append(line)
+        elif i + 1 == len(lines) or lines[i + 1].startswith("client process "):
+            parts[-1] = f"{parts[-1]} {line}"
+    return "; ".join(parts)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def _cell(outcome: Outcome | None, deadline: float) -> str:
+    if outcome is None:
+        return "-"
+    typical = outcome.typical
+    if typical is not None:
+        failed = len(outcome.failures)
+        total = failed + len(outcome.rounds)
+        return f"{typical.formation_s:.3f}" + (f" ({failed}/{total} failed)" if failed else "")
+    if outcome.status == "timeout":
+        return f"DNF in {deadline:g}"
+    return outcome.status
+
+
+def _ratio(a: Outcome | None, b: Outcome | None) -> str:
+    if a is None or b is None or a.typical is None or b.typical is None:
+        return "-"
+    return f"{a.typical.formation_s / b.typical.formation_s:.1f}x"
+
+
+def render_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
+    """A Markdown table, one row per size (it reads as plain text too)."""
+    by = {(o.method, o.size): o for o in outcomes}
+    head = (
+        "N",
+        "sarcomm s",
+        "TCPStore s",
+        "c10d s",
+        "sarcomm/TCPStore",
+        "c10d/sarcomm",
+        "sarcomm member p50 s",
+        "sarcomm max/p50",
+        "coordinator formed s",
+    )
+    rows = [head]
+    for size in args.sizes:
+        s, t, c = by.get(("sarcomm", size)), by.get(("tcpstore", size)), by.get(("c10d", size))
+        typical = s.typical if s is not None else None
+        rows.append(
+            (
+                str(size),
+                _cell(s, args.timeout),
+                _cell(t, args.timeout),
+                _cell(c, args.c10d_deadline),
+                _ratio(s, t),
+                _ratio(c, s),
+                f"{typical.p50_s:.3f}" if typical else "-",
+                f"{typical.formation_s / typical.p50_s:.2f}" if typical and typical.p50_s > 0 else "-",
+                f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
+            )
+        )
+    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def verdict(outcomes: Sequence[Outcome]) -> str:
+    """Whether sarcomm met the targets at TARGET_SIZE, in one sentence."""
+    s = next((o for o in outcomes if o.method == "sarcomm" and o.size == TARGET_SIZE), None)
+    if s is None or s.typical is None:
+        return f"sarcomm target not checked: no successful round at N={TARGET_SIZE}."
+    r = s.typical
+    spread = r.formation_s / r.p50_s
+    ok = r.formation_s < TARGET_SECONDS and spread <= TARGET_SPREAD and not s.failures
+    failed = f", {len(s.failures)} of {len(s.failures) + len(s.rounds)} rounds failed" if s.failures else ""
+    return (
+        f"sarcomm at N={TARGET_SIZE}: {r.formation_s:.3f} s (target < {TARGET_SECONDS:g} s), "
+        f"max/p50 {spread:.2f} (target <= {TARGET_SPREAD:g}){failed}: {'MET' if ok else 'MISSED'}."
+    )
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import grpc
+    import torch
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+    return {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu or platform.processor(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # Other work on the machine skews every number here; the 1-minute load says how much.
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+    }
+
+
+def render_cpu_table(outcomes: Sequence[Outcome]) -> str:
+    """Where each typical round's time went: a timeline (sarcomm) and CPU seconds, per method."""
+    rows = [
+        (
+            "method",
+            "N",
+            "first join seen",
+            "world formed",
+            "first answer",
+            "last answer",
+            "server CPU s",
+            "clients CPU s",
+        )
+    ]
+    for o in outcomes:
+        r = o.typical
+        if r is None:
+            continue
+        rows.append(
+            (
+                o.method,
+                str(o.size),
+                "-" if r.server_first_join_s is None else f"{r.server_first_join_s:.3f}",
+                "-" if r.server_formed_s is None else f"{r.server_formed_s:.3f}",
+                f"{min(r.latencies):.3f}",
+                f"{r.formation_s:.3f}",
+                f"{r.server_cpu_s:.2f}",
+                f"{r.client_cpu_s:.2f}",
+            )
+        )
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _load_note(info: dict[str, Any]) -> str:
+    """A warning when other work shared the machine during the run, else nothing."""
+    loads = [info.get("loadavg_1m_at_start") or 0.0, info.get("loadavg_1m_at_end") or 0.0]
+    cpus = info.get("affinity_cpus") or info.get("nproc") or 1
+    if max(loads) <= cpus:
+        return ""
+    return (
+        f"Note: the 1-minute load average was {min(loads):g} to {max(loads):g} on {cpus} CPUs during "
+        "this run; other work shared the machine, so these timings are pessimistic and noisier than "
+        "on an idle one.\n\n"
+    )
+
+
+def render_markdown(
+    outcomes: Sequence[Outcome], args: argparse.Namespace, info: dict[str, Any], command: str
+) -> str:
+    notes = "\n".join(
+        f"- {o.method} N={o.size}: {o.status}: " + "; ".join(sorted(set(o.failures)) or [o.message])
+        for o in outcomes
+        if o.status != "ok"
+    )
+    return (
+        "# Rendezvous benchmark results\n\n"
+        f"World-formation time (common start to the last member's answer), the median of {args.repeats} "
+        f"round(s) for sarcomm and TCPStore, one round for c10d (deadline {args.c10d_deadline:g} s). "
+        f"Members spread over {args.procs} client processes. Member p50 and max/p50 are sarcomm's "
+        'per-member latencies in that round; "coordinator formed" is when the coordinator formed '
+        "the world, by its own clock, after the common start.\n\n"
+        f"{render_table(outcomes, args)}\n\n{verdict(outcomes)}\n\n"
+        + (f"Failures:\n\n{notes}\n\n" if notes else "")
+        + 'Where the time went (the same rounds; seconds after the common start). "first join seen" '
+        'and "world formed" are the coordinator\'s own record (`ListJobs`); server CPU is the '
+        "coordinator process for sarcomm, and the process serving the master TCPStore otherwise; "
+        "clients CPU is all client processes together.\n\n"
+        f"{render_cpu_table(outcomes)}\n\n" + _load_note(info) + f"Command:\n\n```\n{command}\n```\n\n"
+        "Machine:\n\n" + "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n"
+    )
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--sizes {text!r} must be a comma-separated list of positive ints")
+    return sizes
+
+
+def _methods(text: str) -> list[Method]:
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"--methods {text!r}: each must be one of {', '.join(METHODS)}")
+    return chosen  # type: ignore[return-value]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default="64,256,1024",
+        help="world sizes, comma-separated (e.g. 64,256,1024,2048,4096)",
+    )
+    parser.add_argument(
+        "--methods",
+        type=_methods,
+        default=",".join(METHODS),
+        help=f"which to run, comma-separated, from {','.join(METHODS)}",
+    )
+    parser.add_argument("--procs", type=int, default=8, help="client processes the members are spread over")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds per size for sarcomm and TCPStore (the median is reported)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds one sarcomm or TCPStore round may take once started",
+    )
+    parser.add_argument(
+        "--c10d-deadline",
+        type=float,
+        default=60.0,
+        help="seconds one c10d round may take; after a miss, larger sizes are skipped",
+    )
+    parser.add_argument(
+        "--setup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the client processes may take to start and connect",
+    )
+    parser.add_argument(
+        "--coordinator-log-level",
+        default="INFO",
+        help="the coordinator's --log-level (INFO is what a deployment runs)",
+    )
+    parser.add_argument(
+        "--profile-coordinator",
+        type=Path,
+        metavar="PATH",
+        help="sample the coordinator with py-spy (pip install py-spy) into PATH, in py-spy's raw "
+        "(collapsed stacks) format; the sampling costs CPU, so do not record timings from such a run",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the coordinator's log and state file here; without it they go to a temporary "
+        "directory that is removed at the end",
+    )
+    parser.add_argument("--json", type=Path, help="write the results as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the table, command and machine here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.procs < 1 or args.repeats < 1:
+        print("--procs and --repeats must be >= 1", file=sys.stderr)
+        return 2
+    command = (
+        shlex.join([Path(sys.executable).name, *sys.argv])
+        if argv is None
+        else shlex.join(["python", "benchmarks/rendezvous.py", *argv])
+    )
+    if {"tcpstore", "c10d"} & set(args.methods):
+        # TCPStore clients reverse-resolve their socket's address ([::ffff:127.0.0.1]) as they
+        # connect; where no DNS server answers, each such lookup stalls 5 s. Only the clients'
+        # set-up, outside the clock, is affected, but it made rounds last minutes. One-second
+        # lookups (glibc reads RES_OPTIONS) keep a full run short; the fork server inherits it.
+        os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+        # ... and each failed lookup logs a warning from C++; they are noise here.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        preload_torch()
+    outcomes: list[Outcome] = []
+    c10d_failed_at: int | None = None
+    load_at_start = round(os.getloadavg()[0], 2)
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sarcomm-rdzv-")))
+        else:
+            workdir = args.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+        coordinator = (
+            Coordinator(workdir, args.coordinator_log_level, args.profile_coordinator)
+            if "sarcomm" in args.methods
+            else None
+        )
+        with coordinator or contextlib.nullcontext():
+            bench = Bench(args, coordinator)
+            if coordinator is not None:
+                # One small world first, so the coordinator's first-call costs fall outside the table.
+                try:
+                    bench.sarcomm(min(8, min(args.sizes)))
+                except RoundError as error:
+                    print(
+                        f"warm-up world of 8 did not form; see {coordinator.log_path}:\n{error}",
+                        file=sys.stderr,
+                    )
+                    return 1
+            for size in args.sizes:
+                for method in args.methods:
+                    if method == "c10d" and c10d_failed_at is not None and size > c10d_failed_at:
+                        outcome = Outcome(
+                            method,
+                            size,
+                            skipped=True,
+                            message=f"c10d did not finish N={c10d_failed_at} within {args.c10d_deadline:g} s",
+                        )
+                    else:
+                        repeats = 1 if method == "c10d" else args.repeats
+                        began = time.monotonic()
+                        outcome = measure(bench, method, size, repeats)
+                        deadline = args.c10d_deadline if method == "c10d" else args.timeout
+                        print(
+                            f"{method:>8} N={size:<5} {outcome.status:<7} "
+                            f"{_cell(outcome, deadline):>14}  ({time.monotonic() - began:.0f} s wall)"
+                            + "".join(f"\n         {line}" for line in sorted(set(outcome.failures))),
+                            flush=True,
+                        )
+                        if method == "c10d" and outcome.status != "ok":
+                            c10d_failed_at = size
+                    outcomes.append(outcome)
+    info = {**machine(), "loadavg_1m_at_start": load_at_start}
+    print()
+    print(render_table(outcomes, args))
+    print()
+    print(verdict(outcomes))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "benchmark": "rendezvous",
+                    "command": command,
+                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "machine": info,
+                    "verdict": verdict(outcomes),
+                    "results": [o.to_json() for o in outcomes],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(render_markdown(outcomes, args, info, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
