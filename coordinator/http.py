@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sarcomm.coordinator.interceptor import bearer_matches
 from sarcomm.coordinator.membership import Member, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
 from sarcomm.coordinator.views import jobs_json
@@ -19,17 +21,26 @@ from sarcomm.coordinator.views import jobs_json
 log = logging.getLogger(__name__)
 
 COORDINATOR_JOB_LABEL = "sar-coordinator"
+PROTECTED_PATHS = frozenset({"/sd", "/v1/jobs"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpApi:
     """The aiohttp application; ``serving`` flips to False when shutdown starts."""
 
-    def __init__(self, membership: Membership, metrics: CoordinatorMetrics, advertised_address: str) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        metrics: CoordinatorMetrics,
+        advertised_address: str,
+        token: str | None = None,
+    ) -> None:
         self._membership = membership
+        self._token = token
         self._metrics = metrics
         self._advertised_address = advertised_address
         self.serving = True
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[self._authenticate])
         self.app.add_routes(
             [
                 web.get("/metrics", self.metrics),
@@ -38,6 +49,19 @@ class HttpApi:
                 web.get("/sd", self.service_discovery),
             ]
         )
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """``/sd`` and ``/v1/jobs`` reveal where ranks listen: they need the token when one is set."""
+        if (
+            self._token is not None
+            and request.path in PROTECTED_PATHS
+            and not bearer_matches(request.headers.get("Authorization", ""), self._token)
+        ):
+            return web.json_response(
+                {"error": "unauthenticated"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+            )
+        return await handler(request)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._metrics.registry)

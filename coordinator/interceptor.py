@@ -1,12 +1,16 @@
-"""The one place where sarcomm errors become gRPC statuses, and where every call is counted.
+"""The one place where sarcomm errors become gRPC statuses, every call is counted, and the
+shared token is checked.
 
 Wrapping the method handlers (rather than each servicer method) means a new RPC cannot forget
-either: its errors are mapped and its calls appear in ``sar_coordinator_rpcs_total``.
+any of it: its errors are mapped, its calls appear in ``sar_coordinator_rpcs_total``, and it is
+refused without the token. Only ``grpc.health.v1.Health`` answers without one: it reveals nothing,
+and container health checks cannot carry a secret.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
 import time
@@ -15,15 +19,16 @@ from typing import Any
 
 import grpc
 
-from sarcomm.coordinator.errors import SarcommError, to_status
+from sarcomm.coordinator.errors import SarcommError, UnauthenticatedError, to_status
 from sarcomm.coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, metrics: CoordinatorMetrics) -> None:
+    def __init__(self, metrics: CoordinatorMetrics, token: str | None = None) -> None:
         self._metrics = metrics
+        self._token = token
         # Wrapping builds closures and a handler object; do it once per method, not once per call.
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
@@ -34,16 +39,18 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
-            return handler  # type: ignore[unreachable]
+            return handler  # type: ignore[return-value]
         wrapped = self._wrapped.get(handler_call_details.method)
         if wrapped is None:
             method = handler_call_details.method.rsplit("/", 1)[-1]
-            wrapped = self._wrapped[handler_call_details.method] = _wrap(handler, method, self._metrics)
+            token = None if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIX) else self._token
+            wrapped = _wrap(handler, method, self._metrics, token)
+            self._wrapped[handler_call_details.method] = wrapped
         return wrapped
 
 
 def _wrap(
-    handler: grpc.RpcMethodHandler[Any, Any], method: str, metrics: CoordinatorMetrics
+    handler: grpc.RpcMethodHandler[Any, Any], method: str, metrics: CoordinatorMetrics, token: str | None
 ) -> grpc.RpcMethodHandler[Any, Any]:
     counter = metrics.rpcs
     duration = metrics.rpc_duration.labels(method)
@@ -53,9 +60,9 @@ def _wrap(
     ) -> None:
         duration.observe(time.perf_counter() - start)
         if isinstance(error, SarcommError):
-            code, details = to_status(error)
-            counter.labels(method, code.name).inc()
-            await context.abort(code, details)
+            status, details = to_status(error)
+            counter.labels(method, status.name).inc()
+            await context.abort(status, details)
         if isinstance(error, asyncio.CancelledError):
             counter.labels(method, "CANCELLED").inc()
             return
@@ -70,6 +77,7 @@ def _wrap(
         async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             start = time.perf_counter()
             try:
+                _authenticate(context, token)
                 response = await behavior(request, context)
             except BaseException as error:
                 await finish(context, error, start)
@@ -88,6 +96,7 @@ def _wrap(
         async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
+                _authenticate(context, token)
                 async for response in behavior(request, context):
                     yield response
             except BaseException as error:
@@ -110,6 +119,30 @@ def _wrap(
     if handler.stream_stream:
         return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
     return handler
+
+
+UNAUTHENTICATED_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _authenticate(context: grpc.aio.ServicerContext[Any, Any], token: str | None) -> None:
+    """Refuse a call whose ``authorization`` metadata is not ``Bearer <token>``.
+
+    The message says nothing about what exists, and the comparison takes the same time however
+    much of the token matches.
+    """
+    if token is None:
+        return
+    sent = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            sent = value if isinstance(value, str) else value.decode(errors="replace")
+    if not bearer_matches(sent, token):
+        raise UnauthenticatedError("the call carries no valid token (send 'authorization: Bearer <token>')")
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """True when ``header`` is ``Bearer <token>``; constant time in the token's content."""
+    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
 def _is_abort(error: BaseException) -> bool:

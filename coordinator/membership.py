@@ -136,6 +136,9 @@ class Member:
     metrics_address: str = ""
     # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
     last_seen: float = 0.0
+    # Which join call of its generation brought the member (0, 1, ...): two agents on one host
+    # each get a contiguous block, in the order they joined. Only needed until the world forms.
+    join_call: int = 0
 
     def check_secret(self, secret: str) -> bool:
         return hmac.compare_digest(self.secret_digest, _digest(secret))
@@ -219,6 +222,7 @@ class Job:
     formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
     requested: dict[int, Member] = field(default_factory=dict, repr=False)
+    join_calls: int = field(default=0, repr=False)
 
     @property
     def label(self) -> str:
@@ -376,6 +380,7 @@ class Membership:
                 peer_address=spec.peer_address,
                 socket_name=spec.socket_name,
                 joined_at=now,
+                join_call=job.join_calls,
             )
             job.members.append(member)
             if request.rank is not None:
@@ -383,6 +388,7 @@ class Membership:
             ticket_members.append(member)
             ticket_secrets.append(secret)
         # DEBUG: a world of thousands would otherwise log thousands of lines while forming.
+        job.join_calls += 1
         log.debug(
             "%s: host %s joined with %d member(s); %d of %d joined",
             job.label,
@@ -563,7 +569,7 @@ class Membership:
         log.warning("%s: rank %s on host %s failed: %s", job.label, member.rank, member.host, reason)
         if job.state is JobState.RUNNING:
             job.state = JobState.FAILED
-            job.reason = f"rank {member.rank} on host {member.host} {reason}"
+            job.reason = f"rank {member.rank} on host {member.host} failed: {reason}"
             self._emit(
                 JobEvent(
                     EventKind.MEMBER_FAILED, job.name, job.generation, now, member.rank, member.host, reason
@@ -661,7 +667,7 @@ def _deal_ranks(world_size: int, members: Sequence[Member]) -> dict[str, int]:
 
 
 def _by_local_rank(members: list[Member]) -> list[Member]:
-    return sorted(members, key=lambda m: (m.local_rank, m.joined_at))
+    return sorted(members, key=lambda m: (m.join_call, m.local_rank))
 
 
 def _first_run(free: list[int], length: int) -> int | None:

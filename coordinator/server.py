@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sarcomm.coordinator.config import CoordinatorConfig, parse_host_port
+from sarcomm.coordinator.errors import InvalidArgumentError
 from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
@@ -51,6 +53,18 @@ def _stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> It
             loop.remove_signal_handler(sig)
 
 
+def read_token(path: Path) -> str:
+    """The shared token in ``path`` (surrounding whitespace ignored).
+
+    Raises:
+        InvalidArgumentError: the file is empty; an empty token would let everyone in.
+    """
+    token = path.read_text().strip()
+    if not token:
+        raise InvalidArgumentError(f"token_file {str(path)!r} must hold a non-empty token")
+    return token
+
+
 class Coordinator:
     """One running coordinator; ``grpc_port``/``http_port`` are the bound ports once started."""
 
@@ -68,7 +82,8 @@ class Coordinator:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         http_host, http_port = parse_host_port("http", config.http)
         advertised = f"{socket.gethostname() if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
-        self.http = HttpApi(self.membership, self.metrics, advertised)
+        self.token = read_token(config.token_file) if config.token_file else None
+        self.http = HttpApi(self.membership, self.metrics, advertised, self.token)
         self.grpc_port = 0
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
@@ -86,7 +101,7 @@ class Coordinator:
     async def start(self) -> None:
         limits = self.config.limits
         server = grpc.aio.server(
-            interceptors=[StatusInterceptor(self.metrics)],
+            interceptors=[StatusInterceptor(self.metrics, self.token)],
             options=[
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),

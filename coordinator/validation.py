@@ -159,11 +159,12 @@ def _members(request: pb.JoinRequest, world_size: int) -> tuple[MemberRequest, .
     ranks: set[int] = set()
     result = []
     for i, member in enumerate(request.members):
-        if not 0 <= member.local_rank < len(request.members):
+        # A process that joins alone may be local rank 3 of its host: bound by the world, not the call.
+        if not 0 <= member.local_rank < world_size:
             raise invalid(
                 f"members[{i}].local_rank",
                 member.local_rank,
-                f"must be in 0..{len(request.members) - 1} (one per local rank)",
+                f"must be in 0..{world_size - 1} (world_size {world_size})",
             )
         if member.local_rank in local_ranks:
             raise invalid(f"members[{i}].local_rank", member.local_rank, "must not repeat in one request")

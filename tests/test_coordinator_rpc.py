@@ -82,7 +82,7 @@ async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
     call.cancel()
     jobs = coordinator.get_json("/v1/jobs")
     assert jobs["jobs"][0]["state"] == "FAILED"  # type: ignore[index]
-    assert jobs["jobs"][0]["reason"] == f"rank {failed.rank} on host b exited with code 7"  # type: ignore[index]
+    assert jobs["jobs"][0]["reason"] == f"rank {failed.rank} on host b failed: exited with code 7"  # type: ignore[index]
 
 
 async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(

@@ -230,7 +230,7 @@ def test_leave_with_nonzero_code_fails_job_and_names_rank(
     a, _ = form(membership, spec("a", None, None), spec("b", None, None))
     membership.leave(a.members[1].member_id, a.secrets[1], 3)
     assert a.job.state is JobState.FAILED
-    assert a.job.reason == "rank 1 on host a exited with code 3"
+    assert a.job.reason == "rank 1 on host a failed: exited with code 3"
     failed = [e for e in events if e.kind is EventKind.MEMBER_FAILED]
     assert [(e.rank, e.host, e.reason) for e in failed] == [(1, "a", "exited with code 3")]
 
@@ -290,3 +290,9 @@ def test_generation_grows_across_restart_and_name_reuse(tmp_path: Path, clock: F
     first.leave(tickets[0].members[0].member_id, tickets[0].secrets[0], 1)
     restored = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
     assert restored.join(spec("a")).job.generation == 2
+
+
+def test_join_keeps_each_agent_contiguous_if_two_share_a_host(membership: Membership) -> None:
+    first, second = form(membership, spec("same", None, None), spec("same", None, None))
+    assert [m.rank for m in first.members] == [0, 1]
+    assert [m.rank for m in second.members] == [2, 3]

@@ -71,24 +71,31 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:
-    from sarcomm.coordinator.errors import PeerFailedError, SarcommError
-    from sarcomm.worker.client import Assignment, CoordinatorClient
-    from sarcomm.worker.collectives import (
-        all_gather,
-        all_reduce,
-        all_to_all,
-        barrier,
-        broadcast,
-        exchange_tensors,
-        gather,
-        gather_grads,
-        recv,
-        reduce,
-        reduce_scatter,
-        scatter,
-        send,
-        sync_params,
-    )
-    from sarcomm.worker.comm import backend, comm_device, initialize_comms, is_initialized, rank, world_size
-    from sarcomm.worker.startup import WorkerInfo, coord_ip_init, init
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these on first use
+    from sarcomm.coordinator.errors import PeerFailedError as PeerFailedError
+    from sarcomm.coordinator.errors import SarcommError as SarcommError
+    from sarcomm.worker.client import Assignment as Assignment
+    from sarcomm.worker.client import CoordinatorClient as CoordinatorClient
+    from sarcomm.worker.collectives import all_gather as all_gather
+    from sarcomm.worker.collectives import all_reduce as all_reduce
+    from sarcomm.worker.collectives import all_to_all as all_to_all
+    from sarcomm.worker.collectives import barrier as barrier
+    from sarcomm.worker.collectives import broadcast as broadcast
+    from sarcomm.worker.collectives import exchange_tensors as exchange_tensors
+    from sarcomm.worker.collectives import gather as gather
+    from sarcomm.worker.collectives import gather_grads as gather_grads
+    from sarcomm.worker.collectives import recv as recv
+    from sarcomm.worker.collectives import reduce as reduce
+    from sarcomm.worker.collectives import reduce_scatter as reduce_scatter
+    from sarcomm.worker.collectives import scatter as scatter
+    from sarcomm.worker.collectives import send as send
+    from sarcomm.worker.collectives import sync_params as sync_params
+    from sarcomm.worker.comm import backend as backend
+    from sarcomm.worker.comm import comm_device as comm_device
+    from sarcomm.worker.comm import initialize_comms as initialize_comms
+    from sarcomm.worker.comm import is_initialized as is_initialized
+    from sarcomm.worker.comm import rank as rank
+    from sarcomm.worker.comm import world_size as world_size
+    from sarcomm.worker.startup import WorkerInfo as WorkerInfo
+    from sarcomm.worker.startup import coord_ip_init as coord_ip_init
+    from sarcomm.worker.startup import init as init

@@ -1,0 +1,330 @@
+"""What sarcomm's instrumented collectives add to bare ``torch.distributed`` calls.
+
+Three measurements, all on gloo over loopback:
+
+1. ``wrapper``: the wrapper alone. ``torch.distributed.all_reduce`` (and ``broadcast``) are
+   replaced in-process by a function that does nothing, so the difference between calling the
+   wrapper and calling that function directly is exactly the Python the wrapper runs: state check,
+   routing, two clock reads, one histogram/bytes update. Deterministic, so it is the figure for
+   "microseconds added per call".
+2. ``world1``: a real 4-byte all_reduce in a one-rank gloo group, bare vs wrapped.
+3. ``world2``: every op in a two-rank gloo group (separate processes), bare vs wrapped, 4 bytes
+   and 64 KiB to 16 MiB.
+
+Bare and wrapped calls are interleaved so that drifting load and clock speed hit both sides
+alike: (1) in blocks of many calls (a call is too short to time alone), (2) and (3) call by call
+(ABBA order, identical on every rank), each call timed alone. The figures are medians, and
+"added" is the median of the paired differences (wrapped minus the bare call or block beside
+it). (1) is deterministic; (2) and (3) include the scheduler's noise (two ranks sharing a busy
+host scatter by several percent either way), so for >= 64 KiB the table also shows the bound
+"wrapper cost (1) / bare time", which is what the wrapper can add at most.
+
+    python benchmarks/overhead.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = {"4 B": 4, "64 KiB": 64 * 1024, "1 MiB": 1024**2, "16 MiB": 16 * 1024**2}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def interleaved(
+    bare: Callable[[], Any],
+    wrapped: Callable[[], Any],
+    calls: int,
+    blocks: int,
+    align: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Blocks of ``calls`` calls, bare and wrapped alternating block by block: median per-call
+    seconds of each side and of the paired difference. For calls too short to time one by one."""
+    bare_s: list[float] = []
+    wrapped_s: list[float] = []
+    for block in range(blocks):
+        order = ((bare, bare_s), (wrapped, wrapped_s))
+        for fn, sink in order if block % 2 == 0 else reversed(order):
+            if align is not None:
+                align()
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            sink.append((time.perf_counter_ns() - start) / calls / 1e9)
+    return _summary(bare_s, wrapped_s, blocks=blocks, calls_per_block=calls)
+
+
+def alternating(bare: Callable[[], Any], wrapped: Callable[[], Any], pairs: int) -> dict[str, float]:
+    """Each call timed alone, bare and wrapped alternating call by call (ABBA order, the same on
+    every rank): medians shrug off the scheduler stalls that swamp block means on a busy host."""
+    bare_s: list[float] = []
+    wrapped_s: list[float] = []
+    clock = time.perf_counter_ns
+    for i in range(pairs):
+        order = ((bare, bare_s), (wrapped, wrapped_s))
+        for fn, sink in order if i % 2 == 0 else reversed(order):
+            start = clock()
+            fn()
+            sink.append((clock() - start) / 1e9)
+    return _summary(bare_s, wrapped_s, pairs=pairs)
+
+
+def _summary(bare_s: list[float], wrapped_s: list[float], **extra: int) -> dict[str, float]:
+    diffs = [w - b for w, b in zip(wrapped_s, bare_s, strict=True)]
+    return {
+        "bare_s": statistics.median(bare_s),
+        "wrapped_s": statistics.median(wrapped_s),
+        "added_s": statistics.median(diffs),
+        **{key: float(value) for key, value in extra.items()},
+    }
+
+
+def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
+    """(1): the wrappers against a backend that does nothing, in this process (world size 1)."""
+    from sarcomm.worker import collectives
+
+    results = {}
+    tensor = torch.zeros(1)
+    real = {"all_reduce": dist.all_reduce, "broadcast": dist.broadcast}
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    try:
+        setattr(dist, "all_reduce", nothing)  # noqa: B010  (setattr: mypy rejects assigning over a function)
+        setattr(dist, "broadcast", nothing)  # noqa: B010
+        calls, blocks = (20_000, 10) if quick else (100_000, 20)
+        results["all_reduce"] = interleaved(
+            lambda: nothing(tensor), lambda: collectives.all_reduce(tensor), calls, blocks
+        )
+        results["broadcast"] = interleaved(
+            lambda: nothing(tensor, 0), lambda: collectives.broadcast(tensor, 0), calls, blocks
+        )
+    finally:
+        setattr(dist, "all_reduce", real["all_reduce"])  # noqa: B010
+        setattr(dist, "broadcast", real["broadcast"])  # noqa: B010
+    return results
+
+
+def world1(quick: bool) -> dict[str, float]:
+    """(2): a real 4-byte gloo all_reduce in a one-rank group."""
+    from sarcomm.worker import collectives
+
+    tensor = torch.zeros(1)
+    pairs = 5_000 if quick else 30_000
+    return alternating(lambda: dist.all_reduce(tensor), lambda: collectives.all_reduce(tensor), pairs)
+
+
+def pair_ops(rank: int, world: int, nbytes: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """op -> (bare call, wrapped call) over tensors of ``nbytes`` bytes (float32)."""
+    from sarcomm.worker import collectives as sar
+
+    n = max(1, nbytes // 4)
+    t = torch.zeros(n)
+    chunks = [torch.zeros(n) for _ in range(world)]
+    out = torch.zeros(n)
+    root_list = [torch.zeros(n) for _ in range(world)] if rank == 0 else None
+    ops: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "all_reduce": (lambda: dist.all_reduce(t), lambda: sar.all_reduce(t)),
+        # Calibration: bare against bare. Its "added" is the measurement's own noise floor.
+        "all_reduce A/A (bare vs bare)": (lambda: dist.all_reduce(t), lambda: dist.all_reduce(t)),
+        "broadcast": (lambda: dist.broadcast(t, 0), lambda: sar.broadcast(t, 0)),
+        "all_gather": (lambda: dist.all_gather(chunks, t), lambda: sar.all_gather(chunks, t)),
+        "reduce_scatter": (lambda: dist.reduce_scatter(out, chunks), lambda: sar.reduce_scatter(out, chunks)),
+        "reduce": (lambda: dist.reduce(t, 0), lambda: sar.reduce(t, 0)),
+        "gather": (lambda: dist.gather(t, root_list, 0), lambda: sar.gather(t, root_list, 0)),
+        "scatter": (lambda: dist.scatter(t, root_list, 0), lambda: sar.scatter(t, root_list, 0)),
+        "all_to_all, equal sizes (algorithm, not a wrapper)": (
+            lambda: dist.all_to_all(chunks, chunks),
+            lambda: sar.all_to_all(chunks, chunks),
+        ),
+    }
+    if rank == 0:
+        ops["send/recv"] = (lambda: dist.send(t, 1), lambda: sar.send(t, 1))
+    else:
+        ops["send/recv"] = (lambda: dist.recv(t, 0), lambda: sar.recv(t, 0))
+    if nbytes == 4:
+        ops["barrier"] = (lambda: dist.barrier(), lambda: sar.barrier())
+    return ops
+
+
+def world2_rank(rank: int, world: int, port: int, quick: bool, out: Any) -> None:
+    os.environ.setdefault("SAR_SOCKET_NAME", "lo")
+    torch.set_num_threads(1)
+    from sarcomm.worker import comm
+
+    comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    sizes = {k: v for k, v in SIZES.items() if not quick or v <= 1024**2}
+    for label, nbytes in sizes.items():
+        ops = pair_ops(rank, world, nbytes)
+        if nbytes > 4:
+            # Large sizes: all_reduce is the op SAR calls with big tensors; the rest at 64 KiB.
+            ops = {k: v for k, v in ops.items() if k.startswith("all_reduce") or nbytes == 64 * 1024}
+        for op, (bare, wrapped) in ops.items():
+            bare()  # warm-up: connections, allocations
+            wrapped()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(3):
+                bare()
+            estimate = torch.tensor([(time.perf_counter() - start) / 3])
+            dist.all_reduce(estimate, dist.ReduceOp.MAX)
+            budget = 1.0 if quick else 4.0  # seconds per (op, size), both sides together
+            pairs = int(max(10, min(4000, budget / 2 / max(float(estimate), 1e-6))))
+            dist.barrier()
+            results.setdefault(op, {})[label] = alternating(bare, wrapped, pairs)
+        if rank == 0:
+            print(f"  world2 {label} done", file=sys.stderr, flush=True)
+    if rank == 0:
+        out.put(results)
+    comm.destroy_comms()
+
+
+def world2(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=world2_rank, args=(r, 2, port, quick, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results: dict[str, dict[str, dict[str, float]]] = out.get(timeout=900)
+    for proc in procs:
+        proc.join(60)
+    return results
+
+
+def wrapper_cost(only: dict[str, dict[str, float]], op: str) -> float:
+    """Seconds the wrapper of ``op`` adds: all_reduce has its own fast path, every other op runs
+    the shared path that (1) measures on broadcast."""
+    if op.startswith("all_reduce A/A"):
+        return 0.0
+    return only["all_reduce" if op == "all_reduce" else "broadcast"]["added_s"]
+
+
+def fmt_us(seconds: float) -> str:
+    return f"{seconds * 1e6:10.2f}"
+
+
+def markdown_tables(
+    only: dict[str, dict[str, float]], one: dict[str, float], two: dict[str, dict[str, dict[str, float]]]
+) -> str:
+    """The three tables as Markdown (microseconds per call)."""
+    lines = [
+        "(1) Wrapper alone, backend replaced by a no-op",
+        "",
+        "| op | bare (us) | wrapped (us) | added (us) |",
+        "|---|---:|---:|---:|",
+    ]
+    for op, r in only.items():
+        lines.append(
+            f"| {op} | {r['bare_s'] * 1e6:.2f} | {r['wrapped_s'] * 1e6:.2f} | {r['added_s'] * 1e6:.2f} |"
+        )
+    lines += [
+        "",
+        "(2) 4-byte all_reduce, gloo, 1 rank",
+        "",
+        "| op | bare (us) | wrapped (us) | added (us) |",
+        "|---|---:|---:|---:|",
+        f"| all_reduce | {one['bare_s'] * 1e6:.2f} | {one['wrapped_s'] * 1e6:.2f} "
+        f"| {one['added_s'] * 1e6:.2f} |",
+        "",
+        "(3) gloo, 2 ranks on loopback",
+        "",
+        "| op | size | bare (us) | wrapped (us) | added (us) | added % | bound % |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for op, by_size in two.items():
+        for label, r in by_size.items():
+            lines.append(
+                f"| {op} | {label} | {r['bare_s'] * 1e6:.2f} | {r['wrapped_s'] * 1e6:.2f} | "
+                f"{r['added_s'] * 1e6:.2f} | {100 * r['added_s'] / r['bare_s']:.2f} | "
+                f"{100 * r['bound_fraction']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--markdown", help="write the tables here as Markdown")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, sizes up to 1 MiB")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    os.environ.setdefault("SAR_SOCKET_NAME", "lo")
+    torch.set_num_threads(1)
+    from sarcomm.worker import comm
+
+    comm.initialize_comms(0, 1, "127.0.0.1", "gloo", master_port_number=free_port())
+    try:
+        only = wrapper_only(args.quick)
+        one = world1(args.quick)
+    finally:
+        comm.destroy_comms()
+    two = world2(args.quick)
+
+    print("(1) wrapper alone, backend replaced by a no-op (us per call)")
+    print(f"{'op':<26}{'bare':>10}{'wrapped':>10}{'added':>10}")
+    for op, r in only.items():
+        print(f"{op:<26}{fmt_us(r['bare_s'])}{fmt_us(r['wrapped_s'])}{fmt_us(r['added_s'])}")
+    print("\n(2) 4-byte all_reduce, gloo, 1 rank (us per call)")
+    print(f"{'all_reduce':<26}{fmt_us(one['bare_s'])}{fmt_us(one['wrapped_s'])}{fmt_us(one['added_s'])}")
+    print("\n(3) gloo, 2 ranks on loopback (us per call; added = median paired difference;")
+    print("    bound = wrapper cost from (1) / bare time)")
+    print(f"{'op':<26}{'size':>8}{'bare':>10}{'wrapped':>10}{'added':>10}{'added %':>9}{'bound %':>9}")
+    for op, by_size in two.items():
+        for label, r in by_size.items():
+            r["bound_fraction"] = wrapper_cost(only, op) / r["bare_s"]
+            pct = 100 * r["added_s"] / r["bare_s"]
+            print(
+                f"{op:<26}{label:>8}{fmt_us(r['bare_s'])}{fmt_us(r['wrapped_s'])}{fmt_us(r['added_s'])}"
+                f"{pct:8.2f}%{100 * r['bound_fraction']:8.3f}%"
+            )
+    if args.json:
+        report = {
+            "benchmark": "overhead",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": "gloo",
+            "host": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "platform": platform.platform(),
+            },
+            "statistic": "medians; added = median of paired differences (wrapped - bare)",
+            "quick": args.quick,
+            "wall_seconds": round(time.monotonic() - started, 1),
+            "wrapper_only": only,
+            "world1_all_reduce_4B": one,
+            "world2": two,
+        }
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as handle:
+            handle.write(markdown_tables(only, one, two))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

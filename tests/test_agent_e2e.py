@@ -1,0 +1,445 @@
+"""``sar-worker`` end to end: real coordinator, real agents, real rank processes on loopback.
+
+Plus the command line's parsing (flags, ``SARCOMM_*`` variables, errors) and the agent's pure
+helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.worker import cli
+from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, rank_environment
+from sarcomm.worker.client import Assignment, JoinResult, MemberReport, Progress
+from sarcomm.worker.progress import ProgressReader, ProgressWriter
+from tests.conftest import CoordinatorProcess, free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+RANK_SCRIPT = str(SCRIPTS / "agent_rank.py")
+# Bounds each agent's whole run: torch imports, rendezvous, collectives, shutdown.
+AGENT_DEADLINE_S = 120.0
+# How fast a failure must reach every agent: the seconds the design promises, with slack.
+FAILURE_DEADLINE_S = 20.0
+
+CONTRACT = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SAR_COORD",
+    "SAR_JOB", "SAR_GENERATION", "SAR_BACKEND", "SAR_SOCKET_NAME", "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "CCL_SOCKET_IFNAME",
+)  # fmt: skip
+
+
+class Agents:
+    """``sar-worker`` processes started by a test; all are killed at the end whatever happens."""
+
+    def __init__(self, coord: CoordinatorProcess) -> None:
+        self.coord = coord
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, name: str, job: str, *flags: str, command: list[str]) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
+        env["TEST_AGENT"] = name
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "sarcomm.worker.cli", "--coord", self.coord.grpc_target, "--job", job,
+                "--heartbeat-interval", "0.25", "--join-timeout", "60", *flags, "--", *command,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen[str], timeout: float = AGENT_DEADLINE_S) -> tuple[int, str]:
+        """Exit code and stderr of ``proc``; fails the test after ``timeout`` seconds."""
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            _, stderr = proc.communicate(timeout=10)
+            pytest.fail(f"agent still running after {timeout} s:\n{stderr}\ncoordinator:\n{self.coord.log()}")
+        return proc.returncode, stderr
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def agents(coordinator: CoordinatorProcess) -> Iterator[Agents]:
+    started = Agents(coordinator)
+    yield started
+    started.kill()
+
+
+def job_state(coord: CoordinatorProcess, job: str) -> dict[str, object]:
+    jobs = {j["job"]: j for j in coord.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
+    return jobs[job]  # type: ignore[no-any-return]
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+def test_two_agents_with_two_ranks_each_run_gloo_collectives(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    metrics_port = free_port()
+    command = [sys.executable, RANK_SCRIPT, "collectives", str(tmp_path)]
+    a = agents.start("a", "e2e", "--world-size", "4", "--nproc-per-node", "2", "--backend", "gloo",
+                     "--metrics-port", str(metrics_port), command=command)  # fmt: skip
+    b = agents.start(
+        "b", "e2e", "--world-size", "4", "--nproc-per-node", "2", "--backend", "gloo", command=command
+    )
+    for proc in (a, b):
+        code, stderr = agents.wait(proc)
+        assert code == 0, stderr
+    seen = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    by_agent = {name: sorted(r for r, s in seen.items() if s["agent"] == name) for name in ("a", "b")}
+    master = {(s["env"]["MASTER_ADDR"], s["env"]["MASTER_PORT"]) for s in seen.values()}
+    assert len(master) == 1
+    for rank, s in seen.items():
+        env = s["env"]
+        assert all(env[name] is not None for name in CONTRACT), env
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), "4", "2")
+        assert env["LOCAL_RANK"] == str(by_agent[s["agent"]].index(rank))
+        assert (env["SAR_COORD"], env["SAR_JOB"], env["SAR_GENERATION"]) == (
+            coordinator.grpc_target,
+            "e2e",
+            "1",
+        )
+        assert env["SAR_BACKEND"] == "gloo"
+        assert env["SAR_RESTART_COUNT"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        iface = env["SAR_SOCKET_NAME"]
+        assert iface == "lo"
+        assert {
+            env[n]
+            for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "CCL_SOCKET_IFNAME")
+        } == {iface}
+        assert env["SAR_MEMBER_ID"]
+        assert env["SAR_MEMBER_SECRET"]
+        expected_metrics = metrics_port + int(env["LOCAL_RANK"]) if s["agent"] == "a" else 0
+        assert env["SAR_METRICS_PORT"] == str(expected_metrics)
+        info = s["info"]
+        assert (info["rank"], info["world_size"], info["job"], info["generation"]) == (rank, 4, "e2e", 1)
+        assert info["backend"] == "gloo"
+        # all_reduce(SUM) of [r+1, 10(r+1)] over ranks 0..3.
+        assert s["all_reduce"] == [10.0, 100.0]
+        # all_to_all with unequal sizes: from rank src, src+rank+1 values of 100*src+rank.
+        assert s["all_to_all"] == [[float(100 * src + rank)] * (src + rank + 1) for src in range(4)]
+    state = job_state(coordinator, "e2e")
+    assert state["state"] == "FINISHED"
+    assert {m["state"] for m in state["members"]} == {"LEFT"}  # type: ignore[attr-defined]
+    # Each agent's ranks are contiguous, although both agents run on this one host.
+    assert sorted([by_agent["a"], by_agent["b"]]) == [[0, 1], [2, 3]], by_agent
+
+
+def test_a_failing_rank_sets_its_agents_exit_code_and_stops_the_other_agent(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    command = [sys.executable, RANK_SCRIPT, "fail", str(tmp_path), "1", "3"]
+    a = agents.start(
+        "a", "fail", "--world-size", "4", "--nproc-per-node", "2", "--rank", "0", command=command
+    )
+    b = agents.start(
+        "b", "fail", "--world-size", "4", "--nproc-per-node", "2", "--rank", "2", command=command
+    )
+    started = time.monotonic()
+    code_a, err_a = agents.wait(a, FAILURE_DEADLINE_S + 30)
+    code_b, err_b = agents.wait(b, FAILURE_DEADLINE_S + 30)
+    # The surviving ranks sleep 60 s unless stopped: finishing well before shows they were stopped.
+    assert time.monotonic() - started < FAILURE_DEADLINE_S + 15
+    assert code_a == 3, err_a
+    assert "rank 1 on host" in err_a.splitlines()[-1]
+    assert "exited with code 3" in err_a.splitlines()[-1]
+    assert code_b != 0, err_b
+    last_b = err_b.splitlines()[-1]
+    assert "rank 1 on host" in last_b, err_b
+    assert "exited with code 3" in last_b
+    assert "stopped local rank(s) 2, 3" in last_b
+    state = job_state(coordinator, "fail")
+    assert state["state"] == "FAILED"
+    assert "rank 1" in str(state["reason"])
+
+
+def test_sigterm_to_an_agent_stops_its_ranks_and_fails_the_job_everywhere(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    # No rank fails by itself (rank 9 does not exist): everyone waits until stopped.
+    command = [sys.executable, RANK_SCRIPT, "fail", str(tmp_path), "9", "3"]
+    a = agents.start("a", "term", "--world-size", "2", "--rank", "0", command=command)
+    b = agents.start("b", "term", "--world-size", "2", "--rank", "1", command=command)
+    deadline = time.monotonic() + AGENT_DEADLINE_S
+    while not all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert a.poll() is None
+        assert b.poll() is None
+        time.sleep(0.05)
+    a.send_signal(signal.SIGTERM)
+    code_a, err_a = agents.wait(a, FAILURE_DEADLINE_S)
+    code_b, err_b = agents.wait(b, FAILURE_DEADLINE_S)
+    assert code_a == 128 + signal.SIGTERM, err_a
+    assert "rank 0 on host" in err_a.splitlines()[-1]
+    assert code_b != 0, err_b
+    assert "rank 0 on host" in err_b.splitlines()[-1]
+    assert "killed by signal 15" in err_b.splitlines()[-1]
+
+
+def test_a_wedged_rank_is_detected_through_its_stale_progress_stamp(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    command = [sys.executable, RANK_SCRIPT, "hang", str(tmp_path), "1"]
+    a = agents.start("a", "hang", "--world-size", "2", "--rank", "0", command=command)
+    b = agents.start("b", "hang", "--world-size", "2", "--rank", "1", command=command)
+    started = time.monotonic()
+    code_a, err_a = agents.wait(a, FAILURE_DEADLINE_S + 30)
+    code_b, err_b = agents.wait(b, FAILURE_DEADLINE_S + 30)
+    # Everyone else sleeps 60 s unless stopped.
+    assert time.monotonic() - started < FAILURE_DEADLINE_S + 15
+    for code, err in ((code_a, err_a), (code_b, err_b)):
+        assert code != 0, err
+        assert "rank 1 on host" in err.splitlines()[-1], err
+        assert "missed heartbeats" in err.splitlines()[-1], err
+
+
+def test_ranks_keep_running_while_the_coordinator_restarts(
+    start_coordinator: Callable[..., CoordinatorProcess], tmp_path: Path
+) -> None:
+    # Generous misses: the restarted coordinator gives restored members that long to reconnect.
+    coord = start_coordinator(
+        "--heartbeat-interval", "0.5", "--heartbeat-misses", "10", "--join-timeout", "60"
+    )
+    agents = Agents(coord)
+    try:
+        command = [sys.executable, RANK_SCRIPT, "sleep", str(tmp_path), "6"]
+        a = agents.start("a", "restarted", "--world-size", "2", "--rank", "0", command=command)
+        b = agents.start("b", "restarted", "--world-size", "2", "--rank", "1", command=command)
+        deadline = time.monotonic() + AGENT_DEADLINE_S
+        while not all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.05)
+        coord.stop()
+        assert not any((tmp_path / f"rank{r}.done").exists() for r in (0, 1)), "ranks finished too early"
+        time.sleep(1.0)
+        coord.start()
+        for proc in (a, b):
+            code, stderr = agents.wait(proc)
+            assert code == 0, stderr
+        assert job_state(coord, "restarted")["state"] == "FINISHED"
+    finally:
+        agents.kill()
+
+
+def test_max_restarts_rejoins_the_next_generation_and_reruns_every_rank(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    command = [sys.executable, RANK_SCRIPT, "restart", str(tmp_path), "1", "5"]
+    flags = ("--world-size", "4", "--nproc-per-node", "2", "--max-restarts", "1")
+    a = agents.start("a", "again", *flags, "--rank", "0", command=command)
+    b = agents.start("b", "again", *flags, "--rank", "2", command=command)
+    for proc in (a, b):
+        code, stderr = agents.wait(proc)
+        assert code == 0, stderr
+    for rank in range(4):
+        assert (tmp_path / f"rank{rank}.restart1").read_text() == "2"
+    state = job_state(coordinator, "again")
+    assert (state["state"], state["generation"]) == ("FINISHED", 2)
+
+
+def test_a_socket_name_that_does_not_exist_is_refused_before_joining(coordinator: CoordinatorProcess) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coordinator.grpc_target, "--job", "nic",
+         "--world-size", "1", "--socket-name", "nosuch9", "--", "true"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "SAR_SOCKET_NAME": ""},
+    )  # fmt: skip
+    assert proc.returncode == cli.EXIT_USAGE
+    assert "socket_name 'nosuch9' is not an interface of host" in proc.stderr
+    assert "lo" in proc.stderr.split("it has:")[-1]
+    assert coordinator.get_json("/v1/jobs") == {"jobs": []}
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+BASE = ["--coord", "head:50051", "--job", "gnn", "--world-size", "8"]
+
+
+def test_parse_reads_flags_and_the_command_after_the_separator() -> None:
+    config, subcommand, _, level = cli.parse(
+        [*BASE, "--rank", "4", "--nproc-per-node", "4", "--backend", "gloo", "--socket-name", "eth1",
+         "--max-restarts", "2", "--metrics-port", "9500", "--join-timeout", "30", "--heartbeat-interval",
+         "0.5", "--", "python", "train.py", "--lr", "1"],
+        {},
+    )  # fmt: skip
+    assert subcommand is None
+    assert level == "INFO"
+    assert config == AgentConfig(
+        coord="head:50051", job="gnn", world_size=8, command=("python", "train.py", "--lr", "1"), rank=4,
+        nproc_per_node=4, backend="gloo", socket_name="eth1", max_restarts=2, metrics_port=9500,
+        join_timeout=30.0, heartbeat_interval=0.5,
+    )  # fmt: skip
+    assert config.ranks == [4, 5, 6, 7]
+
+
+def test_parse_falls_back_to_sarcomm_variables_and_the_flag_wins() -> None:
+    env = {
+        "SARCOMM_COORD": "h:1", "SARCOMM_JOB": "j", "SARCOMM_WORLD_SIZE": "4", "SARCOMM_NPROC_PER_NODE": "2",
+        "SARCOMM_BACKEND": "nccl", "SARCOMM_METRICS_PORT": "9000", "SAR_SOCKET_NAME": "ib0",
+    }  # fmt: skip
+    config, *_ = cli.parse(["--backend", "gloo", "--", "x"], env)
+    assert (config.coord, config.job, config.world_size, config.nproc_per_node) == ("h:1", "j", 4, 2)
+    assert (config.backend, config.metrics_port, config.socket_name) == ("gloo", 9000, "ib0")
+    config, *_ = cli.parse(["--", "x"], {**env, "SARCOMM_SOCKET_NAME": "eth2"})
+    assert config.socket_name == "eth2"
+    config, *_ = cli.parse(["--socket-name", "eth3", "--", "x"], {**env, "SARCOMM_SOCKET_NAME": "eth2"})
+    assert config.socket_name == "eth3"
+
+
+BAD_SETTINGS: list[tuple[list[str], dict[str, str], str]] = [
+    (["--job", "j", "--world-size", "2", "--", "x"], {}, "--coord is required (or set SARCOMM_COORD)."),
+    ([*BASE[:4], "--world-size", "0", "--", "x"], {}, "--world-size '0' must be an integer >= 1."),
+    (
+        [*BASE[:4], "--", "x"],
+        {"SARCOMM_WORLD_SIZE": "many"},
+        "SARCOMM_WORLD_SIZE='many' must be an integer >= 1.",
+    ),
+    (
+        [*BASE, "--backend", "tcp", "--", "x"],
+        {},
+        "--backend 'tcp' must be one of auto, gloo, nccl, ccl, mpi, ucc.",
+    ),
+    (
+        [*BASE, "--join-timeout", "-1", "--", "x"],
+        {},
+        "--join-timeout '-1' must be a positive number of seconds.",
+    ),
+    (
+        [*BASE, "--metrics-port", "70000", "--", "x"],
+        {},
+        "--metrics-port '70000' must be an integer in 0..65535.",
+    ),
+    ([*BASE, "--nproc-per-node", "9", "--", "x"], {}, "--nproc-per-node 9 must be in 1..--world-size (8)."),
+    (
+        [*BASE, "--rank", "7", "--nproc-per-node", "2", "--", "x"],
+        {},
+        "--rank 7 must be in 0..6: the ranks 7..8 of this host's 2 local ranks must fit in --world-size 8.",
+    ),
+    (
+        ["--coord", "head", *BASE[2:], "--", "x"],
+        {},
+        "--coord 'head' must be HOST:PORT with a port in 1..65535.",
+    ),
+    (
+        BASE,
+        {},
+        "COMMAND is missing: put it after '--', e.g. sar-worker --coord head:50051 --job gnn "
+        "--world-size 8 -- python train.py",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), BAD_SETTINGS)
+def test_parse_names_the_flag_or_variable_the_value_and_the_rule(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        cli.parse(argv, env)
+    assert str(caught.value) == message
+
+
+def test_main_returns_usage_status_for_bad_settings_without_exiting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main([*BASE, "--world-size", "x", "--", "true"]) == cli.EXIT_USAGE
+    assert "sar-worker: error: --world-size 'x' must be an integer >= 1." in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+
+
+def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[AgentConfig, object]] = []
+
+    class Echo:
+        name = "echo"
+        help = "test subcommand"
+
+        def add_arguments(self, parser: object) -> None:
+            parser.add_argument("--times", type=int, default=1)  # type: ignore[attr-defined]
+
+        def run(self, config: AgentConfig, args: object) -> int:
+            ran.append((config, args.times))  # type: ignore[attr-defined]
+            return 7
+
+    monkeypatch.setattr(cli, "_SUBCOMMANDS", {})
+    cli.register_subcommand(Echo())
+    assert cli.main([*BASE, "echo", "--times", "3"]) == 7
+    assert ran[0][0].job == "gnn"
+    assert ran[0][1] == 3
+    with pytest.raises(InvalidArgumentError, match="takes no COMMAND"):
+        cli.parse([*BASE, "echo", "--", "x"], {})
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def test_rank_report_carries_progress_and_stops_when_the_stamp_goes_stale(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.progress"
+    rank = _Rank(0, 0, "m0", "s0", "10.0.0.2:9000", ProgressReader(path))
+    # No record yet (a program without sarcomm's library): alive while its process is.
+    assert rank.report(time.time(), 1.0) == MemberReport("m0", "s0", None, "10.0.0.2:9000")
+    writer = ProgressWriter(path)
+    seq = writer.enter("all_to_all")
+    record = writer.publish(stamp=100.0)
+    report = rank.report(100.5, 1.0)
+    assert report is not None
+    assert report.progress == Progress(seq, "all_to_all", True, record.since)
+    assert rank.report(101.5, 1.0) is None
+    writer.publish(stamp=102.0)
+    assert rank.report(102.1, 1.0) is not None
+    writer.close()
+    rank.progress.close()
+
+
+def test_exit_code_of_maps_signals_like_a_shell() -> None:
+    assert [exit_code_of(c) for c in (0, 3, -9, -15)] == [0, 3, 137, 143]
+
+
+def test_rank_environment_holds_the_contract() -> None:
+    config = AgentConfig(
+        coord="h:1", job="j", world_size=4, command=("x",), nproc_per_node=2, metrics_port=9000
+    )
+    members = tuple(
+        Assignment(rank=r, world_size=4, local_rank=i, local_world_size=2, master_addr="10.0.0.1",
+                   master_port=29500, interface="eth1", address="10.0.0.2", generation=3, member_id=f"m{i}",
+                   secret=f"s{i}", job="j", restart_count=0)
+        for i, r in enumerate((2, 3))
+    )  # fmt: skip
+    joined = JoinResult("j", 3, 4, "10.0.0.1", 29500, "eth1", "10.0.0.2", 0, members)
+    env = rank_environment(
+        {"PATH": "/bin", "RANK": "old"}, config, joined, 1, restart_count=1, progress_file=Path("/p/r3")
+    )
+    expected = {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "SAR_COORD": "h:1", "SAR_JOB": "j",
+        "SAR_GENERATION": "3", "SAR_BACKEND": "auto", "SAR_SOCKET_NAME": "eth1",
+        "GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "TP_SOCKET_IFNAME": "eth1",
+        "CCL_SOCKET_IFNAME": "eth1", "SAR_MEMBER_ID": "m1", "SAR_MEMBER_SECRET": "s1",
+        "SAR_RESTART_COUNT": "1",
+    }  # fmt: skip
+    assert {k: env[k] for k in expected} == expected
+    assert env["SAR_METRICS_PORT"] == "9001"
+    assert env["SAR_PROGRESS_FILE"] == "/p/r3"
+    assert env["SARCOMM_HEARTBEAT_INTERVAL"] == "1.0"
+    assert env["PATH"] == "/bin"

@@ -1,0 +1,305 @@
+"""``sar-worker``: run a command as the local ranks of a sarcomm job, or a subcommand.
+
+::
+
+    sar-worker --coord HOST:PORT --job NAME --world-size N [--rank R] [--nproc-per-node K]
+               [--backend auto|gloo|nccl|ccl|mpi|ucc] [--socket-name IFACE] [--max-restarts M]
+               [--metrics-port P] [--join-timeout S] [--heartbeat-interval S] -- COMMAND [ARGS...]
+    sar-worker --coord ... --job ... --world-size N SUBCOMMAND [...]
+
+Every flag falls back to ``SARCOMM_<FLAG>`` (``--world-size`` -> ``SARCOMM_WORLD_SIZE``); a flag on
+the command line wins. ``--socket-name`` also falls back to ``SAR_SOCKET_NAME``, as SAR documents.
+
+Subcommands (``bench``, ...) plug in through :func:`register_subcommand`: an object with ``name``,
+``help``, ``add_arguments(parser)`` and ``run(config, args) -> int``, where ``config`` is the
+:class:`~sarcomm.worker.agent.AgentConfig` built from the shared flags (without a command).
+
+Only :func:`main` decides the exit status; only the ``__main__`` block exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.worker.agent import Agent, AgentConfig
+from sarcomm.worker.client import validate_target
+from sarcomm.worker.startup import BACKENDS
+
+__all__ = [
+    "EXIT_COORDINATOR",
+    "EXIT_USAGE",
+    "Subcommand",
+    "build_parser",
+    "main",
+    "parse",
+    "register_subcommand",
+]
+
+log = logging.getLogger("sarcomm.worker")
+
+#: Exit status for bad flags, variables or settings.
+EXIT_USAGE = 2
+#: Exit status when the coordinator refused the job or could not be reached.
+EXIT_COORDINATOR = 1
+
+
+class Subcommand(Protocol):
+    """What a ``sar-worker`` subcommand provides (``bench`` and later ones)."""
+
+    name: str
+    help: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the subcommand's own flags."""
+
+    def run(self, config: AgentConfig, args: argparse.Namespace) -> int:
+        """Run with the shared settings and the parsed flags; return the exit status."""
+
+
+_SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register_subcommand(command: Subcommand) -> None:
+    """Make ``sar-worker ... <command.name> [...]`` available; a later registration replaces one."""
+    _SUBCOMMANDS[command.name] = command
+
+
+def _builtin_subcommands() -> None:
+    """Register the subcommands that ship with sarcomm (imported here, late, to keep start-up fast)."""
+    # The bench subcommand registers itself here once it exists.
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+
+def _integer(low: int, high: int | None = None) -> tuple[Callable[[str], int], str]:
+    def convert(text: str) -> int:
+        value = int(text.strip())
+        if value < low or (high is not None and value > high):
+            raise ValueError
+        return value
+
+    return convert, f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
+def _target(text: str) -> str:
+    try:
+        return validate_target(text)
+    except InvalidArgumentError as exc:
+        raise ValueError from exc
+
+
+def _backend(text: str) -> str:
+    if text not in BACKENDS:
+        raise ValueError
+    return text
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise ValueError
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class _Option:
+    flag: str
+    convert: Callable[[str], Any]
+    rule: str
+    help: str
+    default: Any = None
+    metavar: str | None = None
+    required: bool = False
+    also_env: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "SARCOMM_" + self.dest.upper()
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("--coord", _target, "HOST:PORT with a port in 1..65535", "coordinator gRPC address",
+            metavar="HOST:PORT", required=True),
+    _Option("--job", _nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
+    _Option("--world-size", *_integer(1), "ranks in the whole job", metavar="N", required=True),
+    _Option("--rank", *_integer(0), "global rank of local rank 0 (default: the coordinator deals "
+            "contiguous ranks per host)", metavar="R"),
+    _Option("--nproc-per-node", *_integer(1), "local ranks to run", default=1, metavar="K"),
+    _Option("--backend", _backend, f"one of {', '.join(BACKENDS)}", "torch.distributed backend",
+            default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
+    _Option("--socket-name", str, "an interface name", "network interface the ranks use (default: "
+            "the coordinator chooses)", default="", metavar="IFACE", also_env=("SAR_SOCKET_NAME",)),
+    _Option("--max-restarts", *_integer(0), "times to rejoin and restart after a failure", default=0,
+            metavar="M"),
+    _Option("--metrics-port", *_integer(0, 65535), "first /metrics port: local rank i gets P+i "
+            "(0: none)", default=0, metavar="P"),
+    _Option("--join-timeout", _seconds, "a positive number of seconds", "seconds to wait for the "
+            "world to form (default: the coordinator's --join-timeout)", metavar="S"),
+    _Option("--heartbeat-interval", _seconds, "a positive number of seconds", "seconds between "
+            "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
+    _Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
+            metavar="PATH"),
+    _Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "log level", default="INFO"),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every option is a string here and is converted by :func:`parse`."""
+    parser = argparse.ArgumentParser(
+        prog="sar-worker",
+        description="Register this host's local ranks of a sarcomm job, run COMMAND once per local "
+        "rank with RANK, WORLD_SIZE, MASTER_ADDR, ... set, and exit with its exit code.",
+        epilog="Put the command after '--': sar-worker --coord head:50051 --job gnn --world-size 8 "
+        "--nproc-per-node 4 -- python train.py",
+    )
+    for option in _OPTIONS:
+        more = f" or {', '.join(option.also_env)}" if option.also_env else ""
+        default = "" if option.default in (None, "") else f"; default {option.default}"
+        parser.add_argument(
+            option.flag,
+            dest=option.dest,
+            metavar=option.metavar,
+            help=f"{option.help} (env {option.env}{more}{default})",
+        )
+    _builtin_subcommands()
+    if _SUBCOMMANDS:
+        commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+        for command in _SUBCOMMANDS.values():
+            command.add_arguments(commands.add_parser(command.name, help=command.help))
+    return parser
+
+
+def _resolve(option: _Option, given: str | None, env: Mapping[str, str]) -> Any:
+    """The option's value: flag, then its variables, then the default; converted and checked."""
+    if given is not None:
+        source, text = option.flag, given
+    else:
+        found = next((v for v in (option.env, *option.also_env) if v in env), None)
+        if found is None:
+            if option.required:
+                raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
+            return option.default
+        source, text = found, env[found]
+    try:
+        return option.convert(text)
+    except (ValueError, TypeError):
+        sep = " " if source.startswith("--") else "="
+        raise InvalidArgumentError(f"{source}{sep}{shorten(text)} must be {option.rule}.") from None
+
+
+def parse(
+    argv: Sequence[str], env: Mapping[str, str]
+) -> tuple[AgentConfig, Subcommand | None, argparse.Namespace, str]:
+    """Parse ``argv`` (without the program name) with ``env`` as the variables to fall back to.
+
+    Returns the settings, the subcommand (None: run COMMAND), the parsed namespace and the log
+    level.
+
+    Raises:
+        SystemExit: from argparse, for ``--help`` and malformed flags (status 0 or 2).
+        InvalidArgumentError: a missing or invalid setting (the message names flag or variable,
+            value and rule), a missing COMMAND, or a COMMAND together with a subcommand.
+    """
+    argv = list(argv)
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = {option.dest: _resolve(option, getattr(args, option.dest), env) for option in _OPTIONS}
+    token_file: Path | None = values.pop("token_file")
+    log_level: str = values.pop("log_level")
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise InvalidArgumentError(f"--log-level {shorten(log_level)} must be DEBUG, INFO, WARNING or ERROR.")
+    token = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"--token-file {str(token_file)!r} must be a readable file: {exc}"
+            ) from None
+    subcommand = _SUBCOMMANDS.get(getattr(args, "subcommand", None) or "")
+    if subcommand is not None and command:
+        raise InvalidArgumentError(f"the {subcommand.name} subcommand takes no COMMAND after '--'.")
+    if subcommand is None and not command:
+        raise InvalidArgumentError(
+            "COMMAND is missing: put it after '--', e.g. sar-worker --coord head:50051 --job gnn "
+            "--world-size 8 -- python train.py"
+        )
+    config = AgentConfig(
+        coord=values["coord"],
+        job=values["job"],
+        world_size=values["world_size"],
+        command=tuple(command),
+        rank=values["rank"],
+        nproc_per_node=values["nproc_per_node"],
+        backend=values["backend"],
+        socket_name=values["socket_name"],
+        max_restarts=values["max_restarts"],
+        metrics_port=values["metrics_port"],
+        join_timeout=values["join_timeout"],
+        heartbeat_interval=values["heartbeat_interval"],
+        token=token,
+    )
+    return config, subcommand, args, log_level
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``sar-worker`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    The status is COMMAND's (see :mod:`sarcomm.worker.agent`), :data:`EXIT_USAGE` for bad
+    settings, :data:`EXIT_COORDINATOR` when the coordinator refused or was unreachable, 130 after
+    Ctrl-C before the ranks started.
+    """
+    try:
+        config, subcommand, args, log_level = parse(sys.argv[1:] if argv is None else argv, os.environ)
+    except SystemExit as exc:  # argparse: --help, or a malformed flag it already reported
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except InvalidArgumentError as exc:
+        print(f"sar-worker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s sar-worker[%(process)d] %(name)s: %(message)s"
+    )
+    if subcommand is not None:
+        return subcommand.run(config, args)
+    try:
+        result = asyncio.run(Agent(config).run())
+    except InvalidArgumentError as exc:
+        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SarcommError as exc:
+        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
+        return EXIT_COORDINATOR
+    except KeyboardInterrupt:
+        print(f"sar-worker: job {config.job}: interrupted before the ranks started", file=sys.stderr)
+        return 130
+    if result.message:
+        print(f"sar-worker: {result.message}", file=sys.stderr)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,532 @@
+"""Process-wide communication state and start-up: SAR's ``initialize_comms`` and its getters.
+
+Mirrors ``sar.comm.initialize_comms`` of IntelLabs/SAR (same positional signature, same effect on
+``MASTER_ADDR``/``MASTER_PORT`` and the backends' interface variables, an already initialised
+process group left alone) with these differences, each on purpose:
+
+- ``master_port_number=None`` means the port the coordinator handed out, which the start-up code
+  exports as ``MASTER_PORT``; SAR's fixed default 12345 collides between jobs on one host.
+- The interface comes from ``SAR_SOCKET_NAME`` only (which ``sar-worker`` always sets). SAR's
+  fallback, "the first adapter whose name contains eth or enp", is the fragile guess this project
+  replaces, so without ``SAR_SOCKET_NAME`` the backends keep their own defaults. Interface variables
+  the user set explicitly are never overridden.
+- ``gloo``, ``ucc`` and ``auto`` are accepted besides ``nccl``, ``ccl`` and ``mpi``; an unavailable
+  backend is an :class:`InvalidArgumentError` that says why and names the available ones.
+- The process group always gets an explicit timeout (``SAR_COLLECTIVE_TIMEOUT`` seconds, default
+  300) instead of gloo's 30 minutes.
+- With ``nccl`` a second, gloo process group over the same ranks carries CPU tensors, which NCCL
+  cannot move; the collectives route to it by the tensor's device.
+- SAR's writes of ``MPI_COMM_WORLD``, ``OMPI_COMM_WORLD`` and similar variables are left out: no MPI
+  implementation reads those names.
+
+The decisions (backend, device, routing, timeout, interface variables) are pure functions of their
+inputs so that they are unit-tested without GPUs or a process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from sarcomm.coordinator.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
+from sarcomm.worker import metrics
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "OPS",
+    "STATE",
+    "BackendProbe",
+    "CommState",
+    "adopted_backend",
+    "backend",
+    "choose_backend",
+    "choose_comm_device",
+    "collective_timeout",
+    "comm_device",
+    "destroy_comms",
+    "initialize_comms",
+    "is_initialized",
+    "mark_peer_failed",
+    "master_ip",
+    "master_port",
+    "needs_cpu_side_group",
+    "probe_backends",
+    "rank",
+    "socket_environment",
+    "uses_cpu_side_group",
+    "world_size",
+]
+
+log = logging.getLogger(__name__)
+
+#: Values ``initialize_comms`` accepts for ``backend``.
+BACKEND_CHOICES: Final = ("auto", "gloo", "nccl", "ccl", "mpi", "ucc")
+#: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
+DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 300.0
+TIMEOUT_ENV: Final = "SAR_COLLECTIVE_TIMEOUT"
+SOCKET_ENV: Final = "SAR_SOCKET_NAME"
+#: The backends' own interface variables that SAR_SOCKET_NAME fills in.
+INTERFACE_ENVS: Final = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "CCL_SOCKET_IFNAME")
+#: Every op label the collectives record under; their stats are resolved once per backend.
+OPS: Final = (
+    "all_to_all",
+    "all_reduce",
+    "exchange_tensors",
+    "sync_params",
+    "gather_grads",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+)
+_CCL_MODULE: Final = "oneccl_bindings_for_pytorch"
+
+
+@dataclass(frozen=True)
+class BackendProbe:
+    """What this process can use, gathered once by :func:`probe_backends` so that
+    :func:`choose_backend` and :func:`choose_comm_device` stay pure (and testable with a fake)."""
+
+    cuda_available: bool
+    cuda_device_count: int
+    gloo: bool
+    nccl: bool
+    mpi: bool
+    ucc: bool
+    ccl: bool
+
+    def why_not(self, name: str) -> str | None:
+        """Why backend ``name`` cannot be used here, or None when it can."""
+        if name == "gloo":
+            return None if self.gloo else "this torch build has no Gloo (dist.is_gloo_available() is False)"
+        if name == "nccl":
+            if not self.nccl:
+                return "this torch build has no NCCL (dist.is_nccl_available() is False)"
+            if not self.cuda_available:
+                return "torch.cuda.is_available() is False"
+            if self.cuda_device_count == 0:
+                return "torch.cuda.device_count() is 0"
+            return None
+        if name == "mpi":
+            return None if self.mpi else "dist.is_mpi_available() is False (torch was built without MPI)"
+        if name == "ucc":
+            return None if self.ucc else "dist.is_ucc_available() is False (torch was built without UCC)"
+        if name == "ccl":
+            return None if self.ccl else f"the {_CCL_MODULE} package is not installed"
+        return f"{name!r} is not a backend sarcomm knows"
+
+    def available(self) -> list[str]:
+        """Names of the usable backends, in :data:`BACKEND_CHOICES` order."""
+        return [name for name in BACKEND_CHOICES[1:] if self.why_not(name) is None]
+
+
+def probe_backends() -> BackendProbe:
+    """Look at the torch build, the visible GPUs and the installed oneCCL bindings. Does not import
+    the bindings (that registers a backend, with side effects); ``initialize_comms`` does, when
+    ``ccl`` is chosen."""
+    cuda = torch.cuda.is_available()
+    return BackendProbe(
+        cuda_available=cuda,
+        cuda_device_count=torch.cuda.device_count() if cuda else 0,
+        gloo=dist.is_gloo_available(),
+        nccl=dist.is_nccl_available(),
+        mpi=dist.is_mpi_available(),
+        ucc=dist.is_ucc_available(),
+        ccl=importlib.util.find_spec(_CCL_MODULE) is not None,
+    )
+
+
+def choose_backend(requested: str, probe: BackendProbe) -> str:
+    """The backend to initialise for ``requested`` (one of :data:`BACKEND_CHOICES`).
+
+    ``auto`` is ``nccl`` when CUDA is available with at least one device, else ``gloo``. Raises
+    :class:`InvalidArgumentError` for an unknown name or an unavailable backend, naming why and
+    which are available.
+    """
+    if requested not in BACKEND_CHOICES:
+        raise InvalidArgumentError(
+            f"backend {shorten(requested)} is not one of {', '.join(BACKEND_CHOICES)}."
+        )
+    name = requested
+    if name == "auto":
+        name = "nccl" if probe.why_not("nccl") is None else "gloo"
+    why = probe.why_not(name)
+    if why is not None:
+        available = ", ".join(probe.available()) or "none"
+        shown = f"'{requested}'" if requested == name else f"'{requested}' (resolved to '{name}')"
+        raise InvalidArgumentError(f"backend {shown} is not available: {why}; available: {available}.")
+    return name
+
+
+def choose_comm_device(
+    backend_name: str, requested: torch.device | str | None, local_rank: int, probe: BackendProbe
+) -> torch.device:
+    """The device tensors must be on to travel through ``backend_name``.
+
+    ``requested`` wins when given. Otherwise ``cuda:<local_rank>`` for nccl (the device each local
+    process owns) and ``cpu`` for every other backend. Raises :class:`InvalidArgumentError` when
+    nccl's local rank has no device or ``requested`` is not a device.
+    """
+    if requested is not None:
+        try:
+            return torch.device(requested)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidArgumentError(
+                f"comm_device {shorten(requested)} is not a torch device (for example 'cpu' or 'cuda:0')."
+            ) from exc
+    if backend_name != "nccl":
+        return torch.device("cpu")
+    if not 0 <= local_rank < probe.cuda_device_count:
+        raise InvalidArgumentError(
+            f"LOCAL_RANK {local_rank} has no CUDA device: this host shows {probe.cuda_device_count}; "
+            "the local rank must be below the device count for nccl (or pass comm_device)."
+        )
+    return torch.device("cuda", local_rank)
+
+
+def needs_cpu_side_group(backend_name: str) -> bool:
+    """Whether ``backend_name`` needs a gloo group beside it for CPU tensors (only nccl: it moves
+    nothing but CUDA tensors; gloo, mpi, ucc and ccl handle CPU tensors themselves)."""
+    return backend_name == "nccl"
+
+
+def uses_cpu_side_group(tensor_is_cpu: bool, has_side_group: bool) -> bool:
+    """Whether a collective on a tensor goes through the CPU side group rather than the default
+    group: exactly when such a group exists (nccl jobs) and the tensor is in host memory."""
+    return has_side_group and tensor_is_cpu
+
+
+def collective_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
+    """The process group timeout: ``SAR_COLLECTIVE_TIMEOUT`` seconds from ``environ``, else
+    :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it is a
+    finite number greater than 0."""
+    raw = environ.get(TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidArgumentError(
+            f"{TIMEOUT_ENV}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
+            "greater than 0."
+        )
+    return datetime.timedelta(seconds=seconds)
+
+
+def socket_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The interface variables to set: each of :data:`INTERFACE_ENVS` that ``environ`` lacks, set
+    to ``SAR_SOCKET_NAME``; nothing when ``SAR_SOCKET_NAME`` is unset or empty."""
+    name = environ.get(SOCKET_ENV, "").strip()
+    if not name:
+        return {}
+    return {var: name for var in INTERFACE_ENVS if not environ.get(var)}
+
+
+def _master_port(master_port_number: int | None, environ: Mapping[str, str]) -> int:
+    if master_port_number is None:
+        raw = environ.get("MASTER_PORT")
+        if raw is None or raw.strip() == "":
+            raise InvalidArgumentError(
+                "master_port_number is None and MASTER_PORT is not set: pass master_port_number, or "
+                "start the process through sar-worker (or sar.init), which exports the port the "
+                "coordinator handed out."
+            )
+        try:
+            port = int(raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(
+                f"MASTER_PORT={shorten(raw)} is not an integer port in 1..65535."
+            ) from exc
+        field = "MASTER_PORT"
+    else:
+        port, field = master_port_number, "master_port_number"
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidArgumentError(f"{field}={shorten(port)} is not an integer port in 1..65535.")
+    return port
+
+
+def _local_rank(rank_: int, probe: BackendProbe, environ: Mapping[str, str]) -> int:
+    raw = environ.get("LOCAL_RANK")
+    if raw is None or raw.strip() == "":
+        # Without a launcher, assume ranks fill each host's devices in order.
+        return rank_ % max(probe.cuda_device_count, 1)
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"LOCAL_RANK={shorten(raw)} is not a non-negative integer.") from exc
+
+
+def adopted_backend(
+    reported: str, requested_device: torch.device | None, probe: BackendProbe
+) -> tuple[str, bool]:
+    """The backend of a process group that already exists, from ``dist.get_backend()``, and whether
+    that group also carries CPU tensors.
+
+    torch reports a group created without a backend as e.g. ``cpu:gloo,cuda:nccl``: such a group
+    routes by device itself, so it needs no CPU side group; the backend named is the one that
+    serves ``requested_device`` (or CUDA when nccl is usable, else CPU).
+    """
+    if ":" not in reported:
+        return reported, reported != "nccl"
+    by_device = dict(part.split(":", 1) for part in reported.split(",") if ":" in part)
+    if requested_device is not None and requested_device.type in by_device:
+        key = requested_device.type
+    elif "cuda" in by_device and probe.why_not("nccl") is None:
+        key = "cuda"
+    else:
+        key = "cpu" if "cpu" in by_device else next(iter(by_device))
+    return by_device[key], "cpu" in by_device
+
+
+class CommState:
+    """The process-wide communication state. One instance, :data:`STATE`, mutated in place (never
+    rebound) so that modules holding a reference see every change. Read by
+    ``sarcomm.worker.collectives`` on every call; written only by this module."""
+
+    __slots__ = (
+        "backend",
+        "comm_device",
+        "cpu_backend",
+        "cpu_group",
+        "cpu_stats",
+        "initialized",
+        "master_addr",
+        "master_port",
+        "owns_group",
+        "peer_failure",
+        "rank",
+        "ready",
+        "stats",
+        "world_size",
+    )
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state of a process that never called initialize_comms."""
+        self.initialized = False
+        #: initialized and no peer failure known: the one flag the collectives test per call.
+        self.ready = False
+        #: Set by mark_peer_failed; raised by every later collective.
+        self.peer_failure: PeerFailedError | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.backend = ""
+        self.comm_device = torch.device("cpu")
+        self.master_addr = ""
+        self.master_port = 0
+        #: gloo group over all ranks for CPU tensors when the default group cannot carry them.
+        self.cpu_group: dist.ProcessGroup | None = None
+        self.cpu_backend = ""
+        #: Whether initialize_comms created the default group (and so destroy_comms may end it).
+        self.owns_group = False
+        #: op -> stats for the default group's backend, and for the CPU side group's.
+        self.stats: dict[str, metrics.CollectiveStats] = {}
+        self.cpu_stats: dict[str, metrics.CollectiveStats] = {}
+
+
+#: The state of this process. Internal to sarcomm.worker: use the getters below.
+STATE: Final = CommState()
+
+
+def initialize_comms(
+    rank: int,
+    world_size: int,
+    master_ip_address: str,
+    backend: str,
+    comm_device: torch.device | str | None = None,
+    master_port_number: int | None = None,
+) -> None:
+    """Initialise ``torch.distributed`` for this rank, as SAR's ``initialize_comms`` does.
+
+    ``backend`` is one of ``auto``, ``gloo``, ``nccl``, ``ccl``, ``mpi``, ``ucc``.
+    ``comm_device`` defaults to ``cuda:LOCAL_RANK`` for nccl and ``cpu`` otherwise.
+    ``master_port_number=None`` takes ``MASTER_PORT`` from the environment (the coordinator's port).
+
+    Sets ``MASTER_ADDR`` and ``MASTER_PORT``; fills the backends' interface variables from
+    ``SAR_SOCKET_NAME`` where the user has not set them. When a process group already exists it is
+    left alone (its backend wins over ``backend``) and only this module's state is filled in.
+    Otherwise blocks until all ``world_size`` ranks have joined, at most ``SAR_COLLECTIVE_TIMEOUT``
+    seconds (default 300), the timeout every later collective gets too. All ranks must call this:
+    with nccl it also creates the CPU side group, a collective step.
+
+    Raises :class:`InvalidArgumentError` for a bad rank, world size, address, port, backend, device
+    or timeout, and whatever ``torch.distributed`` raises when the rendezvous fails.
+    """
+    _check_rank(rank, world_size)
+    if not isinstance(master_ip_address, str) or not master_ip_address.strip():
+        raise InvalidArgumentError(
+            f"master_ip_address={shorten(master_ip_address)} must be a non-empty host name or IP address."
+        )
+    environ = os.environ
+    probe = probe_backends()
+    timeout = collective_timeout(environ)
+    job, generation = environ.get("SAR_JOB", ""), environ.get("SAR_GENERATION", "")
+
+    if dist.is_initialized():
+        port = STATE.master_port or int(environ.get("MASTER_PORT", "0") or 0)
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise InvalidArgumentError(
+                f"rank {rank} of world size {world_size} does not match the process group that is "
+                f"already initialised (rank {dist.get_rank()} of {dist.get_world_size()})."
+            )
+        device_hint = torch.device(comm_device) if comm_device is not None else None
+        name, group_carries_cpu = adopted_backend(str(dist.get_backend()), device_hint, probe)
+        if backend not in ("auto", name):
+            log.warning(
+                "job %s rank %s generation %s: process group already initialised with backend %s; "
+                "keeping it and ignoring backend=%r",
+                job, rank, generation, name, backend,
+            )  # fmt: skip
+        owns_group = STATE.owns_group and STATE.initialized
+    else:
+        name = choose_backend(backend, probe)
+        port = _master_port(master_port_number, environ)
+        if name == "ccl":
+            _import_ccl()
+        environ["MASTER_ADDR"] = master_ip_address
+        environ["MASTER_PORT"] = str(port)
+        environ.update(socket_environment(environ))
+        owns_group = True
+        group_carries_cpu = not needs_cpu_side_group(name)
+
+    device = choose_comm_device(name, comm_device, _local_rank(rank, probe, environ), probe)
+    if device.type == "cuda":
+        # Collectives without an explicit device (barrier, object collectives) use the current one.
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        log.info(
+            "job %s rank %s generation %s: initialising %s process group of %s ranks via %s:%s "
+            "(timeout %.0f s, interface %s)",
+            job, rank, generation, name, world_size, master_ip_address, port,
+            timeout.total_seconds(), environ.get("GLOO_SOCKET_IFNAME", "backend default"),
+        )  # fmt: skip
+        dist.init_process_group(
+            backend=name, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+        )
+
+    cpu_group: dist.ProcessGroup | None = STATE.cpu_group if STATE.initialized else None
+    if not group_carries_cpu and cpu_group is None:
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    STATE.rank, STATE.world_size, STATE.backend, STATE.comm_device = rank, world_size, name, device
+    STATE.master_addr, STATE.master_port, STATE.owns_group = master_ip_address, port, owns_group
+    STATE.cpu_group = cpu_group
+    STATE.cpu_backend = "gloo" if cpu_group is not None else name
+    STATE.stats = {op: metrics.collective_stats(op, name) for op in OPS}
+    STATE.cpu_stats = {op: metrics.collective_stats(op, STATE.cpu_backend) for op in OPS}
+    STATE.initialized = True
+    STATE.peer_failure = None
+    STATE.ready = True
+    metrics.set_worker_info(job=job, rank=rank, world_size=world_size, backend=name, generation=generation)
+    side = ", CPU tensors via gloo side group" if cpu_group is not None else ""
+    log.info(
+        "job %s rank %s generation %s: communication ready (backend %s, comm device %s%s)",
+        job, rank, generation, name, device, side,
+    )  # fmt: skip
+
+
+def _check_rank(rank_: int, world_size_: int) -> None:
+    if isinstance(world_size_, bool) or not isinstance(world_size_, int) or world_size_ < 1:
+        raise InvalidArgumentError(f"world_size={shorten(world_size_)} must be an integer of at least 1.")
+    if isinstance(rank_, bool) or not isinstance(rank_, int) or not 0 <= rank_ < world_size_:
+        raise InvalidArgumentError(
+            f"rank={shorten(rank_)} must be an integer in 0..world_size-1 (world_size={world_size_})."
+        )
+
+
+def _import_ccl() -> None:
+    # Importing the bindings registers the "ccl" backend with torch.distributed.
+    try:
+        importlib.import_module(_CCL_MODULE)
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            f"backend 'ccl' is not available: importing {_CCL_MODULE} failed: {exc}."
+        ) from exc
+
+
+def destroy_comms() -> None:
+    """Forget the state; destroy the CPU side group, and the default process group too when
+    :func:`initialize_comms` created it (one it found already there is left to its owner).
+    Afterwards :func:`initialize_comms` may be called again, e.g. for a new generation."""
+    if STATE.cpu_group is not None and dist.is_initialized():
+        dist.destroy_process_group(STATE.cpu_group)
+    if STATE.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    STATE.reset()
+
+
+def mark_peer_failed(error: PeerFailedError) -> None:
+    """Record that a peer failed (the agent's or client's watchdog calls this). From then on every
+    sarcomm collective raises ``error`` at once instead of entering a call that cannot finish, and
+    one that fails while in flight is re-raised as ``error``. Cleared by initialize_comms."""
+    STATE.peer_failure = error
+    STATE.ready = False
+
+
+def _state() -> CommState:
+    if not STATE.initialized:
+        raise FailedPreconditionError(
+            "sarcomm communication is not initialised in this process: call initialize_comms(...) "
+            "(or sar.init()) first."
+        )
+    return STATE
+
+
+def is_initialized() -> bool:
+    """True once :func:`initialize_comms` has run in this process (and no :func:`destroy_comms`)."""
+    return STATE.initialized
+
+
+def rank() -> int:
+    """This process's rank. Raises :class:`FailedPreconditionError` before initialize_comms."""
+    return _state().rank
+
+
+def world_size() -> int:
+    """Number of ranks. Raises :class:`FailedPreconditionError` before initialize_comms."""
+    return _state().world_size
+
+
+def backend() -> str:
+    """The backend of the default process group, e.g. ``gloo`` (``auto`` resolved). Raises
+    :class:`FailedPreconditionError` before initialize_comms."""
+    return _state().backend
+
+
+def comm_device() -> torch.device:
+    """The device tensors must be on for the backend: ``cpu`` for gloo, mpi, ucc and ccl,
+    ``cuda:<local rank>`` for nccl unless initialize_comms was given another. Raises
+    :class:`FailedPreconditionError` before initialize_comms."""
+    return _state().comm_device
+
+
+def master_ip() -> str:
+    """The master address initialize_comms was given. Raises :class:`FailedPreconditionError`
+    before initialize_comms."""
+    return _state().master_addr
+
+
+def master_port() -> int:
+    """The master port in use (0 when an existing group was adopted without MASTER_PORT). Raises
+    :class:`FailedPreconditionError` before initialize_comms."""
+    return _state().master_port
