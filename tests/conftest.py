@@ -120,6 +120,22 @@ def start_coordinator(tmp_path: Path) -> Iterator[object]:
         coord.stop()
 
 
+@pytest.fixture(scope="module")
+def module_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    """One coordinator shared by a module's tests (for fixtures that run a world once per module)."""
+    directory = tmp_path_factory.mktemp("coordinator")
+    coord = CoordinatorProcess(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        state_path=directory / "state.sqlite",
+        args=["--heartbeat-interval", "0.5", "--join-timeout", "60"],
+        log_path=directory / "coordinator.log",
+    )
+    coord.start()
+    yield coord
+    coord.stop()
+
+
 @pytest.fixture
 def coordinator(start_coordinator: object) -> CoordinatorProcess:
     """One coordinator with a SQLite state file, short heartbeat settings for fast tests."""

@@ -1,8 +1,10 @@
 """Run a function in N local processes joined into one gloo group through ``initialize_comms``.
 
 ``run_gloo(world_size, fn)`` starts ``world_size`` spawned processes; each initialises sarcomm's
-communication on 127.0.0.1 with an explicit free port (interface ``lo`` through
-``SAR_SOCKET_NAME``), calls ``fn(rank, world_size)`` and sends back its (picklable) result. The
+communication on 127.0.0.1 (interface ``lo`` through ``SAR_SOCKET_NAME``), calls
+``fn(rank, world_size)`` and sends back its (picklable) result. With ``coord`` the ranks start as
+SAR's examples do, through the coordinator: ``coord_ip_init`` then ``initialize_comms`` with the
+port the coordinator handed out; without it, on an explicit free port. The
 answer is ``{rank: result}``. Every wait has a deadline: a rank that raises, dies or does not
 finish in time fails the run with its traceback or exit code, and the other ranks are killed.
 """
@@ -45,12 +47,18 @@ def _child(
     fn: Callable[[int, int], Any],
     results: Any,
     env: dict[str, str],
+    coord: tuple[str, str] | None,
 ) -> None:
     os.environ.update(env)
     try:
-        from sarcomm.worker import comm
+        from sarcomm.worker import comm, startup
 
-        comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo", master_port_number=port)
+        if coord is None:
+            comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo", master_port_number=port)
+        else:
+            target, job = coord
+            master_ip = startup.coord_ip_init(rank, target, job=job, world_size=world_size, timeout=60)
+            comm.initialize_comms(rank, world_size, master_ip, "gloo")
         try:
             value = fn(rank, world_size)
         finally:
@@ -66,8 +74,10 @@ def run_gloo(
     *,
     deadline_s: float = DEFAULT_DEADLINE_S,
     env: dict[str, str] | None = None,
+    coord: tuple[str, str] | None = None,
 ) -> dict[int, T]:
-    """``{rank: fn(rank, world_size)}`` from ``world_size`` gloo ranks on loopback.
+    """``{rank: fn(rank, world_size)}`` from ``world_size`` gloo ranks on loopback; ``coord``,
+    ``(HOST:PORT, job name)``, starts them through that coordinator.
 
     ``fn`` must be a module-level function (it is pickled into spawned processes) and return
     something picklable. Raises :class:`GlooRunError` when any rank fails or the deadline passes.
@@ -82,7 +92,7 @@ def run_gloo(
         **(env or {}),
     }
     procs = [
-        ctx.Process(target=_child, args=(rank, world_size, port, fn, results, rank_env), daemon=True)
+        ctx.Process(target=_child, args=(rank, world_size, port, fn, results, rank_env, coord), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

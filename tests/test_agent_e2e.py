@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class Agents:
     def start(self, name: str, job: str, *flags: str, command: list[str]) -> subprocess.Popen[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
         env["TEST_AGENT"] = name
+        env["TEST_COORD_HTTP"] = self.coord.http_url
         proc = subprocess.Popen(
             [
                 sys.executable, "-m", "sarcomm.worker.cli", "--coord", self.coord.grpc_target, "--job", job,
@@ -140,6 +142,19 @@ def test_two_agents_with_two_ranks_each_run_gloo_collectives(
         assert s["all_reduce"] == [10.0, 100.0]
         # all_to_all with unequal sizes: from rank src, src+rank+1 values of 100*src+rank.
         assert s["all_to_all"] == [[float(100 * src + rank)] * (src + rank + 1) for src in range(4)]
+        # Agent a fixed the ports (P + local rank); agent b let each rank bind any free one.
+        if s["agent"] == "a":
+            assert s["metrics_port"] == expected_metrics
+        for op in ("all_reduce", "all_to_all"):
+            count = re.search(
+                rf'sar_collective_duration_seconds_count{{backend="gloo",op="{op}"}} (\S+)', s["metrics"]
+            )
+            assert count is not None, (rank, op)
+            assert float(count[1]) >= 1, (rank, op)
+        targets = {int(g["labels"]["rank"]): (g["targets"], g["labels"]["host"]) for g in s["sd"]}
+        assert sorted(targets) == [0, 1, 2, 3], s["sd"]
+        assert targets[rank][0] == [f"127.0.0.1:{s['metrics_port']}"]
+        assert targets[rank][1]
     state = job_state(coordinator, "e2e")
     assert state["state"] == "FINISHED"
     assert {m["state"] for m in state["members"]} == {"LEFT"}  # type: ignore[attr-defined]
@@ -329,7 +344,7 @@ BAD_SETTINGS: list[tuple[list[str], dict[str, str], str]] = [
     (
         [*BASE, "--metrics-port", "70000", "--", "x"],
         {},
-        "--metrics-port '70000' must be an integer in 0..65535.",
+        "--metrics-port '70000' must be an integer in -1..65535.",
     ),
     ([*BASE, "--nproc-per-node", "9", "--", "x"], {}, "--nproc-per-node 9 must be in 1..--world-size (8)."),
     (
@@ -396,16 +411,23 @@ def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatc
 
 def test_rank_report_carries_progress_and_stops_when_the_stamp_goes_stale(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
-    rank = _Rank(0, 0, "m0", "s0", "10.0.0.2:9000", ProgressReader(path))
+    rank = _Rank(0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path))
     # No record yet (a program without sarcomm's library): alive while its process is.
-    assert rank.report(time.time(), 1.0) == MemberReport("m0", "s0", None, "10.0.0.2:9000")
+    assert rank.report(time.time(), 1.0) == MemberReport("m0", "s0", None, "")
     writer = ProgressWriter(path)
     seq = writer.enter("all_to_all")
     record = writer.publish(stamp=100.0)
     report = rank.report(100.5, 1.0)
     assert report is not None
     assert report.progress == Progress(seq, "all_to_all", True, record.since)
-    assert rank.report(101.5, 1.0) is None
+    assert report.metrics_address == ""  # no endpoint yet
+    # The port the rank bound reaches the report with the next stamp, on the rank's address.
+    writer.metrics_port = 9001
+    writer.publish(stamp=100.6)
+    report = rank.report(100.7, 1.0)
+    assert report is not None
+    assert report.metrics_address == "10.0.0.2:9001"
+    assert rank.report(101.7, 1.0) is None
     writer.publish(stamp=102.0)
     assert rank.report(102.1, 1.0) is not None
     writer.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
+import os
 import re
 import time
 import urllib.request
@@ -28,6 +30,7 @@ from prometheus_client import generate_latest
 from sarcomm.coordinator.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
 from sarcomm.worker import collectives, comm, metrics
 from sarcomm.worker.comm import BackendProbe
+from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
 
 WORLD_SIZES = (2, 3, 4)
@@ -301,14 +304,14 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     out["broadcast_error_delta"] = _delta("broadcast", bad_broadcast)
     out["errors"] = _errors(rank, world)
 
-    if rank == 0:
-        host, port = metrics.start_metrics_server(0, host="127.0.0.1")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                out["scrape"] = response.read().decode()
-        finally:
-            metrics.stop_metrics_server()
-        out["scrape_host"] = host
+    # initialize_comms started this rank's endpoint (a coordinator member: any free port).
+    port = metrics.serving_port()
+    assert port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        out["scrape"] = response.read().decode()
+    out["metrics_port"] = port
+    out["sd"] = _wait_for_sd(world)
+    collectives.barrier()  # every rank stays registered until all have seen the full /sd
     out["stats"] = {
         s.op: [s.count, s.bytes_sent, s.errors] for s in metrics.all_stats() if s.backend == "gloo"
     }
@@ -324,10 +327,29 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _wait_for_sd(world: int, deadline_s: float = 20.0) -> list[dict[str, Any]]:
+    """The coordinator's /sd groups of this job, once it lists every rank (each rank's bound port
+    reaches it with that rank's next heartbeat)."""
+    url, job = os.environ["TEST_COORD_HTTP"], os.environ["SAR_JOB"]
+    deadline = time.monotonic() + deadline_s
+    while True:
+        with urllib.request.urlopen(f"{url}/sd", timeout=5) as response:
+            groups = [g for g in json.loads(response.read()) if g["labels"].get("job") == job]
+        if len(groups) == world or time.monotonic() > deadline:
+            return groups
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"world{w}" for w in WORLD_SIZES])
-def world(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Any]]]:
+def world(
+    request: pytest.FixtureRequest, module_coordinator: CoordinatorProcess
+) -> tuple[int, dict[int, dict[str, Any]]]:
+    """Every rank's scenario results, started as SAR's examples start: coord_ip_init, then
+    initialize_comms with the coordinator's port."""
     size: int = request.param
-    return size, run_gloo(size, _scenario)
+    job = f"collectives-{size}"
+    env = {"TEST_COORD_HTTP": module_coordinator.http_url, "SARCOMM_HEARTBEAT_INTERVAL": "0.25"}
+    return size, run_gloo(size, _scenario, env=env, coord=(module_coordinator.grpc_target, job))
 
 
 def triangle(world_size: int) -> float:
@@ -512,16 +534,37 @@ def test_every_op_records_calls_and_bytes_sent(world: tuple[int, dict[int, dict[
 def test_metrics_endpoint_serves_the_contract_families(world: tuple[int, dict[int, dict[str, Any]]]) -> None:
     size, results = world
     text = results[0]["scrape"]
-    assert results[0]["scrape_host"] == "127.0.0.1"
+    generation = re.search(r'sar_worker_info\{[^}]*generation="(\d+)"', text)
+    assert generation is not None
     for line in (
         'sar_collective_duration_seconds_bucket{backend="gloo",le="1e-05",op="all_to_all"}',
         'sar_collective_duration_seconds_bucket{backend="gloo",le="60.0",op="all_reduce"}',
         'sar_collective_duration_seconds_count{backend="gloo",op="barrier"}',
         'sar_collective_bytes_total{backend="gloo",op="all_reduce"}',
         'sar_collective_errors_total{backend="gloo",op="broadcast"} 1.0',
-        f'sar_worker_info{{backend="gloo",generation="",job="",rank="0",world_size="{size}"}} 1.0',
+        f'sar_worker_info{{backend="gloo",generation="{generation[1]}",job="collectives-{size}",rank="0",'
+        f'world_size="{size}"}} 1.0',
     ):
         assert line in text
+
+
+def test_every_ranks_metrics_count_its_ops_and_sd_lists_every_rank(
+    world: tuple[int, dict[int, dict[str, Any]]],
+) -> None:
+    size, results = world
+    for rank, r in results.items():
+        counts = {
+            m[1]: float(m[2])
+            for m in re.finditer(
+                r'sar_collective_duration_seconds_count\{backend="gloo",op="(\w+)"\} (\S+)', r["scrape"]
+            )
+        }
+        assert {op: n > 0 for op, n in counts.items()} == {op: True for op in comm.OPS}, rank
+        groups = r["sd"]
+        assert sorted(int(g["labels"]["rank"]) for g in groups) == list(range(size))
+        assert all(g["labels"]["host"] and g["labels"]["job"] == f"collectives-{size}" for g in groups)
+        mine = next(g for g in groups if g["labels"]["rank"] == str(rank))
+        assert mine["targets"] == [f"127.0.0.1:{r['metrics_port']}"]
 
 
 # -- single process: start-up decisions (NCCL and CUDA mocked: no GPU here) ----------------------------

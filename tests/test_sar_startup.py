@@ -286,3 +286,29 @@ def test_init_with_a_coordinator_needs_a_job_name(monkeypatch: pytest.MonkeyPatc
         startup.init(coord="127.0.0.1:1", world_size=2, initialize=False)
     with pytest.raises(InvalidArgumentError, match=r"needs the world size"):
         startup.init(coord="127.0.0.1:1", job="j", initialize=False)
+
+
+@pytest.mark.parametrize(
+    ("env", "member", "port"),
+    [
+        ({}, False, None),  # a plain torchrun rank opts in with the variable
+        ({}, True, 0),  # a coordinator member serves on any free port so /sd lists it
+        ({"SAR_METRICS_PORT": "9100"}, False, 9100),
+        ({"SAR_METRICS_PORT": "0"}, False, 0),
+        ({"SAR_METRICS_PORT": "-1"}, True, None),
+    ],
+)
+def test_metrics_port_setting_reads_sar_metrics_port(
+    env: dict[str, str], member: bool, port: int | None
+) -> None:
+    assert startup.metrics_port_setting(env, member) == port
+
+
+@pytest.mark.parametrize("value", ["abc", "65536", "-2", "1.5"])
+def test_metrics_port_setting_names_the_variable_the_value_and_the_rule(value: str) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        startup.metrics_port_setting({"SAR_METRICS_PORT": value}, True)
+    assert str(caught.value) == (
+        f"SAR_METRICS_PORT='{value}' must be an integer in -1..65535 "
+        "(0: any free port, -1: no metrics endpoint)."
+    )

@@ -78,7 +78,9 @@ class AgentConfig:
         backend: torch.distributed backend the ranks use (one of ``BACKENDS``).
         socket_name: interface to force ("" lets the coordinator choose).
         max_restarts: how often to join again and restart after a failure (default 0).
-        metrics_port: first port of the ranks' /metrics endpoints (local rank i gets P+i; 0: none).
+        metrics_port: where the ranks serve /metrics: P > 0 gives local rank i port P+i, 0 (the
+            default) any free port, -1 no endpoint. The agent reports each bound port to the
+            coordinator, which lists it in ``/sd``.
         join_timeout: seconds to wait for the world to form (None: the coordinator's default).
         heartbeat_interval: seconds between heartbeats (default 1; keep it at or below the
             coordinator's ``--heartbeat-interval``).
@@ -125,9 +127,11 @@ class AgentConfig:
             )
         if self.max_restarts < 0:
             raise InvalidArgumentError(f"--max-restarts {self.max_restarts} must be an integer >= 0.")
-        if self.metrics_port and not 1 <= self.metrics_port <= 65536 - self.nproc_per_node:
+        if self.metrics_port not in (METRICS_ANY_PORT, METRICS_OFF) and not (
+            1 <= self.metrics_port <= 65536 - self.nproc_per_node
+        ):
             raise InvalidArgumentError(
-                f"--metrics-port {self.metrics_port} must be 0 (no metrics) or in "
+                f"--metrics-port {self.metrics_port} must be -1 (no metrics), 0 (any free port) or in "
                 f"1..{65536 - self.nproc_per_node}, so that port + local rank stays a TCP port."
             )
         if self.join_timeout is not None and not self.join_timeout > 0:
@@ -170,6 +174,17 @@ def _describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+#: ``--metrics-port`` values with a meaning of their own.
+METRICS_ANY_PORT = 0
+METRICS_OFF = -1
+
+
+def rank_metrics_port(first_port: int, local_rank: int) -> int:
+    """``SAR_METRICS_PORT`` of a local rank: ``first_port + local_rank`` for a fixed first port,
+    else ``first_port`` itself (0: any free port, -1: none)."""
+    return first_port + local_rank if first_port > 0 else first_port
+
+
 def rank_environment(
     base: Mapping[str, str],
     config: AgentConfig,
@@ -181,7 +196,7 @@ def rank_environment(
     """The environment of local rank ``index``: ``base`` plus the contract's variables.
 
     Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
-    at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (P + local rank, or 0),
+    at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
     ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record) and,
     when given, ``SAR_PROGRESS_FILE`` (where it keeps that record for the agent to read).
     """
@@ -203,7 +218,7 @@ def rank_environment(
             "SAR_MEMBER_ID": member.member_id,
             "SAR_MEMBER_SECRET": member.secret,
             "SAR_RESTART_COUNT": str(restart_count),
-            "SAR_METRICS_PORT": str(config.metrics_port + member.local_rank if config.metrics_port else 0),
+            "SAR_METRICS_PORT": str(rank_metrics_port(config.metrics_port, member.local_rank)),
             "SARCOMM_HEARTBEAT_INTERVAL": str(config.heartbeat_interval),
         }
     )
@@ -227,7 +242,8 @@ class _Rank:
     rank: int
     member_id: str
     secret: str = field(repr=False)
-    metrics_address: str
+    #: This rank's address on its interface: where its /metrics endpoint is reachable.
+    address: str
     progress: ProgressReader
     proc: asyncio.subprocess.Process | None = None
     returncode: int | None = None
@@ -248,7 +264,7 @@ class _Rank:
         """
         record = self.progress.read()
         if record is None:
-            return MemberReport(self.member_id, self.secret, None, self.metrics_address)
+            return MemberReport(self.member_id, self.secret)
         age = now - record.stamp
         if age > stale_after:
             if not self.stale:
@@ -262,7 +278,9 @@ class _Rank:
             self.stale = False
             log.info("%s: rank %d stamps its progress again", label, self.rank)
         progress = Progress(record.seq, record.op, record.in_collective, record.since)
-        return MemberReport(self.member_id, self.secret, progress, self.metrics_address)
+        # The rank binds its metrics port itself (possibly any free one) and notes it in the record.
+        metrics_address = _host_port(self.address, record.metrics_port) if record.metrics_port else ""
+        return MemberReport(self.member_id, self.secret, progress, metrics_address)
 
 
 @dataclass(frozen=True)
@@ -374,9 +392,7 @@ class Agent:
                 rank=a.rank,
                 member_id=a.member_id,
                 secret=a.secret,
-                metrics_address=_host_port(a.address, config.metrics_port + a.local_rank)
-                if config.metrics_port
-                else "",
+                address=a.address,
                 progress=ProgressReader(progress_dir / f"rank{a.rank}.progress"),
             )
             for i, a in enumerate(joined.assignments)

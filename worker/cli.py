@@ -151,8 +151,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "the coordinator chooses)", default="", metavar="IFACE", also_env=("SAR_SOCKET_NAME",)),
     _Option("--max-restarts", *_integer(0), "times to rejoin and restart after a failure", default=0,
             metavar="M"),
-    _Option("--metrics-port", *_integer(0, 65535), "first /metrics port: local rank i gets P+i "
-            "(0: none)", default=0, metavar="P"),
+    _Option("--metrics-port", *_integer(-1, 65535), "where the ranks serve /metrics: local rank i "
+            "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
     _Option("--join-timeout", _seconds, "a positive number of seconds", "seconds to wait for the "
             "world to form (default: the coordinator's --join-timeout)", metavar="S"),
     _Option("--heartbeat-interval", _seconds, "a positive number of seconds", "seconds between "

@@ -438,6 +438,11 @@ def initialize_comms(
     STATE.peer_failure = None
     STATE.ready = True
     metrics.set_worker_info(job=job, rank=rank, world_size=world_size, backend=name, generation=generation)
+    # Local import: startup imports this module's dependents lazily too, and only needs to run
+    # once the process group is up (the metrics endpoint then has a worker identity to show).
+    from sarcomm.worker.startup import start_rank_services
+
+    start_rank_services(environ)
     side = ", CPU tensors via gloo side group" if cpu_group is not None else ""
     log.info(
         "job %s rank %s generation %s: communication ready (backend %s, comm device %s%s)",

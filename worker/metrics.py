@@ -51,6 +51,7 @@ __all__ = [
     "bucket_index",
     "collective_stats",
     "last_collective",
+    "serving_port",
     "set_worker_info",
     "start_metrics_server",
     "stop_metrics_server",
@@ -352,6 +353,12 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> tuple[str, int]:
         bound_host, bound_port = _address(server)
     log.info("metrics server listening on %s:%s", bound_host, bound_port)
     return bound_host, bound_port
+
+
+def serving_port() -> int | None:
+    """The port of the server :func:`start_metrics_server` started, or None when none runs."""
+    with _server_lock:
+        return _address(_server)[1] if _server is not None else None
 
 
 def _address(server: WSGIServer) -> tuple[str, int]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # A version (u64) at offset 0, then: pid (i64), stamp (f64), seq (i64), in_collective (u8),
-# since (f64), op (32 bytes).
+# since (f64), op (32 bytes), metrics_port (i32: the port of the rank's /metrics, 0 = none).
 _VERSION = struct.Struct("<Q")
-_LAYOUT = struct.Struct("<qdq?d32s")
+_LAYOUT = struct.Struct("<qdq?d32si")
 RECORD_SIZE = _VERSION.size + _LAYOUT.size
 OP_BYTES = 32
 _READ_ATTEMPTS = 100
@@ -40,6 +40,8 @@ class ProgressRecord:
     op: str
     in_collective: bool
     since: float
+    #: Port of the rank's ``/metrics`` endpoint; 0 while it serves none.
+    metrics_port: int = 0
 
 
 class ProgressWriter:
@@ -63,6 +65,8 @@ class ProgressWriter:
         # (seq, op, in_collective, since): replaced whole, never mutated, so a reader thread
         # always sees one consistent state.
         self.current: tuple[int, str, bool, float] = (0, "", False, 0.0)
+        #: The port the rank's metrics server bound (0: none); the agent reports it to the coordinator.
+        self.metrics_port = 0
         self.publish()
 
     def enter(self, op: str) -> int:
@@ -84,11 +88,19 @@ class ProgressWriter:
         self._version += 1
         _VERSION.pack_into(self._map, 0, self._version)
         _LAYOUT.pack_into(
-            self._map, _VERSION.size, self._pid, stamp, seq, in_collective, since, op.encode()[:OP_BYTES]
+            self._map,
+            _VERSION.size,
+            self._pid,
+            stamp,
+            seq,
+            in_collective,
+            since,
+            op.encode()[:OP_BYTES],
+            self.metrics_port,
         )
         self._version += 1
         _VERSION.pack_into(self._map, 0, self._version)
-        return ProgressRecord(self._pid, stamp, seq, op, in_collective, since)
+        return ProgressRecord(self._pid, stamp, seq, op, in_collective, since, self.metrics_port)
 
     def close(self) -> None:
         self._map.close()
@@ -120,9 +132,15 @@ class ProgressReader:
             if before == after:
                 if before == 0:
                     return None
-                pid, stamp, seq, in_collective, since, op = fields
+                pid, stamp, seq, in_collective, since, op, metrics_port = fields
                 return ProgressRecord(
-                    pid, stamp, seq, op.rstrip(b"\0").decode(errors="replace"), in_collective, since
+                    pid,
+                    stamp,
+                    seq,
+                    op.rstrip(b"\0").decode(errors="replace"),
+                    in_collective,
+                    since,
+                    metrics_port,
                 )
         return None  # a writer kept writing through every attempt; the next interval will do
 

@@ -54,14 +54,17 @@ from sarcomm.worker.progress import ProgressWriter
 
 __all__ = [
     "BACKENDS",
+    "METRICS_PORT_VARIABLE",
     "PROGRESS_FILE_VARIABLE",
     "LaunchEnv",
     "WorkerInfo",
     "coord_ip_init",
     "detect_launcher",
     "init",
+    "metrics_port_setting",
     "parse_launch_env",
     "peer_failure",
+    "start_rank_services",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ BACKENDS = ("auto", "gloo", "nccl", "ccl", "mpi", "ucc")
 #: Where ``sar-worker`` tells a rank to keep its progress record (a small memory-mapped file it
 #: reads every heartbeat interval); see :mod:`sarcomm.worker.progress`.
 PROGRESS_FILE_VARIABLE = "SAR_PROGRESS_FILE"
+#: The port a rank serves ``/metrics`` on; see :func:`metrics_port_setting`.
+METRICS_PORT_VARIABLE = "SAR_METRICS_PORT"
 
 #: Seconds between heartbeats of a self-registered process when neither the ``heartbeat_interval``
 #: argument nor ``SARCOMM_HEARTBEAT_INTERVAL`` says otherwise (the coordinator's default).
@@ -371,7 +376,13 @@ class _Registration:
 
         def reports() -> list[MemberReport]:
             seq, op, in_collective, since = progress.current  # one tuple, swapped whole by the writer
-            return [MemberReport(member.member_id, member.secret, Progress(seq, op, in_collective, since))]
+            port = progress.metrics_port
+            metrics_address = _host_port(member.address, port) if port else ""
+            return [
+                MemberReport(
+                    member.member_id, member.secret, Progress(seq, op, in_collective, since), metrics_address
+                )
+            ]
 
         self._stream = self._client.heartbeats(reports, self._interval)
         self._watcher = self._thread.submit(self._watch(self._stream, result))
@@ -506,6 +517,69 @@ def _install_progress(path: Path | None, interval: float) -> ProgressWriter:
         atexit.register(end)
     _progress = writer
     return writer
+
+
+def _host_port(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None:
+    """The port this rank serves ``/metrics`` on (0: any free port), or None for no endpoint.
+
+    ``SAR_METRICS_PORT`` decides when set (``sar-worker`` always sets it): a port, 0 or -1 (none).
+    Unset, a process that is a member at a coordinator (``member``) serves on any free port, so
+    that ``/sd`` lists it; any other process serves none (a plain torchrun job opts in with the
+    variable). Raises :class:`InvalidArgumentError` for a value that is not an integer in -1..65535.
+    """
+    raw = environ.get(METRICS_PORT_VARIABLE, "").strip()
+    if not raw:
+        return 0 if member else None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -2
+    if not -1 <= port <= 65535:
+        raise InvalidArgumentError(
+            f"{METRICS_PORT_VARIABLE}={shorten(raw)} must be an integer in -1..65535 "
+            "(0: any free port, -1: no metrics endpoint)."
+        )
+    return None if port == -1 else port
+
+
+def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
+    """Start what a rank runs beside its training once communication is up; idempotent.
+
+    ``initialize_comms`` calls this, so that SAR-style scripts that call it directly (not
+    :func:`init`) get the same: under ``sar-worker`` the progress record its agent reads
+    (``SAR_PROGRESS_FILE``), and the ``/metrics`` endpoint (:func:`metrics_port_setting`), whose
+    bound port goes to the coordinator through the agent's or this process's own heartbeats.
+
+    A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
+    a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
+    """
+    from sarcomm.worker import metrics  # local: the agent imports this module without torch
+
+    env = os.environ if environ is None else environ
+    writer = _progress
+    progress_file = env.get(PROGRESS_FILE_VARIABLE)
+    if writer is None and progress_file and _registration is None:
+        writer = _install_progress(Path(progress_file), _heartbeat_interval(env, None))
+    port = metrics_port_setting(env, member=bool(env.get("SAR_MEMBER_ID")))
+    if port is None:
+        return
+    bound = metrics.serving_port()
+    if bound is None:
+        try:
+            _, bound = metrics.start_metrics_server(port)
+        except OSError as exc:
+            log.error(
+                "rank %s: cannot serve /metrics on port %d (%s); continuing without the endpoint",
+                env.get("RANK", "?"), port, exc,
+            )  # fmt: skip
+            return
+    if writer is not None:
+        # The stamping thread (or this process's heartbeats) carries it from the next interval on.
+        writer.metrics_port = bound
 
 
 def peer_failure() -> PeerFailedError | None:
@@ -785,6 +859,8 @@ def init(
         # Under sar-worker: keep the record its agent reads, so that it reports this rank's
         # progress and notices when the rank is stopped or wedged.
         _install_progress(Path(progress_file), _heartbeat_interval(env, None))
+    if not initialize:
+        start_rank_services(env)  # initialize_comms does it otherwise
     if initialize:
         from sarcomm.worker import comm  # local: imports torch
 

@@ -1,7 +1,8 @@
 """One rank of the ``sar-worker`` end-to-end tests: ``python agent_rank.py MODE OUTDIR [ARGS]``.
 
 Modes:
-    collectives OUTDIR        ``sar.init()``, gloo all_reduce and all_to_all (unequal sizes), and
+    collectives OUTDIR        ``sar.init()``, gloo all_reduce and all_to_all (unequal sizes), its
+                              own /metrics and the coordinator's /sd (``TEST_COORD_HTTP``), and
                               write what it saw to ``OUTDIR/rank<R>.json``.
     fail OUTDIR RANK CODE     rank RANK exits with CODE after a moment; the others wait (at most
                               60 s) to be stopped by their agent.
@@ -47,7 +48,13 @@ def collectives(out: Path) -> int:
     send = [torch.full((rank + dst + 1,), float(100 * rank + dst)) for dst in range(world)]
     recv = [torch.zeros(src + rank + 1) for src in range(world)]
     sar.all_to_all(recv, send)
+    from sarcomm.worker import metrics
+
+    port = metrics.serving_port()
     result = {
+        "metrics_port": port,
+        "metrics": _get(f"http://127.0.0.1:{port}/metrics") if port else "",
+        "sd": _wait_for_sd(info.job, world),
         "info": dataclasses.asdict(info),
         "env": {name: os.environ.get(name) for name in CONTRACT_VARIABLES},
         "agent": os.environ.get("TEST_AGENT"),
@@ -58,6 +65,27 @@ def collectives(out: Path) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _wait_for_sd(job: str, world: int, deadline_s: float = 20.0) -> list[dict[str, object]]:
+    """The coordinator's /sd groups of ``job`` once all ``world`` ranks are listed (each rank's
+    metrics port reaches the coordinator with its agent's next heartbeat), or at the deadline."""
+    url = os.environ.get("TEST_COORD_HTTP")
+    if not url:
+        return []
+    deadline = time.monotonic() + deadline_s
+    while True:
+        groups = [g for g in json.loads(_get(f"{url}/sd")) if g["labels"].get("job") == job]
+        if len(groups) == world or time.monotonic() > deadline:
+            return groups
+        time.sleep(0.1)
 
 
 def fail(out: Path, failing_rank: int, code: int) -> int:
