@@ -75,7 +75,9 @@ def register_subcommand(command: Subcommand) -> None:
 
 def _builtin_subcommands() -> None:
     """Register the subcommands that ship with sarcomm (imported here, late, to keep start-up fast)."""
-    # The bench subcommand registers itself here once it exists.
+    from sarcomm.worker import bench  # imports no torch: only its ranks do
+
+    register_subcommand(bench.COMMAND)
 
 
 # -- flags ---------------------------------------------------------------------------------------

@@ -449,7 +449,7 @@ def all_to_all(
         recvs = [t if t.device == device else torch.empty_like(t, device=device) for t in recv_list]
     else:
         sends, recvs = list(send_list), list(recv_list)
-    nbytes = sum(t.nbytes for i, t in enumerate(sends) if i != me)
+    nbytes = sum([t.nbytes for t in sends]) - sends[me].nbytes
     group, stats = _route("all_to_all", None, sends[me])
     _timed(stats, nbytes, _all_to_all_impl, recvs, sends, group)
     if move_to_comm_device:
@@ -548,10 +548,27 @@ def _check_exchange_lists(
             raise InvalidArgumentError(
                 f"{name} has {len(tensors)} tensors; all_to_all needs one per rank (world size {world})."
             )
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"{name}[{i}] is a {type(t).__name__}, not a torch.Tensor.")
-    device = send_list[0].device
+    # One pass, cheap tests first: this runs on every call, and at small sizes the call's cost is
+    # mostly Python (torch.Size slices and torch.device objects are built only when needed; a
+    # non-tensor is looked for only once an attribute lookup failed).
+    try:
+        _check_pairs(recv_list, send_list, world, me, moving)
+    except AttributeError:
+        for name, tensors in (("recv_list", recv_list), ("send_list", send_list)):
+            for i, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor):
+                    raise InvalidArgumentError(
+                        f"{name}[{i}] is a {type(t).__name__}, not a torch.Tensor."
+                    ) from None
+        raise
+
+
+def _check_pairs(
+    recv_list: Sequence[torch.Tensor], send_list: Sequence[torch.Tensor], world: int, me: int, moving: bool
+) -> None:
+    first = send_list[0]
+    on_cpu = first.is_cpu
+    device = first.device
     for i in range(world):
         sent, got = send_list[i], recv_list[i]
         if sent.dtype != got.dtype:
@@ -559,7 +576,8 @@ def _check_exchange_lists(
                 f"send_list[{i}] has dtype {sent.dtype} but recv_list[{i}] has dtype {got.dtype}: the "
                 f"tensors exchanged with rank {i} must share a dtype."
             )
-        if sent.shape[1:] != got.shape[1:]:
+        dims = sent.dim()
+        if dims != got.dim() or (dims > 1 and sent.shape[1:] != got.shape[1:]):
             raise InvalidArgumentError(
                 f"send_list[{i}] has shape {tuple(sent.shape)} but recv_list[{i}] has {tuple(got.shape)}: "
                 f"the tensors exchanged with rank {i} must share every dimension but the first."
@@ -569,13 +587,14 @@ def _check_exchange_lists(
                 f"send_list[{i}] has shape {tuple(sent.shape)} but recv_list[{i}] has {tuple(got.shape)}: "
                 f"rank {me} keeps its own part, so both must have the same shape."
             )
-        if not moving:
-            for name, t in (("send_list", sent), ("recv_list", got)):
-                if t.device != device:
-                    raise InvalidArgumentError(
-                        f"{name}[{i}] is on {t.device} but send_list[0] is on {device}: all tensors must "
-                        "be on one device (or pass move_to_comm_device=True)."
-                    )
+        if moving or (on_cpu and sent.is_cpu and got.is_cpu):
+            continue
+        for name, t in (("send_list", sent), ("recv_list", got)):
+            if t.device != device:
+                raise InvalidArgumentError(
+                    f"{name}[{i}] is on {t.device} but send_list[0] is on {device}: all tensors must "
+                    "be on one device (or pass move_to_comm_device=True)."
+                )
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -624,60 +643,58 @@ def _all_to_all_gloo(
     """Hybrid exchange for gloo (see the module docstring) of CPU tensors. ``me`` and ``world``
     are within ``group``; ``peers`` maps its ranks to global ones (None: identity).
 
-    At small sizes the cost is the number of torch calls (each several microseconds), so the
-    packed part is built with as few as possible: when the small messages share the dtype and
-    trailing shape of this rank's own part (always so for SAR's tensors) they are concatenated
-    as they are and split by rows; only mixed lists go through byte views.
+    At small sizes the cost is the number of torch calls (each a few microseconds, and more on a
+    busy host), so the packed part takes as few as possible: one ``cat``, one ``empty``, the
+    collective, one ``split`` and one ``_foreach_copy_`` for every received part and this rank's
+    own, where writing it with ``all_to_all_single`` takes a slice and a copy per peer. That holds
+    when the small messages share the dtype and trailing shape of this rank's own part (always so
+    for SAR's tensors): they are packed as they are and split by rows. Mixed lists go through byte
+    views.
     """
+    mine = sends[me]
+    dims = mine.dim()
+    dtype = mine.dtype
+    trailing = mine.shape[1:] if dims > 1 else None
+    by_rows = dims > 0
+    # Rows (by_rows) and bytes of every small message, in rank order as all_to_all_single wants.
+    send_rows = [0] * world
+    recv_rows = [0] * world
+    send_bytes = [0] * world
+    recv_bytes = [0] * world
     small_sends: list[int] = []
     small_recvs: list[int] = []
-    large_sends: list[tuple[int, torch.Tensor]] = []
-    large_recvs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    for step in range(1, world):
-        dst = (me + step) % world
-        out = sends[dst]
-        n = out.nbytes
-        if 0 < n <= small:
-            small_sends.append(dst)
-        elif n:
-            large_sends.append((dst, out if out.is_contiguous() else out.contiguous()))
-        src = (me - step) % world
-        into = recvs[src]
-        n = into.nbytes
-        if 0 < n <= small:
-            small_recvs.append(src)
-        elif n:
-            target = (
-                into
-                if into.is_contiguous()
-                else torch.empty_like(into, memory_format=torch.contiguous_format)
-            )
-            large_recvs.append((src, into, target))
-    # all_to_all_single wants its parts in rank order.
-    small_sends.sort()
-    small_recvs.sort()
-    mine = sends[me]
-    dtype, trailing = mine.dtype, mine.shape[1:]
-    by_rows = mine.dim() > 0 and all(
-        t.dtype == dtype and t.shape[1:] == trailing
-        for t in [*(sends[p] for p in small_sends), *(recvs[p] for p in small_recvs)]
-    )
-    send_splits = [0] * world
-    recv_splits = [0] * world
+    large_sends: list[int] = []
+    large_recvs: list[int] = []
+    for p in range(world):
+        if p == me:
+            continue
+        for t, rows, nbytes, small_list, large_list in (
+            (sends[p], send_rows, send_bytes, small_sends, large_sends),
+            (recvs[p], recv_rows, recv_bytes, small_recvs, large_recvs),
+        ):
+            n = t.nbytes
+            if n > small:
+                large_list.append(p)
+            elif n:
+                small_list.append(p)
+                nbytes[p] = n
+                if by_rows:
+                    if (
+                        t.dtype != dtype
+                        or t.dim() != dims
+                        or (trailing is not None and t.shape[1:] != trailing)
+                    ):
+                        by_rows = False
+                    else:
+                        rows[p] = t.shape[0]
     if by_rows:
-        for p in small_sends:
-            send_splits[p] = sends[p].shape[0]
-        for p in small_recvs:
-            recv_splits[p] = recvs[p].shape[0]
+        send_splits, recv_splits = send_rows, recv_rows
         parts = [sends[p] for p in small_sends]
-        packed_out = mine.new_empty((sum(recv_splits), *trailing))
+        packed_out = torch.empty((sum(recv_rows), *mine.shape[1:]), dtype=dtype)
     else:
-        for p in small_sends:
-            send_splits[p] = sends[p].nbytes
-        for p in small_recvs:
-            recv_splits[p] = recvs[p].nbytes
+        send_splits, recv_splits = send_bytes, recv_bytes
         parts = [_byte_view(sends[p]) for p in small_sends]
-        packed_out = torch.empty(sum(recv_splits), dtype=torch.uint8)
+        packed_out = torch.empty(sum(recv_bytes), dtype=torch.uint8)
     if len(parts) == 1 and parts[0].is_contiguous():
         packed_in = parts[0]
     elif parts:
@@ -691,34 +708,84 @@ def _all_to_all_gloo(
     packed = dist.all_to_all_single(
         packed_out, packed_in, recv_splits, send_splits, group=group, async_op=overlap
     )
-    works = []
     if overlap:
-        if peers is not None:
-            large_sends = [(peers[dst], t) for dst, t in large_sends]
-            large_recvs = [(peers[src], into, t) for src, into, t in large_recvs]
-        works = [dist.isend(t, dst, group=group, tag=_A2A_TAG) for dst, t in large_sends]
-        works += [dist.irecv(t, src, group=group, tag=_A2A_TAG) for src, _, t in large_recvs]
-    recvs[me].copy_(mine)
-    for work in works:
-        if work is not None:
-            work.wait()
-    if packed is not None:
-        packed.wait()
-    for _, into, target in large_recvs:
-        if into is not target:
-            into.copy_(target)
+        large_targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+        works = _post_large(recvs, sends, me, world, group, peers, large_sends, large_recvs, large_targets)
+        recvs[me].copy_(mine)  # while the large messages travel
+        for work in works:
+            if work is not None:
+                work.wait()
+        if packed is not None:
+            packed.wait()
+        for into, target in large_targets:
+            if into is not target:
+                into.copy_(target)
+    # Without large messages this rank's own part is copied with the small ones, in one call.
+    _unpack_small(recvs, packed_out, recv_splits, small_recvs, by_rows, None if overlap else mine, me)
+
+
+def _post_large(
+    recvs: list[torch.Tensor],
+    sends: list[torch.Tensor],
+    me: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    peers: list[int] | None,
+    large_sends: list[int],
+    large_recvs: list[int],
+    targets: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[dist.Work | None]:
+    """Post the large messages straight from and into the caller's tensors (a contiguous staging
+    tensor where one is not contiguous, listed in ``targets`` as (caller's, staging)): all sends
+    first, then all receives, pairing rank ``me`` with ``me+s`` and ``me-s`` at step ``s`` so that
+    every link is busy at once."""
+    large_sends.sort(key=lambda p: (p - me) % world)
+    large_recvs.sort(key=lambda p: (me - p) % world)
+    works: list[dist.Work | None] = []
+    for dst in large_sends:
+        out = sends[dst]
+        out = out if out.is_contiguous() else out.contiguous()
+        works.append(dist.isend(out, peers[dst] if peers is not None else dst, group=group, tag=_A2A_TAG))
+    for src in large_recvs:
+        into = recvs[src]
+        target = (
+            into if into.is_contiguous() else torch.empty_like(into, memory_format=torch.contiguous_format)
+        )
+        targets.append((into, target))
+        works.append(dist.irecv(target, peers[src] if peers is not None else src, group=group, tag=_A2A_TAG))
+    return works
+
+
+def _unpack_small(
+    recvs: list[torch.Tensor],
+    packed_out: torch.Tensor,
+    recv_splits: list[int],
+    small_recvs: list[int],
+    by_rows: bool,
+    mine: torch.Tensor | None,
+    me: int,
+) -> None:
+    """Copy the received small parts out of ``packed_out`` into their tensors, and ``mine`` (when
+    given) into ``recvs[me]``, with one ``_foreach_copy_`` where the parts are rows."""
+    targets = [recvs[me]] if mine is not None else []
+    sources = [mine] if mine is not None else []
     if small_recvs:
-        chunks = torch.split(packed_out, [recv_splits[p] for p in small_recvs])
-        for p, chunk in zip(small_recvs, chunks, strict=True):
-            into = recvs[p]
-            if by_rows:
-                into.copy_(chunk)
-            elif into.is_contiguous():
-                _byte_view(into).copy_(chunk)  # a view of `into` itself
-            else:
-                staging = torch.empty_like(into, memory_format=torch.contiguous_format)
-                _byte_view(staging).copy_(chunk)
-                into.copy_(staging)
+        # split_with_sizes directly: torch.split goes through two Python layers first (3 us).
+        chunks = packed_out.split_with_sizes([recv_splits[p] for p in small_recvs])
+        if by_rows:
+            targets += [recvs[p] for p in small_recvs]
+            sources += chunks
+        else:
+            for p, chunk in zip(small_recvs, chunks, strict=True):
+                into = recvs[p]
+                if into.is_contiguous():
+                    _byte_view(into).copy_(chunk)  # a view of `into` itself
+                else:
+                    staging = torch.empty_like(into, memory_format=torch.contiguous_format)
+                    _byte_view(staging).copy_(chunk)
+                    into.copy_(staging)
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 def _check_sizes_with_peers(
