@@ -20,7 +20,7 @@ import pytest
 
 from sarcomm.coordinator.errors import InvalidArgumentError
 from sarcomm.worker import cli
-from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, rank_environment
+from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
 from sarcomm.worker.client import Assignment, JoinResult, MemberReport, Progress
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, free_port
@@ -465,3 +465,8 @@ def test_rank_environment_holds_the_contract() -> None:
     assert env["SAR_PROGRESS_FILE"] == "/p/r3"
     assert env["SARCOMM_HEARTBEAT_INTERVAL"] == "1.0"
     assert env["PATH"] == "/bin"
+    # Two local ranks share this host's CPUs; a user's own setting is kept.
+    assert env["OMP_NUM_THREADS"] == str(omp_threads(2))
+    assert omp_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2)
+    kept = rank_environment({"OMP_NUM_THREADS": "7"}, config, joined, 0, restart_count=0)
+    assert kept["OMP_NUM_THREADS"] == "7"

@@ -25,6 +25,7 @@ inputs so that they are unit-tested without GPUs or a process group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import importlib.util
@@ -437,6 +438,7 @@ def initialize_comms(
     STATE.initialized = True
     STATE.peer_failure = None
     STATE.ready = True
+    _destroy_at_exit()
     metrics.set_worker_info(job=job, rank=rank, world_size=world_size, backend=name, generation=generation)
     # Local import: startup imports this module's dependents lazily too, and only needs to run
     # once the process group is up (the metrics endpoint then has a worker identity to show).
@@ -478,6 +480,27 @@ def destroy_comms() -> None:
     if STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     STATE.reset()
+
+
+_exit_hook_installed = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the groups at interpreter exit, once registered: a process that exits with gloo's
+    threads still running is aborted by torch's C++ runtime ("terminate called without an active
+    exception", SIGABRT), which turns a clean exit 0 into a crash for the agent."""
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+
+    def destroy() -> None:
+        try:
+            destroy_comms()
+        except Exception as exc:  # exiting anyway: report, do not mask the exit status
+            log.warning("destroying the process group at exit failed: %s", exc)
+
+    atexit.register(destroy)
 
 
 def mark_peer_failed(error: PeerFailedError) -> None:
