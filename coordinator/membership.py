@@ -217,6 +217,9 @@ class Job:
     master_port: int = 0
     restart_count: int = 0
     reason: str = ""
+    # The rank whose failure failed this generation (None while none has): monitoring names it as
+    # the rank that is down, and not the peers its agents then stopped, which fail too.
+    failed_rank: int | None = None
     members: list[Member] = field(default_factory=list)
     # Set when the world forms or the job is abandoned; pending joins wait on it. Not persisted.
     formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -245,6 +248,7 @@ class Job:
             "master_port": self.master_port,
             "restart_count": self.restart_count,
             "reason": self.reason,
+            "failed_rank": self.failed_rank,
             "members": [m.to_record() for m in self.members],
         }
 
@@ -263,6 +267,8 @@ class Job:
             master_port=record["master_port"],
             restart_count=record["restart_count"],
             reason=record["reason"],
+            # .get: state files written before the field existed hold no such key.
+            failed_rank=record.get("failed_rank"),
             members=[Member.from_record(m) for m in record["members"]],
         )
         if job.state is not JobState.FORMING:
@@ -437,12 +443,16 @@ class Membership:
                 f"max_jobs {self._max_jobs}"
             )
         previous = job.generation if job is not None else self._store.last_generation(spec.job)
+        # A world formed right after a failed one is a restart (an agent's --max-restarts, or the
+        # user running the job again): counted so status and the restarts metric can show it.
+        restarts = job.restart_count + 1 if job is not None and job.state is JobState.FAILED else 0
         job = Job(
             name=spec.job,
             generation=previous + 1,
             world_size=spec.world_size,
             created=self._wall(),
             backend=spec.backend,
+            restart_count=restarts,
         )
         if previous:
             # Members of the ended generation are forgotten: their ids can never act again.
@@ -569,6 +579,7 @@ class Membership:
         log.warning("%s: rank %s on host %s failed: %s", job.label, member.rank, member.host, reason)
         if job.state is JobState.RUNNING:
             job.state = JobState.FAILED
+            job.failed_rank = member.rank
             job.reason = f"rank {member.rank} on host {member.host} failed: {reason}"
             self._emit(
                 JobEvent(

@@ -2,12 +2,20 @@
 
 Counts of members and jobs by state are read from the membership at scrape time by a custom
 collector, so there is no second copy of that state to keep in step. Per-rank identity is not a
-label here: it travels as target labels from ``/sd``.
+label on the ranks' own series: it travels as target labels from ``/sd``.
+
+Two per-rank families are the exception, because only the coordinator knows them: whether a rank
+is up (a rank that died is gone from ``/sd``, so its target's ``up`` says nothing) and how long it
+has been inside its current collective (a hung rank still answers scrapes). They carry ``job`` and
+``rank`` with the same values as the rank's own target labels, so the shipped Prometheus config
+scrapes the coordinator with ``honor_labels: true`` and they join the ranks' series on
+``(job, rank)``. Their series are bounded by the live ranks plus one per recently failed job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -17,11 +25,19 @@ from sarcomm.coordinator.membership import JobState, Membership, MemberState
 
 RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 600)
+#: Every value :func:`failure_reason_label` returns; each is exported from the start (at 0), so a
+#: rate or increase over failures has a series to work on before the first failure.
+FAILURE_REASONS = ("missed_heartbeats", "killed", "exit_code", "reported")
+#: How long after its job failed the rank that failed it is still exported as down. Long enough
+#: for an alert to fire and be seen; bounded so that a coordinator that has seen many failed job
+#: names over months does not export a series for each of them for ever.
+FAILED_RANK_RETENTION_S = 3600.0
 
 
 class _StateCollector(Collector):
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, wall: Callable[[], float]) -> None:
         self._membership = membership
+        self._wall = wall
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         jobs = GaugeMetricFamily(
@@ -42,14 +58,50 @@ class _StateCollector(Collector):
             members.add_metric([member_state.value], count)
         yield jobs
         yield members
+        yield from self._per_rank()
+
+    def _per_rank(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            "sar_coordinator_rank_up",
+            "1 for each live rank of a running job; 0 for the rank whose failure failed its job "
+            "(for an hour, or until the job's next generation starts forming).",
+            labels=["job", "rank"],
+        )
+        in_collective = GaugeMetricFamily(
+            "sar_coordinator_rank_collective_seconds",
+            "Seconds each live rank has been inside its current collective (0 between collectives), "
+            "from the progress its heartbeats carry.",
+            labels=["job", "rank"],
+        )
+        now = self._wall()
+        for job in self._membership.jobs():
+            if job.state is JobState.RUNNING:
+                for member in job.members:
+                    if member.state is not MemberState.RUNNING or member.rank is None:
+                        continue
+                    labels = [job.name, str(member.rank)]
+                    up.add_metric(labels, 1)
+                    progress = member.progress
+                    # The rank stamps `since` with its own clock: clamp a small skew to 0.
+                    inside = max(0.0, now - progress.since) if progress.in_collective else 0.0
+                    in_collective.add_metric(labels, inside)
+            elif (
+                job.state is JobState.FAILED
+                and job.failed_rank is not None
+                # `ended` stays 0 while stopped peers are still leaving: that failure is recent.
+                and (not job.ended or now - job.ended < FAILED_RANK_RETENTION_S)
+            ):
+                up.add_metric([job.name, str(job.failed_rank)], 0)
+        yield up
+        yield in_collective
 
 
 class CoordinatorMetrics:
     """Every metric the coordinator exports, on a registry of its own."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, wall: Callable[[], float] = time.time) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(membership))
+        self.registry.register(_StateCollector(membership, wall))
         self.joins = Counter("sar_coordinator_joins", "Members that joined a job.", registry=self.registry)
         self.rendezvous_duration = Histogram(
             "sar_coordinator_rendezvous_duration_seconds",
@@ -64,6 +116,13 @@ class CoordinatorMetrics:
             "sar_coordinator_member_failures",
             "Members judged failed, by reason.",
             ["reason"],
+            registry=self.registry,
+        )
+        for reason in FAILURE_REASONS:
+            self.member_failures.labels(reason)
+        self.restarts = Counter(
+            "sar_coordinator_restarts",
+            "Worlds formed under a job name whose previous generation failed.",
             registry=self.registry,
         )
         self.rpcs = Counter(

@@ -97,6 +97,8 @@ class Coordinator:
             job = self.membership.job(event.job)
             if job is not None:
                 self.metrics.rendezvous_duration.observe(max(0.0, job.formed - job.created))
+                if job.restart_count:
+                    self.metrics.restarts.inc()
 
     async def start(self) -> None:
         limits = self.config.limits

@@ -34,8 +34,8 @@ from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
 
 WORLD_SIZES = (2, 3, 4)
-#: float32 elements per all_to_all row: 1 KiB, so that 300 rows (300 KiB) is above the default
-#: small-message threshold (256 KiB) and 100 or 200 rows are below it.
+#: float32 elements per all_to_all row: 1 KiB, so that 300 rows (300 KiB) is above the
+#: "mixed" mode's small-message threshold (200 KiB) and 100 or 200 rows are at or below it.
 ROW = 256
 
 
@@ -76,7 +76,8 @@ def _all_to_all_cases(rank: int, world: int) -> dict[str, Any]:
                 wrong.append(f"{case} from {src}")
 
     default = collectives.all_to_all_config().small_message_bytes
-    modes = {"default": default, "p2p": 0, "packed": 1 << 30}
+    # "mixed": 200 KiB threshold, so that 100 and 200 rows are packed and 300 rows go point to point.
+    modes = {"default": default, "mixed": 200 * 1024 + 1, "p2p": 0, "packed": 1 << 30}
     for mode, small in modes.items():
         collectives.configure_all_to_all(small_message_bytes=small)
         try:

@@ -32,7 +32,7 @@ blocking ``recv`` in rank order, then a ``barrier``) serialises the receives and
 collective. Here each message is classified by its size, which its sender and its receiver both
 know, so every rank classifies every message the same way without talking:
 
-- small messages (at most ``small_message_bytes``, 256 KiB by default) are packed into one byte
+- small messages (at most ``small_message_bytes``, 1 MiB by default) are packed into one
   buffer and go through one ``all_to_all_single`` with split sizes, which pays gloo's per-message
   latency once. It is issued asynchronously by every rank on every call, even with nothing to
   pack, because it is a collective: skipping it would need knowledge of the other ranks' sizes.
@@ -106,7 +106,7 @@ class AllToAllConfig:
 
     #: Messages of at most this many bytes are packed into one all_to_all_single; larger ones go
     #: point to point. 0 sends everything point to point.
-    small_message_bytes: int = 256 * 1024
+    small_message_bytes: int = 1024 * 1024
     #: Exchange and compare the message sizes first (two extra small collectives per call), so
     #: that a sender/receiver size mismatch raises InvalidArgumentError on every rank instead of
     #: aborting the receiving process inside gloo.
