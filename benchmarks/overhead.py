@@ -2,11 +2,11 @@
 
 Three measurements, all on gloo over loopback:
 
-1. ``wrapper``: the wrapper alone. ``torch.distributed.all_reduce`` (and ``broadcast``) are
-   replaced in-process by a function that does nothing, so the difference between calling the
+1. ``wrapper``: the wrapper alone. The ``torch.distributed`` functions the wrappers call are
+   replaced in-process by a function that does nothing, so the difference between calling a
    wrapper and calling that function directly is exactly the Python the wrapper runs: state check,
    routing, two clock reads, one histogram/bytes update. Deterministic, so it is the figure for
-   "microseconds added per call".
+   "microseconds added per call", for every op.
 2. ``world1``: a real 4-byte all_reduce in a one-rank gloo group, bare vs wrapped.
 3. ``world2``: every op in a two-rank gloo group (separate processes), bare vs wrapped, 4 bytes
    and 64 KiB to 16 MiB.
@@ -97,30 +97,46 @@ def _summary(bare_s: list[float], wrapped_s: list[float], **extra: int) -> dict[
     }
 
 
+#: torch.distributed functions that (1) replaces with a no-op, to time each op's wrapper alone.
+NOOP_TARGETS = (
+    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter", "send",
+    "recv", "barrier",
+)  # fmt: skip
+
+
 def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
-    """(1): the wrappers against a backend that does nothing, in this process (world size 1)."""
-    from sarcomm.worker import collectives
+    """(1): every op's wrapper against a backend that does nothing, in this process (world size 1)."""
+    from sarcomm.worker import collectives as sar
 
     results = {}
-    tensor = torch.zeros(1)
-    real = {"all_reduce": dist.all_reduce, "broadcast": dist.broadcast}
+    t = torch.zeros(1)
+    tensors = [torch.zeros(1)]
+    real = {name: getattr(dist, name) for name in NOOP_TARGETS}
 
-    def nothing(*args: Any, **kwargs: Any) -> None:
-        return None
+    def nothing(*args: Any, **kwargs: Any) -> int:
+        return 0  # recv returns the sender's rank
 
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: sar.all_reduce(t),
+        "broadcast": lambda: sar.broadcast(t, 0),
+        "all_gather": lambda: sar.all_gather(tensors, t),
+        "reduce_scatter": lambda: sar.reduce_scatter(t, tensors),
+        "reduce": lambda: sar.reduce(t, 0),
+        "gather": lambda: sar.gather(t, tensors, 0),
+        "scatter": lambda: sar.scatter(t, tensors, 0),
+        "send": lambda: sar.send(t, 0),
+        "recv": lambda: sar.recv(t, 0),
+        "barrier": lambda: sar.barrier(),
+    }
     try:
-        setattr(dist, "all_reduce", nothing)  # noqa: B010  (setattr: mypy rejects assigning over a function)
-        setattr(dist, "broadcast", nothing)  # noqa: B010
-        calls, blocks = (20_000, 10) if quick else (100_000, 20)
-        results["all_reduce"] = interleaved(
-            lambda: nothing(tensor), lambda: collectives.all_reduce(tensor), calls, blocks
-        )
-        results["broadcast"] = interleaved(
-            lambda: nothing(tensor, 0), lambda: collectives.broadcast(tensor, 0), calls, blocks
-        )
+        for name in NOOP_TARGETS:
+            setattr(dist, name, nothing)
+        calls_per_block, blocks = (20_000, 10) if quick else (100_000, 20)
+        for op, wrapped in calls.items():
+            results[op] = interleaved(lambda: nothing(t, 0), wrapped, calls_per_block, blocks)
     finally:
-        setattr(dist, "all_reduce", real["all_reduce"])  # noqa: B010
-        setattr(dist, "broadcast", real["broadcast"])  # noqa: B010
+        for name, function in real.items():
+            setattr(dist, name, function)
     return results
 
 
@@ -213,11 +229,11 @@ def world2(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def wrapper_cost(only: dict[str, dict[str, float]], op: str) -> float:
-    """Seconds the wrapper of ``op`` adds: all_reduce has its own fast path, every other op runs
-    the shared path that (1) measures on broadcast."""
-    if op.startswith("all_reduce A/A"):
-        return 0.0
-    return only["all_reduce" if op == "all_reduce" else "broadcast"]["added_s"]
+    """Seconds the wrapper of ``op`` adds, as (1) measured it (0 for the calibration rows and for
+    all_to_all, which is an algorithm of its own rather than a wrapper)."""
+    if op == "send/recv":
+        return max(only["send"]["added_s"], only["recv"]["added_s"])
+    return only[op]["added_s"] if op in only else 0.0
 
 
 def fmt_us(seconds: float) -> str:

@@ -947,8 +947,12 @@ def broadcast(
     """``torch.distributed.broadcast``, recorded. Returns a :class:`CollectiveHandle` when
     ``async_op``, else None; raises what torch raises, :class:`FailedPreconditionError` before
     initialize_comms and the recorded :class:`PeerFailedError` after a peer failed."""
-    if not _STATE.ready:
+    state = _STATE
+    if not state.ready:
         _raise_not_ready("broadcast")
+    if group is None and group_src is None and state.cpu_group is None:  # the common case, lean
+        nbytes = tensor.nbytes if src == state.rank else 0
+        return _timed(state.stats["broadcast"], nbytes, dist.broadcast, tensor, src, None, async_op)
     group, stats = _route("broadcast", group, tensor)
     nbytes = tensor.nbytes if _is_me(src, group_src, group) else 0
     return _timed(stats, nbytes, dist.broadcast, tensor, src, group, async_op, **_opt("group_src", group_src))
@@ -962,9 +966,13 @@ def all_gather(
 ) -> CollectiveHandle | None:
     """``torch.distributed.all_gather``, recorded. Returns a :class:`CollectiveHandle` when
     ``async_op``, else None; raises as :func:`broadcast`."""
-    if not _STATE.ready:
+    state = _STATE
+    if not state.ready:
         _raise_not_ready("all_gather")
-    group, stats = _route("all_gather", group, tensor)
+    if group is None and state.cpu_group is None:
+        stats = state.stats["all_gather"]
+    else:
+        group, stats = _route("all_gather", group, tensor)
     return _timed(stats, tensor.nbytes, dist.all_gather, tensor_list, tensor, group, async_op)
 
 
@@ -1081,8 +1089,12 @@ def reduce(
 ) -> CollectiveHandle | None:
     """``torch.distributed.reduce``, recorded. Returns a :class:`CollectiveHandle` when
     ``async_op``, else None; raises as :func:`broadcast`."""
-    if not _STATE.ready:
+    state = _STATE
+    if not state.ready:
         _raise_not_ready("reduce")
+    if group is None and group_dst is None and state.cpu_group is None:
+        nbytes = 0 if dst == state.rank else tensor.nbytes
+        return _timed(state.stats["reduce"], nbytes, dist.reduce, tensor, dst, op, None, async_op)
     group, stats = _route("reduce", group, tensor)
     nbytes = 0 if _is_me(dst, group_dst, group) else tensor.nbytes
     return _timed(
@@ -1100,8 +1112,12 @@ def gather(
 ) -> CollectiveHandle | None:
     """``torch.distributed.gather``, recorded. Returns a :class:`CollectiveHandle` when
     ``async_op``, else None; raises as :func:`broadcast`."""
-    if not _STATE.ready:
+    state = _STATE
+    if not state.ready:
         _raise_not_ready("gather")
+    if group is None and group_dst is None and state.cpu_group is None:
+        nbytes = 0 if dst == state.rank else tensor.nbytes
+        return _timed(state.stats["gather"], nbytes, dist.gather, tensor, gather_list, dst, None, async_op)
     group, stats = _route("gather", group, tensor)
     nbytes = 0 if _is_me(dst, group_dst, group) else tensor.nbytes
     return _timed(
@@ -1148,8 +1164,12 @@ def send(
 ) -> None:
     """``torch.distributed.send``, recorded; blocks until the tensor is sent. Raises as
     :func:`broadcast`."""
-    if not _STATE.ready:
+    state = _STATE
+    if not state.ready:
         _raise_not_ready("send")
+    if group is None and group_dst is None and state.cpu_group is None:
+        _timed(state.stats["send"], tensor.nbytes, dist.send, tensor, dst, None, tag)
+        return
     group, stats = _route("send", group, tensor)
     _timed(stats, tensor.nbytes, dist.send, tensor, dst, group, tag, **_opt("group_dst", group_dst))
 
@@ -1182,6 +1202,8 @@ def barrier(
     if not state.ready:
         _raise_not_ready("barrier")
     stats = state.stats["barrier"]
+    if device_ids is None and timeout is None:
+        return _timed(stats, 0, dist.barrier, group, async_op)
     return _timed(
         stats, 0, dist.barrier, group, async_op, **_opt("device_ids", device_ids), **_opt("timeout", timeout)
     )
