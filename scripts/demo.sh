@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on one machine: a coordinator (embedded SQLite state) and two sar-worker agents with
-# two local ranks each, running examples/collectives_check.py on a world of 4 over loopback.
+# two local ranks each, training the SAR-style GCN of examples/gcn/ on a world of 4 over loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -36,11 +36,11 @@ while True:
         time.sleep(0.1)
 PY
 
-echo "== starting two sar-worker agents, 2 ranks each"
+echo "== starting two sar-worker agents, 2 ranks each, training a GCN on a 4-way partitioned graph"
 pids=()
 for host in a b; do
-  sar-worker --coord "${coord}" --job demo --world-size 4 --nproc-per-node 2 --join-timeout 60 -- \
-    python examples/collectives_check.py --rounds 5 2>&1 | sed "s/^/[agent ${host}] /" &
+  sar-worker --coord "${coord}" --job gcn-demo --world-size 4 --nproc-per-node 2 --join-timeout 60 -- \
+    python examples/gcn/train.py --epochs 20 2>&1 | sed "s/^/[agent ${host}] /" &
   pids+=($!)
 done
 status=0
