@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -17,8 +18,9 @@ from typing import Any
 
 from sarcomm import __version__
 from sarcomm.coordinator import loop, status
-from sarcomm.coordinator.config import CoordinatorConfig
+from sarcomm.coordinator.config import CoordinatorConfig, Limits
 from sarcomm.coordinator.errors import SarcommError
+from sarcomm.coordinator.tls import ClientTls
 
 log = logging.getLogger("sarcomm.coordinator")
 
@@ -35,11 +37,13 @@ def _add(
     default: Any = None,
     type: Callable[[str], Any] = str,
     help: str,
+    dest: str | None = None,
 ) -> None:
     """A flag whose default comes from ``SARCOMM_<FLAG>`` when that is set."""
     env_value = env.get(_env_name(flag))
     parser.add_argument(
         flag,
+        dest=dest or flag.lstrip("-").replace("-", "_"),
         type=type,
         default=env_value if env_value is not None else default,
         help=f"{help} (env {_env_name(flag)}; default {default})",
@@ -79,6 +83,22 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _add(
         parser,
         env,
+        "--stall-threshold",
+        type=float,
+        default=30.0,
+        help="seconds ranks wait in one collective before status names the ranks they wait for",
+    )
+    _add(
+        parser,
+        env,
+        "--reconnect-grace",
+        type=float,
+        default=10.0,
+        help="seconds members restored from --state get to reconnect before they are judged",
+    )
+    _add(
+        parser,
+        env,
         "--join-timeout",
         type=float,
         default=600.0,
@@ -102,12 +122,41 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=Path,
         help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
     )
+    limits = Limits()
+    for flag, default, meaning in (
+        ("--max-message-bytes", limits.max_message_bytes, "largest gRPC request or answer, in bytes"),
+        ("--max-world-size", limits.max_world_size, "members per job (the largest world_size of a join)"),
+        ("--max-jobs", limits.max_jobs, "jobs forming or running at once"),
+        ("--max-streams", limits.max_streams, "Heartbeat, Watch and other streams open at once"),
+        ("--max-join-waiters", limits.max_join_waiters, "Join calls waiting for their world at once"),
+        ("--max-ended-jobs", limits.max_ended_jobs, "finished or failed jobs kept in memory for status"),
+    ):
+        _add(parser, env, flag, type=int, default=default, help=f"limit: {meaning}")
     _add(parser, env, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
     commands = parser.add_subparsers(dest="command", metavar="{status}")
     status_parser = commands.add_parser("status", help="show jobs, members, health and progress")
     _add(status_parser, env, "--coord", default="127.0.0.1:50051", help="coordinator gRPC address HOST:PORT")
     _add(status_parser, env, "--job", default="", help="only this job")
+    # A client's TLS settings, named as sar-worker names them; the token is the top-level
+    # --token-file (SARCOMM_TOKEN_FILE), the same file the coordinator reads.
+    _add(
+        status_parser,
+        env,
+        "--tls-ca",
+        type=Path,
+        dest="client_tls_ca",
+        help="PEM CA bundle that signed the coordinator's certificate (turns TLS on)",
+    )
+    _add(
+        status_parser,
+        env,
+        "--tls-cert",
+        type=Path,
+        dest="client_tls_cert",
+        help="this client's PEM certificate, for a coordinator with --tls-client-ca",
+    )
+    _add(status_parser, env, "--tls-key", type=Path, dest="client_tls_key", help="PEM key for --tls-cert")
     status_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status_parser.add_argument(
         "--watch",
@@ -128,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         state=args.state,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_misses=args.heartbeat_misses,
+        stall_threshold=args.stall_threshold,
+        reconnect_grace=args.reconnect_grace,
         join_timeout=args.join_timeout,
         shutdown_grace=args.shutdown_grace,
         token_file=args.token_file,
@@ -135,12 +186,47 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         log_level=args.log_level.upper(),
+        limits=Limits(
+            max_world_size=args.max_world_size,
+            max_jobs=args.max_jobs,
+            max_message_bytes=args.max_message_bytes,
+            max_streams=args.max_streams,
+            max_join_waiters=args.max_join_waiters,
+            max_ended_jobs=args.max_ended_jobs,
+        ),
     )
 
 
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    if args.client_tls_ca is None and args.client_tls_cert is None and args.client_tls_key is None:
+        return None
+    return ClientTls(args.client_tls_ca, args.client_tls_cert, args.client_tls_key)
+
+
+def _raise_open_file_limit() -> None:
+    """Let the coordinator hold as many connections as the hard limit allows.
+
+    Every member, stream and scrape is a socket, and the soft limit is often 1024: hitting it
+    would refuse healthy clients while a flood of connections lasts.
+    """
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 async def _status(args: argparse.Namespace) -> None:
+    from sarcomm.coordinator.server import read_token
+
+    token = read_token(args.token_file) if args.token_file else None
+    tls = _client_tls(args)
     while True:
-        response = await status.fetch_jobs(args.coord, args.job)
+        response = await status.fetch_jobs(args.coord, args.job, token=token, tls=tls)
         text = status.render_json(response) if args.json else status.render(response)
         if args.watch is None:
             print(text)
@@ -168,6 +254,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         config = config_from_args(args)
         from sarcomm.coordinator.server import serve
 
+        _raise_open_file_limit()
         loop.run(serve(config))
         return 0
     except SarcommError as error:

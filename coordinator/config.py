@@ -30,12 +30,51 @@ def parse_host_port(field: str, value: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds that keep a hostile or broken client from exhausting the coordinator."""
+    """Bounds that keep a hostile or broken client from exhausting the coordinator.
+
+    Past any of them a call gets RESOURCE_EXHAUSTED naming the limit. Together they bound the
+    coordinator's memory: every request is at most ``max_message_bytes``, and what it keeps is
+    at most ``max_jobs`` active jobs of ``max_world_size`` members, ``max_ended_jobs`` finished or
+    failed ones, ``max_join_waiters`` waiting joins and ``max_streams`` open streams.
+
+    - ``max_world_size``: members per job (the largest ``world_size`` a join may ask for).
+    - ``max_jobs``: jobs forming or running at once.
+    - ``max_message_bytes``: the largest request (and answer) gRPC accepts.
+    - ``max_streams``: Heartbeat, Watch and other streaming calls open at once.
+    - ``max_join_waiters``: Join calls waiting for their world at once. A world whose members
+      join one per call needs as many, so the default equals ``max_world_size``.
+    - ``max_ended_jobs``: finished or failed jobs kept for ``status`` and ``/v1/jobs``; older ones
+      are forgotten in memory (the state file keeps them).
+    - ``max_interfaces``: network interfaces one join may report.
+    """
 
     max_world_size: int = 65536
     max_jobs: int = 1024
     max_message_bytes: int = 4 * 1024 * 1024
     max_interfaces: int = 64
+    max_streams: int = 65536
+    max_join_waiters: int = 65536
+    max_ended_jobs: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_world_size",
+            "max_jobs",
+            "max_message_bytes",
+            "max_interfaces",
+            "max_streams",
+            "max_join_waiters",
+            "max_ended_jobs",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} {value!r} must be an integer >= 1")
+        # The smallest useful request (a Join of one member with one interface) is ~100 bytes;
+        # below 1 KiB nothing would get through.
+        if self.max_message_bytes < 1024:
+            raise InvalidArgumentError(
+                f"max_message_bytes {self.max_message_bytes!r} must be at least 1024 bytes"
+            )
 
 
 @dataclass(frozen=True)
@@ -50,6 +89,10 @@ class CoordinatorConfig:
     state: Path | None = None
     heartbeat_interval: float = 1.0
     heartbeat_misses: int = 3
+    # Seconds ranks must wait in one collective before the ranks they wait for are named.
+    stall_threshold: float = 30.0
+    # Seconds members restored from --state have to reconnect before they are judged.
+    reconnect_grace: float = 10.0
     join_timeout: float = 600.0
     shutdown_grace: float = 5.0
     token_file: Path | None = None
@@ -64,6 +107,9 @@ class CoordinatorConfig:
         parse_host_port("http", self.http)
         _positive("heartbeat_interval", self.heartbeat_interval)
         _positive("join_timeout", self.join_timeout)
+        _positive("stall_threshold", self.stall_threshold)
+        if self.reconnect_grace < 0 or not math.isfinite(self.reconnect_grace):
+            raise InvalidArgumentError(f"reconnect_grace {self.reconnect_grace!r} must be >= 0 seconds")
         if self.shutdown_grace < 0 or not math.isfinite(self.shutdown_grace):
             raise InvalidArgumentError(f"shutdown_grace {self.shutdown_grace!r} must be >= 0 seconds")
         if self.heartbeat_misses < 1:

@@ -21,7 +21,10 @@ from sarcomm.coordinator.views import jobs_json
 log = logging.getLogger(__name__)
 
 COORDINATOR_JOB_LABEL = "sar-coordinator"
-PROTECTED_PATHS = frozenset({"/sd", "/v1/jobs"})
+#: What answers without the token: nothing in them says where a rank listens. Every other path,
+#: ``/sd`` and ``/v1/jobs`` above all, needs it (an allowlist, so that a path added later is
+#: protected by default, and so that a caller without the token cannot tell which paths exist).
+PUBLIC_PATHS = frozenset({"/metrics", "/healthz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -55,7 +58,7 @@ class HttpApi:
         """``/sd`` and ``/v1/jobs`` reveal where ranks listen: they need the token when one is set."""
         if (
             self._token is not None
-            and request.path in PROTECTED_PATHS
+            and request.path not in PUBLIC_PATHS
             and not bearer_matches(request.headers.get("Authorization", ""), self._token)
         ):
             return web.json_response(
@@ -76,7 +79,7 @@ class HttpApi:
         jobs = self._membership.jobs()
         if name:
             jobs = [j for j in jobs if j.name == name]
-        return web.json_response(jobs_json(jobs))
+        return web.json_response(jobs_json(jobs, self._membership.stall))
 
     async def service_discovery(self, request: web.Request) -> web.Response:
         """Prometheus HTTP SD: the full target list on every call, one group per live rank."""

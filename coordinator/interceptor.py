@@ -1,15 +1,18 @@
-"""The one place where sarcomm errors become gRPC statuses, every call is counted, and the
-shared token is checked.
+"""The one place where sarcomm errors become gRPC statuses, every call is counted, the shared
+token is checked, requests are decoded and open streams are bounded.
 
 Wrapping the method handlers (rather than each servicer method) means a new RPC cannot forget
-any of it: its errors are mapped, its calls appear in ``sar_coordinator_rpcs_total``, and it is
-refused without the token. Only ``grpc.health.v1.Health`` answers without one: it reveals nothing,
-and container health checks cannot carry a secret.
+any of it: its errors are mapped, its calls appear in ``sar_coordinator_rpcs_total``, it is
+refused without the token, a request that is not its message type gets INVALID_ARGUMENT (gRPC
+itself would answer UNKNOWN), and a stream beyond ``max_streams`` gets RESOURCE_EXHAUSTED. Only
+``grpc.health.v1.Health`` answers without the token: it reveals nothing, and container health
+checks cannot carry a secret.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import inspect
 import logging
@@ -18,17 +21,47 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from sarcomm.coordinator.errors import SarcommError, UnauthenticatedError, to_status
+from sarcomm.coordinator.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SarcommError,
+    UnauthenticatedError,
+    shorten,
+    to_status,
+)
 from sarcomm.coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
 
+class StreamSlots:
+    """How many streaming calls are open, against ``limit``; shared by every method's wrapper."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def take(self, method: str) -> None:
+        if self.open >= self.limit:
+            raise ResourceExhaustedError(
+                f"{method}: the coordinator already holds {self.open} open streams, its limit "
+                f"max_streams (--max-streams) {self.limit}; retry later"
+            )
+        self.open += 1
+
+    def give_back(self) -> None:
+        self.open -= 1
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, metrics: CoordinatorMetrics, token: str | None = None) -> None:
+    def __init__(
+        self, metrics: CoordinatorMetrics, token: str | None = None, max_streams: int = 65536
+    ) -> None:
         self._metrics = metrics
         self._token = token
+        self.streams = StreamSlots(max_streams)
         # Wrapping builds closures and a handler object; do it once per method, not once per call.
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
@@ -44,16 +77,28 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if wrapped is None:
             method = handler_call_details.method.rsplit("/", 1)[-1]
             token = None if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIX) else self._token
-            wrapped = _wrap(handler, method, self._metrics, token)
+            wrapped = _wrap(handler, method, self._metrics, token, self.streams)
             self._wrapped[handler_call_details.method] = wrapped
         return wrapped
 
 
 def _wrap(
-    handler: grpc.RpcMethodHandler[Any, Any], method: str, metrics: CoordinatorMetrics, token: str | None
+    handler: grpc.RpcMethodHandler[Any, Any],
+    method: str,
+    metrics: CoordinatorMetrics,
+    token: str | None,
+    streams: StreamSlots,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     counter = metrics.rpcs
     duration = metrics.rpc_duration.labels(method)
+    decode = _decoder(handler.request_deserializer, method)
+    is_stream = not handler.unary_unary
+
+    def arguments(request: Any) -> Any:
+        """The request (or request iterator) as the handler expects it: decoded, in our error path."""
+        if handler.request_streaming:
+            return _decoded(request, decode)
+        return decode(request)
 
     async def finish(
         context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None, start: float
@@ -63,7 +108,10 @@ def _wrap(
             status, details = to_status(error)
             counter.labels(method, status.name).inc()
             await context.abort(status, details)
-        if isinstance(error, asyncio.CancelledError):
+        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            # The caller went away: cancelled, or it stopped reading a stream and gRPC closed the
+            # handler's generator. There is nobody to send a status to, and awaiting anything now
+            # would break the generator's close.
             counter.labels(method, "CANCELLED").inc()
             return
         if error is not None and not _is_abort(error):
@@ -76,12 +124,19 @@ def _wrap(
     def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             start = time.perf_counter()
+            slot = False
             try:
                 _authenticate(context, token)
-                response = await behavior(request, context)
+                if is_stream:
+                    streams.take(method)
+                    slot = True
+                response = await behavior(arguments(request), context)
             except BaseException as error:
                 await finish(context, error, start)
                 raise
+            finally:
+                if slot:
+                    streams.give_back()
             await finish(context, None, start)
             return response
 
@@ -95,19 +150,26 @@ def _wrap(
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             start = time.perf_counter()
+            slot = False
             try:
                 _authenticate(context, token)
-                async for response in behavior(request, context):
+                streams.take(method)
+                slot = True
+                async for response in behavior(arguments(request), context):
                     yield response
             except BaseException as error:
                 await finish(context, error, start)
                 raise
+            finally:
+                if slot:
+                    streams.give_back()
             await finish(context, None, start)
 
         return wrapped
 
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        # The wrapper decodes (see arguments): gRPC's own decoding failure would be UNKNOWN.
+        "request_deserializer": None,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
@@ -122,6 +184,29 @@ def _wrap(
 
 
 UNAUTHENTICATED_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _decoder(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[Any], Any]:
+    """Bytes to the request message, or INVALID_ARGUMENT naming the method and the bytes."""
+    if deserializer is None:
+        return lambda raw: raw
+
+    def decode(raw: Any) -> Any:
+        try:
+            return deserializer(raw)
+        except (DecodeError, ValueError, TypeError) as error:
+            # protobuf reports a field's bad UTF-8 as a DecodeError too; either way the sender
+            # must learn which call it was, not see UNKNOWN.
+            raise InvalidArgumentError(
+                f"request {shorten(raw)} must be a serialized {method} request message: {error}"
+            ) from None
+
+    return decode
+
+
+async def _decoded(requests: AsyncIterator[Any], decode: Callable[[Any], Any]) -> AsyncIterator[Any]:
+    async for raw in requests:
+        yield decode(raw)
 
 
 def _authenticate(context: grpc.aio.ServicerContext[Any, Any], token: str | None) -> None:
@@ -141,8 +226,14 @@ def _authenticate(context: grpc.aio.ServicerContext[Any, Any], token: str | None
 
 
 def bearer_matches(header: str, token: str) -> bool:
-    """True when ``header`` is ``Bearer <token>``; constant time in the token's content."""
-    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+    """True when ``header`` is ``Bearer <token>``; constant time in the token's content and length.
+
+    Both sides are hashed first: ``compare_digest`` returns early on a length mismatch, which
+    would tell a prober how long the token is.
+    """
+    sent = hashlib.sha256(header.encode(errors="replace")).digest()
+    expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+    return hmac.compare_digest(sent, expected)
 
 
 def _is_abort(error: BaseException) -> bool:

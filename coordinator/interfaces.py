@@ -424,7 +424,9 @@ def choose_interface(
         )
     if single_host:
         loopback = _single_host_choice(candidates)
-        if loopback is not None:
+        # A loopback without a usable address would be handed out with nothing to dial: then the
+        # host is treated like any other (its routable interface, or the fallback).
+        if loopback is not None and usable_addresses(loopback):
             return loopback
     peer = interface_with_address(candidates, peer_address)
     if peer is not None and is_routable(peer):

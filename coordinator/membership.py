@@ -8,7 +8,19 @@ States::
 
     job:    FORMING --(world_size members joined)--> RUNNING --(all left with 0)--> FINISHED
                                                         \\--(a member failed)-----> FAILED
-    member: JOINING --> RUNNING --> LEFT (exit code 0) | FAILED (non-zero exit, missed beats)
+    member: JOINING --> RUNNING --> LEFT (exit code 0) | FAILED (non-zero exit, missed beats,
+                                                                 connection lost)
+
+Liveness: a member is alive while reports about it arrive and say it showed a sign of life
+recently (``age``: an agent reports each rank's own alive stamp, so a stopped rank of a healthy
+agent ages). It fails when that sign is older than the liveness timeout (interval x misses), or,
+sooner, when the stream that carried its reports breaks (its process or agent died: the kernel
+closes the connection) and no report about it arrives within ``lost_grace``. A restored member
+gets ``restore_grace`` to reconnect before it is judged.
+
+Stalls: the progress each report carries (the sequence number of the collective a rank is in or
+finished last) shows, when some ranks have waited in collective #k for longer than
+``stall_threshold``, which ranks have not entered #k: the ones everybody waits for (:meth:`stall`).
 
 All methods are synchronous and run on the event loop thread; the only asynchronous piece is the
 per-generation ``formed`` event that pending joins wait on. Every change a client is told about is
@@ -31,11 +43,12 @@ from typing import Any
 from sarcomm.coordinator.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
+    InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo, address_on, choose_interface
+from sarcomm.coordinator.interfaces import InterfaceInfo, address_on, choose_interface, parse_address
 from sarcomm.coordinator.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -101,6 +114,7 @@ class JoinSpec:
     generation: int = 0
     backend: str = ""
     peer_address: str | None = None
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,33 @@ class Progress:
     op: str = ""
     in_collective: bool = False
     since: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Ranks waiting in collective ``seq`` for ranks that have not entered it (see :meth:`Membership.stall`).
+
+    ``since`` is the (rank-clock) Unix time the first waiting rank entered ``seq``; ``waited`` the
+    seconds it has waited when this was computed.
+    """
+
+    seq: int
+    op: str
+    since: float
+    waited: float
+    waiting: tuple[int, ...]
+    blocking: tuple[int, ...]
+
+    def describe(self) -> str:
+        """One line, e.g. ``3 rank(s) have waited 41.0 s in collective #812 (all_reduce) for rank(s) 2``."""
+        return (
+            f"{len(self.waiting)} rank(s) have waited {self.waited:.1f} s in collective #{self.seq} "
+            f"({self.op or 'unknown op'}) for rank(s) {_rank_list(self.blocking)}, which have not entered it"
+        )
+
+
+#: Earlier generations kept per job name, for ``status``; older ones stay in the state store only.
+MAX_HISTORY = 100
 
 
 @dataclass
@@ -136,6 +177,12 @@ class Member:
     metrics_address: str = ""
     # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
     last_seen: float = 0.0
+    # Monotonic time the stream that last carried this member's reports broke, while no newer
+    # report came; None while its stream is up. Not persisted.
+    lost_at: float | None = None
+    # The stream that last carried a report of this member (an opaque token of the service), so
+    # that the end of an older stream, replaced by a newer one, does not count as a loss.
+    stream: object | None = field(default=None, repr=False)
     # Which join call of its generation brought the member (0, 1, ...): two agents on one host
     # each get a contiguous block, in the order they joined. Only needed until the world forms.
     join_call: int = 0
@@ -220,12 +267,21 @@ class Job:
     # The rank whose failure failed this generation (None while none has): monitoring names it as
     # the rank that is down, and not the peers its agents then stopped, which fail too.
     failed_rank: int | None = None
+    # The largest --max-restarts the agents of this generation asked for (0: none or not told).
+    max_restarts: int = 0
+    # Summaries of earlier generations under this name, oldest first (see generation_record).
+    history: list[dict[str, Any]] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
     # Set when the world forms or the job is abandoned; pending joins wait on it. Not persisted.
     formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
     requested: dict[int, Member] = field(default_factory=dict, repr=False)
     join_calls: int = field(default=0, repr=False)
+    # The ended generation this forming one replaces: put back if every join withdraws, so the
+    # name keeps its history and status. Not persisted.
+    previous: Job | None = field(default=None, repr=False)
+    # The collective whose stall was last logged, so each stall is logged once.
+    logged_stall: int = field(default=0, repr=False)
 
     @property
     def label(self) -> str:
@@ -233,6 +289,17 @@ class Job:
 
     def ranked_members(self) -> list[Member]:
         return sorted(self.members, key=lambda m: (m.rank is None, m.rank or 0, m.joined_at))
+
+    def generation_record(self) -> dict[str, Any]:
+        """This generation in a few fields, as the next generation's history keeps it."""
+        return {
+            "generation": self.generation,
+            "state": self.state.value,
+            "formed": self.formed,
+            "ended": self.ended,
+            "reason": self.reason,
+            "failed_rank": self.failed_rank,
+        }
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -249,6 +316,8 @@ class Job:
             "restart_count": self.restart_count,
             "reason": self.reason,
             "failed_rank": self.failed_rank,
+            "max_restarts": self.max_restarts,
+            "history": self.history,
             "members": [m.to_record() for m in self.members],
         }
 
@@ -269,11 +338,21 @@ class Job:
             reason=record["reason"],
             # .get: state files written before the field existed hold no such key.
             failed_rank=record.get("failed_rank"),
+            max_restarts=record.get("max_restarts", 0),
+            history=record.get("history", []),
             members=[Member.from_record(m) for m in record["members"]],
         )
         if job.state is not JobState.FORMING:
             job.formed_event.set()
         return job
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a complete world forms: each member's rank, and each host's interface and address."""
+
+    ranks: dict[str, int]
+    per_host: dict[tuple[str, str | None, str], tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -291,7 +370,13 @@ EventListener = Callable[[JobEvent], None]
 class Membership:
     """Jobs, their members and generations; the coordinator's single source of truth.
 
-    ``clock`` is monotonic (liveness), ``wall`` is Unix time (what users see).
+    ``clock`` is monotonic (liveness), ``wall`` is Unix time (what users see). ``lost_grace`` is
+    how long a member whose stream broke may take to report again (default: a third of the
+    liveness timeout, one heartbeat interval at the default misses); ``restore_grace`` how long
+    members restored from the store have to reconnect before they are judged (at least the
+    liveness timeout);
+    ``stall_threshold`` how long ranks must wait in one collective before :meth:`stall` names
+    the ranks they wait for.
     """
 
     def __init__(
@@ -300,12 +385,20 @@ class Membership:
         *,
         liveness_timeout: float,
         max_jobs: int = 1024,
+        max_ended_jobs: int = 1024,
+        lost_grace: float | None = None,
+        restore_grace: float = 0.0,
+        stall_threshold: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._liveness_timeout = liveness_timeout
+        self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
+        self._restore_grace = max(restore_grace, liveness_timeout)
+        self.stall_threshold = stall_threshold
         self._max_jobs = max_jobs
+        self._max_ended_jobs = max_ended_jobs
         self._clock = clock
         self._wall = wall
         self._jobs: dict[str, Job] = {}
@@ -346,6 +439,8 @@ class Membership:
             AlreadyExistsError: a requested rank is taken.
             ResourceExhaustedError: the coordinator already holds ``max_jobs`` active jobs.
         """
+        # A fresh generation is built aside and adopted only once every check below has passed:
+        # a refused join must leave the previous generation (and its members) exactly as it was.
         job = self._forming_job(spec)
         if spec.world_size != job.world_size:
             raise FailedPreconditionError(
@@ -370,9 +465,11 @@ class Membership:
                     f"rank {request.rank} is already taken in {job.label} by a member on host "
                     f"{holder.host!r}; each rank can be requested once"
                 )
+        job.max_restarts = max(job.max_restarts, spec.max_restarts)
         now = self._wall()
         ticket_members: list[Member] = []
         ticket_secrets: list[str] = []
+        join_call = job.join_calls
         for request in spec.members:
             secret = secrets.token_urlsafe(24)
             member = Member(
@@ -386,13 +483,23 @@ class Membership:
                 peer_address=spec.peer_address,
                 socket_name=spec.socket_name,
                 joined_at=now,
-                join_call=job.join_calls,
+                join_call=join_call,
             )
+            ticket_members.append(member)
+            ticket_secrets.append(secret)
+        # The last join forms the world: choose ranks and interfaces before anything changes, so
+        # that a choice that fails leaves the job as it was instead of full and never formed.
+        plan = (
+            self._plan(job, [*job.members, *ticket_members])
+            if len(job.members) + len(ticket_members) == job.world_size
+            else None
+        )
+        if self._jobs.get(job.name) is not job:
+            self._adopt(job)
+        for member, request in zip(ticket_members, spec.members, strict=True):
             job.members.append(member)
             if request.rank is not None:
                 job.requested[request.rank] = member
-            ticket_members.append(member)
-            ticket_secrets.append(secret)
         # DEBUG: a world of thousands would otherwise log thousands of lines while forming.
         job.join_calls += 1
         log.debug(
@@ -403,8 +510,8 @@ class Membership:
             len(job.members),
             job.world_size,
         )
-        if len(job.members) == job.world_size:
-            self._form(job)
+        if plan is not None:
+            self._form(job, plan)
         return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
 
     def abandon(self, ticket: Ticket) -> None:
@@ -417,8 +524,12 @@ class Membership:
         job.requested = {r: m for r, m in job.requested.items() if m.member_id not in gone}
         log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
         if not job.members and self._jobs.get(job.name) is job:
-            # Nobody is waiting any more: forget the job so the next join starts it afresh.
-            del self._jobs[job.name]
+            # Nobody is waiting any more: the next join starts the generation afresh. The ended
+            # generation it would have replaced comes back, so status keeps showing it.
+            if job.previous is not None:
+                self._jobs[job.name] = job.previous
+            else:
+                del self._jobs[job.name]
 
     def missing_description(self, job: Job) -> str:
         """Which ranks a forming job still lacks, as if it formed now."""
@@ -446,6 +557,7 @@ class Membership:
         # A world formed right after a failed one is a restart (an agent's --max-restarts, or the
         # user running the job again): counted so status and the restarts metric can show it.
         restarts = job.restart_count + 1 if job is not None and job.state is JobState.FAILED else 0
+        ended = job
         job = Job(
             name=spec.job,
             generation=previous + 1,
@@ -453,29 +565,69 @@ class Membership:
             created=self._wall(),
             backend=spec.backend,
             restart_count=restarts,
+            history=[*ended.history, ended.generation_record()][-MAX_HISTORY:] if ended else [],
+            previous=ended,
         )
-        if previous:
-            # Members of the ended generation are forgotten: their ids can never act again.
-            for member_id in [k for k, (j, _) in self._members.items() if j.name == spec.job]:
-                del self._members[member_id]
-        self._jobs[spec.job] = job
+        # Not adopted yet (see join): until then nothing of the previous generation changes.
         return job
 
-    def _form(self, job: Job) -> None:
-        single_host = all(_is_loopback(m.peer_address) for m in job.members)
-        ranks = _deal_ranks(job.world_size, job.members)
-        now_mono = self._clock()
-        # Choose every interface before changing any member, so a failure leaves nothing half-set.
-        # (validation.join_spec already ensured each host has a dialable address.) Members of one
-        # host share the answer: compute it once per host, not once per rank.
+    def _adopt(self, job: Job) -> None:
+        """Make a fresh generation from :meth:`_forming_job` the job's current one."""
+        if job.generation > 1:
+            # Members of the ended generation are forgotten: their ids can never act again.
+            for member_id in [k for k, (j, _) in self._members.items() if j.name == job.name]:
+                del self._members[member_id]
+        self._jobs[job.name] = job
+
+    def _forget_old_ended_jobs(self) -> None:
+        """Keep at most ``max_ended_jobs`` finished or failed jobs in memory, the newest.
+
+        Without this, every distinct job name ever used would stay in memory for ever. Forgotten
+        jobs stay in the state store, which also keeps their generation numbers growing.
+        """
+        # Only jobs that are over for every member: a failed job's live members still report.
+        ended = [j for j in self._jobs.values() if j.state.ended and j.ended]
+        excess = len(ended) - self._max_ended_jobs
+        if excess <= 0:
+            return
+        ended.sort(key=lambda j: (j.ended or j.formed or j.created, j.name))
+        for job in ended[:excess]:
+            del self._jobs[job.name]
+            for member in job.members:
+                self._members.pop(member.member_id, None)
+        log.debug("forgot %d ended job(s) beyond max_ended_jobs %d", excess, self._max_ended_jobs)
+
+    def _plan(self, job: Job, members: Sequence[Member]) -> _Plan:
+        """Ranks and interfaces for a world of ``members``; raises before anything changes.
+
+        Members of one host share the interface choice: computed once per host, not once per rank.
+        (validation.join_spec already ensured each host has a dialable address.)
+        """
+        single_host = all(_is_loopback(m.peer_address) for m in members)
+        ranks = _deal_ranks(job.world_size, members)
         per_host: dict[tuple[str, str | None, str], tuple[str, str]] = {}
-        for m in job.members:
+        for m in members:
             key = (m.host, m.peer_address, m.socket_name)
             if key not in per_host:
                 iface = choose_interface(
                     m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
                 )
-                per_host[key] = (iface.name, address_on(iface))
+                address = address_on(iface)
+                # Every address handed out (MASTER_ADDR above all) must be one that the member
+                # itself reported on that interface: nothing else a client sends, and nothing of
+                # another job, can steer ranks elsewhere. The choice rules guarantee it; this keeps
+                # it guaranteed should they change.
+                if parse_address(address) not in {parse_address(a) for a in iface.addresses}:
+                    raise InvalidArgumentError(
+                        f"interfaces of host {m.host!r}: address {address!r} chosen on {iface.name!r} "
+                        f"is not one the host reported there"
+                    )
+                per_host[key] = (iface.name, address)
+        return _Plan(ranks, per_host)
+
+    def _form(self, job: Job, plan: _Plan) -> None:
+        ranks, per_host = plan.ranks, plan.per_host
+        now_mono = self._clock()
         for member in job.members:
             member.interface, member.address = per_host[
                 (member.host, member.peer_address, member.socket_name)
@@ -489,6 +641,7 @@ class Membership:
         job.master_port = master.store_port
         job.state = JobState.RUNNING
         job.formed = self._wall()
+        job.previous = None  # the new world replaces the ended one for good
         self._store.save_job(job.to_record())
         job.formed_event.set()
         log.info(
@@ -521,12 +674,29 @@ class Membership:
         return found
 
     def heartbeat(
-        self, member_id: str, secret: str, progress: Progress | None, metrics_address: str
+        self,
+        member_id: str,
+        secret: str,
+        progress: Progress | None,
+        metrics_address: str,
+        age: float = 0.0,
+        stream: object | None = None,
     ) -> tuple[Job, Member]:
-        """Record a sign of life (and progress) from a member; returns its job and member."""
+        """Record a report about a member; returns its job and member.
+
+        ``age`` is how many seconds ago the member itself last showed a sign of life (0: now; an
+        agent reports a rank's own alive stamp, which stops moving when the rank is stopped or
+        wedged). ``stream`` identifies the stream that carried the report (see :meth:`stream_lost`).
+        """
         job, member = self.authenticate(member_id, secret)
-        member.last_seen = self._clock()
-        member.last_heartbeat = self._wall()
+        now = self._clock()
+        seen = now - age
+        # max: a report delayed in transit, or reordered with a fresher one, never moves it back;
+        # but the first report of a restored member ends its grace (a last_seen in the future).
+        member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
+        member.last_heartbeat = max(member.last_heartbeat, self._wall() - age)
+        member.lost_at = None
+        member.stream = stream
         if progress is not None:
             member.progress = progress
         if metrics_address and metrics_address != member.metrics_address:
@@ -553,8 +723,30 @@ class Membership:
         self._store.save_job(job.to_record())
         return job
 
+    def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream``, which carried reports of ``member_ids``, broke without an orderly
+        end: its process (or the agent reporting for it) most likely died, since the kernel closes
+        a dead process's connections. Each of those members that no newer stream reports fails
+        once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
+        now = self._clock()
+        lost: list[Member] = []
+        for member_id in member_ids:
+            found = self._members.get(member_id)
+            if found is None:
+                continue
+            member = found[1]
+            if member.stream is stream and member.state is MemberState.RUNNING and member.lost_at is None:
+                member.lost_at = now
+                lost.append(member)
+        if lost:
+            log.info(
+                "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
+                "report again", _rank_list(sorted(_rank(m) for m in lost)), lost[0].host, self._lost_grace,
+            )  # fmt: skip
+
     def sweep(self) -> list[tuple[Job, Member]]:
-        """Fail every running member silent for longer than the liveness timeout."""
+        """Fail every running member silent for longer than the liveness timeout, or whose stream
+        broke ``lost_grace`` ago without a report since; log stalls (once each)."""
         now = self._clock()
         failed: list[tuple[Job, Member]] = []
         for job in list(self._jobs.values()):
@@ -562,15 +754,69 @@ class Membership:
                 continue
             changed = False
             for member in job.members:
+                if member.state is not MemberState.RUNNING:
+                    continue
                 silent = now - member.last_seen
-                if member.state is MemberState.RUNNING and silent > self._liveness_timeout:
-                    self._fail_member(job, member, f"missed heartbeats: silent for {silent:.1f} s")
-                    failed.append((job, member))
-                    changed = True
+                if member.lost_at is not None and now - member.lost_at > self._lost_grace:
+                    reason = (
+                        f"connection lost: its heartbeat stream broke and no report came within "
+                        f"{self._lost_grace:g} s (process or agent gone)"
+                    )
+                elif silent > self._liveness_timeout:
+                    reason = f"missed heartbeats: silent for {silent:.1f} s"
+                else:
+                    continue
+                self._fail_member(job, member, reason)
+                failed.append((job, member))
+                changed = True
             if changed:
                 self._settle(job)
                 self._store.save_job(job.to_record())
+            elif job.state is JobState.RUNNING:
+                self._log_stall(job)
         return failed
+
+    def stall(self, job: Job) -> Stall | None:
+        """The ranks of running ``job`` that the others wait for, or None.
+
+        Ranks make the same sequence of collectives, so sequence numbers line up across them: when
+        ranks have been inside collective #k (the highest number any rank reports) for longer than
+        ``stall_threshold``, the live ranks whose last collective is below k have not entered it.
+        None while nobody has waited that long, or when every rank is in #k (then nobody holds it).
+        """
+        if job.state is not JobState.RUNNING:
+            return None
+        live = [m for m in job.members if m.state is MemberState.RUNNING and m.rank is not None]
+        if not live:
+            return None
+        top = max(m.progress.seq for m in live)
+        if top == 0:
+            return None
+        waiting = [m for m in live if m.progress.seq == top and m.progress.in_collective]
+        if not waiting:
+            return None
+        since = min(m.progress.since for m in waiting)
+        waited = self._wall() - since
+        if waited < self.stall_threshold:
+            return None
+        blocking = [m for m in live if m.progress.seq < top]
+        if not blocking:
+            return None
+        return Stall(
+            seq=top,
+            op=waiting[0].progress.op,
+            since=since,
+            waited=waited,
+            waiting=tuple(sorted(_rank(m) for m in waiting)),
+            blocking=tuple(sorted(_rank(m) for m in blocking)),
+        )
+
+    def _log_stall(self, job: Job) -> None:
+        stall = self.stall(job)
+        if stall is not None and stall.seq != job.logged_stall:
+            job.logged_stall = stall.seq
+            hosts = sorted({m.host for m in job.members if m.rank in stall.blocking})
+            log.warning("%s: %s (on host(s) %s)", job.label, stall.describe(), ", ".join(hosts))
 
     def _fail_member(self, job: Job, member: Member, reason: str) -> None:
         member.state = MemberState.FAILED
@@ -605,6 +851,7 @@ class Membership:
             job.ended = self._wall()
         for member in job.members:
             self._members.pop(member.member_id, None)
+        self._forget_old_ended_jobs()
 
     def _emit(self, event: JobEvent) -> None:
         for listener in self._listeners:
@@ -616,19 +863,33 @@ class Membership:
     # -- persistence -----------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        now = self._clock()
+        # A restored member is judged only after restore_grace: its reporter needs time to notice
+        # the outage and reconnect (backoff with jitter), and the liveness timeout alone can be
+        # shorter than that.
+        now = self._clock() + self._restore_grace - self._liveness_timeout
         for record in self._store.load_jobs():
             job = Job.from_record(record)
             if job.state is JobState.FORMING:
                 continue
             self._jobs[job.name] = job
             for member in job.members:
-                # A restored member gets a whole liveness timeout to reconnect before it is judged.
                 member.last_seen = now
                 if member.state is MemberState.RUNNING:
                     self._members[member.member_id] = (job, member)
         if self._jobs:
             log.info("restored %d job(s) from the state store", len(self._jobs))
+        self._forget_old_ended_jobs()
+
+
+def _rank(member: Member) -> int:
+    if member.rank is None:  # only members of formed worlds reach here; None would be a bug
+        raise RuntimeError(f"member {member.member_id} of a formed world has no rank")
+    return member.rank
+
+
+def _rank_list(ranks: Sequence[int], limit: int = 16) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
 
 
 def _digest(secret: str) -> str:

@@ -4,9 +4,11 @@ Counts of members and jobs by state are read from the membership at scrape time 
 collector, so there is no second copy of that state to keep in step. Per-rank identity is not a
 label on the ranks' own series: it travels as target labels from ``/sd``.
 
-Two per-rank families are the exception, because only the coordinator knows them: whether a rank
-is up (a rank that died is gone from ``/sd``, so its target's ``up`` says nothing) and how long it
-has been inside its current collective (a hung rank still answers scrapes). They carry ``job`` and
+Three per-rank families are the exception, because only the coordinator knows them: whether a
+rank is up (a rank that died is gone from ``/sd``, so its target's ``up`` says nothing), how long
+it has been inside its current collective (a hung rank still answers scrapes), and how long the
+others have waited for a rank that has not entered their collective (comparing every rank's
+progress is only possible where all of them report). They carry ``job`` and
 ``rank`` with the same values as the rank's own target labels, so the shipped Prometheus config
 scrapes the coordinator with ``honor_labels: true`` and they join the ranks' series on
 ``(job, rank)``. Their series are bounded by the live ranks plus one per recently failed job.
@@ -27,7 +29,7 @@ RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 30
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 600)
 #: Every value :func:`failure_reason_label` returns; each is exported from the start (at 0), so a
 #: rate or increase over failures has a series to work on before the first failure.
-FAILURE_REASONS = ("missed_heartbeats", "killed", "exit_code", "reported")
+FAILURE_REASONS = ("missed_heartbeats", "connection_lost", "killed", "exit_code", "reported")
 #: How long after its job failed the rank that failed it is still exported as down. Long enough
 #: for an alert to fire and be seen; bounded so that a coordinator that has seen many failed job
 #: names over months does not export a series for each of them for ever.
@@ -73,9 +75,19 @@ class _StateCollector(Collector):
             "from the progress its heartbeats carry.",
             labels=["job", "rank"],
         )
+        blocking = GaugeMetricFamily(
+            "sar_coordinator_rank_blocking_seconds",
+            "For each rank that other ranks wait for: seconds they have waited in the collective it "
+            "has not entered (only past --stall-threshold); op is that collective.",
+            labels=["job", "rank", "op"],
+        )
         now = self._wall()
         for job in self._membership.jobs():
             if job.state is JobState.RUNNING:
+                stall = self._membership.stall(job)
+                if stall is not None:
+                    for rank in stall.blocking:
+                        blocking.add_metric([job.name, str(rank), stall.op], stall.waited)
                 for member in job.members:
                     if member.state is not MemberState.RUNNING or member.rank is None:
                         continue
@@ -94,6 +106,7 @@ class _StateCollector(Collector):
                 up.add_metric([job.name, str(job.failed_rank)], 0)
         yield up
         yield in_collective
+        yield blocking
 
 
 class CoordinatorMetrics:
@@ -144,6 +157,8 @@ def failure_reason_label(reason: str) -> str:
     """A bounded label value for a failure reason (free text would explode the series count)."""
     if reason.startswith("missed heartbeats"):
         return "missed_heartbeats"
+    if reason.startswith("connection lost"):
+        return "connection_lost"
     if "signal" in reason:
         return "killed"
     if reason.startswith("exited with code"):

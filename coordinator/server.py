@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +30,13 @@ from sarcomm.coordinator.membership import EventKind, JobEvent, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics, failure_reason_label
 from sarcomm.coordinator.service import CoordinatorService
 from sarcomm.coordinator.store import SqliteStore
+from sarcomm.coordinator.tls import server_credentials, server_ssl_context
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+HANDSHAKE_TIMEOUT_MS = 10_000
 
 
 @contextlib.contextmanager
@@ -72,7 +75,15 @@ class Coordinator:
         self.config = config
         self.store = SqliteStore(config.state)
         self.membership = Membership(
-            self.store, liveness_timeout=config.liveness_timeout, max_jobs=config.limits.max_jobs
+            self.store,
+            liveness_timeout=config.liveness_timeout,
+            max_jobs=config.limits.max_jobs,
+            max_ended_jobs=config.limits.max_ended_jobs,
+            # A reporter whose stream broke reopens it at once; one interval is enough to tell a
+            # broken connection from a dead process without waiting for all the misses.
+            lost_grace=config.heartbeat_interval,
+            restore_grace=config.reconnect_grace,
+            stall_threshold=config.stall_threshold,
         )
         self.metrics = CoordinatorMetrics(self.membership)
         self.events = EventHub()
@@ -83,6 +94,13 @@ class Coordinator:
         http_host, http_port = parse_host_port("http", config.http)
         advertised = f"{socket.gethostname() if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
         self.token = read_token(config.token_file) if config.token_file else None
+        # Built here, before anything listens, so that unusable TLS files stop the start with a
+        # message naming the file instead of a listener that fails every handshake.
+        self.tls_context: ssl.SSLContext | None = None
+        self._grpc_credentials: grpc.ServerCredentials | None = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            self.tls_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+            self._grpc_credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.http = HttpApi(self.membership, self.metrics, advertised, self.token)
         self.grpc_port = 0
         self.http_port = 0
@@ -103,13 +121,16 @@ class Coordinator:
     async def start(self) -> None:
         limits = self.config.limits
         server = grpc.aio.server(
-            interceptors=[StatusInterceptor(self.metrics, self.token)],
+            interceptors=[StatusInterceptor(self.metrics, self.token, limits.max_streams)],
             options=[
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
                 # Clients ping every 20 s to keep long Join/Watch calls alive through NATs.
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # A connection that has not finished its (TLS and HTTP/2) handshake after this is
+                # dropped: half-open connections from scanners must not pile up (default 120 s).
+                ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
                 # A world forms only when all its members' joins are waiting at once; gRPC's
                 # default of 1000 pending calls would refuse members of larger worlds at random.
                 ("grpc.server.max_pending_requests", 2 * limits.max_world_size),
@@ -128,7 +149,10 @@ class Coordinator:
             ),
             server,
         )
-        self.grpc_port = server.add_insecure_port(self.config.listen)
+        if self._grpc_credentials is not None:
+            self.grpc_port = server.add_secure_port(self.config.listen, self._grpc_credentials)
+        else:
+            self.grpc_port = server.add_insecure_port(self.config.listen)
         if self.grpc_port == 0:
             raise OSError(f"listen {self.config.listen!r}: the gRPC port could not be bound")
         await server.start()
@@ -139,7 +163,7 @@ class Coordinator:
         host, port = parse_host_port("http", self.config.http)
         runner = web.AppRunner(self.http.app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=self.tls_context)
         await site.start()
         self._runner = runner
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
@@ -147,7 +171,8 @@ class Coordinator:
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()
         log.info(
-            "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d",
+            "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d, "
+            "TLS %s, token %s",
             self.config.listen,
             self.grpc_port,
             self.config.http,
@@ -155,6 +180,8 @@ class Coordinator:
             self.config.state or "in memory",
             self.config.heartbeat_interval,
             self.config.heartbeat_misses,
+            "mutual" if self.config.tls_client_ca else "on" if self.tls_context else "off",
+            "required" if self.token else "off",
         )
 
     async def _sweep_forever(self) -> None:

@@ -15,10 +15,15 @@ import grpc
 
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.errors import FailedPreconditionError, JoinTimeoutError, SarcommError
+from sarcomm.coordinator.errors import (
+    FailedPreconditionError,
+    JoinTimeoutError,
+    ResourceExhaustedError,
+    SarcommError,
+)
 from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.interfaces import parse_peer
-from sarcomm.coordinator.membership import EventKind, JobEvent, JobState, Membership
+from sarcomm.coordinator.membership import EventKind, JobEvent, JobState, Membership, Progress
 from sarcomm.coordinator.metrics import CoordinatorMetrics
 from sarcomm.coordinator.views import event_message, job_status
 from sarcomm.v1 import coordinator_pb2 as pb
@@ -27,6 +32,8 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _END_OF_STREAM = object()
+# Answers a Heartbeat stream may hold that its client has not read yet.
+OUTBOX_CREDIT = 64
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -41,15 +48,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._events = events
         self._metrics = metrics
         self._config = config
+        # Join calls waiting for their world now (see Limits.max_join_waiters).
+        self._join_waiters = 0
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.JoinResponse:
-        spec = validation.join_spec(request, parse_peer(context.peer()), self._config.limits)
+        limits = self._config.limits
+        spec = validation.join_spec(request, parse_peer(context.peer()), limits)
+        if self._join_waiters >= limits.max_join_waiters:
+            raise ResourceExhaustedError(
+                f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
+                f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
+            )
         ticket = self._membership.join(spec)
         self._metrics.joins.inc(len(spec.members))
         job = ticket.job
         timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
+        self._join_waiters += 1
         try:
             await asyncio.wait_for(job.formed_event.wait(), timeout)
         except TimeoutError:
@@ -62,6 +78,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # The caller hung up or its own deadline passed: its members must not count any more.
             self._membership.abandon(ticket)
             raise
+        finally:
+            self._join_waiters -= 1
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
         first = ticket.members[0]
@@ -88,19 +106,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Acks and pushed events share one outbox so a failure reaches the reporter at once,
         # not at its next beat.
         outbox: asyncio.Queue[object] = asyncio.Queue()
+        # Answers not yet taken by the client: a client that writes but never reads stops being
+        # read once OUTBOX_CREDIT are pending (HTTP/2 flow control then holds it back), instead of
+        # growing the outbox without bound. The end-of-stream mark needs no credit.
+        credit = asyncio.Semaphore(OUTBOX_CREDIT)
         events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
         watched: set[str] = set()
+        # This stream's identity and the members it reported: if it breaks (cancelled, connection
+        # gone) instead of ending in order, those members' reporter most likely died.
+        stream = object()
+        reported: set[str] = set()
+        broken = True
 
         async def read_reports() -> None:
             try:
                 async for request in request_iterator:
-                    outbox.put_nowait(self._handle_reports(request, watched, events))
+                    await credit.acquire()
+                    outbox.put_nowait(self._handle_reports(request, watched, events, stream, reported))
             finally:
                 outbox.put_nowait(_END_OF_STREAM)
 
         async def forward_events() -> None:
             while True:
                 event = await events.get()
+                await credit.acquire()
                 outbox.put_nowait(pb.HeartbeatResponse(events=[event_message(event)]))
 
         reader = asyncio.create_task(read_reports())
@@ -110,38 +139,63 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 item = await outbox.get()
                 if item is _END_OF_STREAM:
                     break
+                credit.release()
                 if isinstance(item, BaseException):
+                    broken = False  # our own refusal ends it; the reporter is alive
                     raise item
                 assert isinstance(item, pb.HeartbeatResponse)
                 yield item
             await reader
+            broken = False  # the reporter half-closed: an orderly end
         finally:
             reader.cancel()
             forwarder.cancel()
             for job in watched:
                 self._events.unsubscribe(job, events)
+            if broken and reported:
+                self._membership.stream_lost(stream, reported)
 
     def _handle_reports(
-        self, request: pb.HeartbeatRequest, watched: set[str], events: asyncio.Queue[JobEvent]
+        self,
+        request: pb.HeartbeatRequest,
+        watched: set[str],
+        events: asyncio.Queue[JobEvent],
+        stream: object,
+        reported: set[str],
     ) -> pb.HeartbeatResponse | SarcommError:
         response = pb.HeartbeatResponse()
         try:
+            # A request is taken whole or not at all: every field of every report is checked, and
+            # every known member's secret, before the first report is recorded.
+            validation.report_count(len(request.reports))
+            checked: list[tuple[str, str, Progress | None, str, float]] = []
             for i, report in enumerate(request.reports):
                 field = f"reports[{i}]"
                 member_id = validation.member_id(report.member_id, f"{field}.member_id")
+                secret = validation.secret(report.secret, f"{field}.secret")
                 progress = (
                     validation.progress(report.progress, f"{field}.progress")
                     if report.HasField("progress")
                     else None
                 )
                 address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
+                age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
+                checked.append((member_id, secret, progress, address, age))
+            known: list[tuple[str, str, Progress | None, str, float]] = []
+            for report_fields in checked:
                 try:
-                    job, _ = self._membership.heartbeat(member_id, report.secret, progress, address)
+                    self._membership.authenticate(report_fields[0], report_fields[1])
                 except SarcommError as error:
                     if error.code is not grpc.StatusCode.NOT_FOUND:
                         raise
-                    response.unknown_members.append(member_id)
+                    response.unknown_members.append(report_fields[0])
                     continue
+                known.append(report_fields)
+            for member_id, secret, progress, address, age in known:
+                job, _ = self._membership.heartbeat(
+                    member_id, secret, progress, address, age=age, stream=stream
+                )
+                reported.add(member_id)
                 self._metrics.heartbeats.inc()
                 if job.name not in watched:
                     watched.add(job.name)
@@ -156,7 +210,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _failure_event(self, job_name: str) -> pb.JobEvent:
         job = self._membership.job(job_name)
         assert job is not None
-        failed = next((m for m in job.members if m.state.value == "FAILED"), None)
+        # The member whose failure failed the job, not a peer that its agent stopped afterwards.
+        failed = next(
+            (m for m in job.members if m.rank == job.failed_rank and m.state.value == "FAILED"),
+            next((m for m in job.members if m.state.value == "FAILED"), None),
+        )
         return pb.JobEvent(
             kind=pb.JobEvent.JOB_FAILED,
             job=job.name,
@@ -171,15 +229,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LeaveResponse:
         member_id = validation.member_id(request.member_id)
+        secret = validation.secret(request.secret)
         exit_code = validation.exit_code(request.exit_code)
         reason = validation.reason(request.reason)
-        job = self._membership.leave(member_id, request.secret, exit_code, reason)
+        job = self._membership.leave(member_id, secret, exit_code, reason)
         return pb.LeaveResponse(job_state=job.state.value)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.JobEvent]:
         name = validation.job_name(request.job)
+        validation.watch_generation(request.generation)
         queue = self._events.subscribe(name)
         try:
             job = self._membership.job(name)
@@ -202,8 +262,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if request.job:
             name = validation.job_name(request.job)
             job = self._membership.job(name)
-            return pb.ListJobsResponse(jobs=[job_status(job)] if job else [])
-        return pb.ListJobsResponse(jobs=[job_status(j) for j in self._membership.jobs()])
+            return pb.ListJobsResponse(jobs=[job_status(job, self._membership.stall(job))] if job else [])
+        membership = self._membership
+        return pb.ListJobsResponse(jobs=[job_status(j, membership.stall(j)) for j in membership.jobs()])
 
 
 def _rank(rank: int | None) -> int:

@@ -10,16 +10,35 @@ import grpc
 from google.protobuf import json_format
 
 from sarcomm.coordinator.errors import from_rpc_error
+from sarcomm.coordinator.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 
-async def fetch_jobs(target: str, job: str = "", timeout: float = 10.0) -> pb.ListJobsResponse:
-    """The coordinator's view of ``job`` (all jobs when empty); waits up to ``timeout`` seconds."""
-    async with grpc.aio.insecure_channel(target) as channel:
+async def fetch_jobs(
+    target: str,
+    job: str = "",
+    timeout: float = 10.0,
+    *,
+    token: str | None = None,
+    tls: ClientTls | None = None,
+) -> pb.ListJobsResponse:
+    """The coordinator's view of ``job`` (all jobs when empty); waits up to ``timeout`` seconds.
+
+    ``token`` is sent as ``authorization: Bearer <token>``; ``tls`` makes the channel TLS.
+    """
+    channel = (
+        grpc.aio.secure_channel(target, tls.channel_credentials())
+        if tls is not None
+        else grpc.aio.insecure_channel(target)
+    )
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    async with channel:
         stub = pb_grpc.CoordinatorStub(channel)
         try:
-            return await stub.ListJobs(pb.ListJobsRequest(job=job), timeout=timeout, wait_for_ready=True)
+            return await stub.ListJobs(
+                pb.ListJobsRequest(job=job), timeout=timeout, metadata=metadata, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from error
 
@@ -44,12 +63,22 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
     lines: list[str] = []
     for job in response.jobs:
         master = f"{job.master_addr}:{job.master_port}" if job.master_addr else "-"
+        restarts = str(job.restart_count)
+        if job.max_restarts:
+            restarts += f" of {job.max_restarts}"
+        if job.state == "FAILED" and job.max_restarts and job.restart_count >= job.max_restarts:
+            restarts += " (none left)"
         lines.append(
             f"job {job.job}  generation {job.generation}  {job.state}  world_size {job.world_size}  "
-            f"master {master}  restarts {job.restart_count}"
+            f"master {master}  restarts {restarts}"
         )
         if job.reason:
             lines.append(f"  reason: {job.reason}")
+        if job.HasField("stall"):
+            lines.append(f"  stalled: {_describe_stall(job.stall)}")
+        for record in job.history:
+            why = f": {record.reason}" if record.reason else ""
+            lines.append(f"  generation {record.generation} {record.state}{why}")
         rows = [["RANK", "HOST", "INTERFACE", "ADDRESS", "STATE", "EXIT", "HEARTBEAT", "LAST COLLECTIVE"]]
         for m in job.members:
             progress = m.progress
@@ -75,6 +104,16 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
         lines.extend("  " + line for line in _table(rows))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _describe_stall(stall: pb.Stall) -> str:
+    blocking = ", ".join(str(r) for r in stall.blocking_ranks[:16])
+    if len(stall.blocking_ranks) > 16:
+        blocking += f", ... ({len(stall.blocking_ranks)} in all)"
+    return (
+        f"{len(stall.waiting_ranks)} rank(s) have waited {stall.waited_seconds:.1f} s in collective "
+        f"#{stall.seq} ({stall.op or 'unknown op'}) for rank(s) {blocking}, which have not entered it"
+    )
 
 
 def render_json(response: pb.ListJobsResponse) -> str:

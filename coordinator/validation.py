@@ -12,7 +12,7 @@ import math
 import re
 
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.coordinator.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
@@ -26,6 +26,14 @@ BACKENDS = ("", "auto", "gloo", "nccl", "ccl", "mpi", "ucc")
 MAX_ADDRESSES_PER_INTERFACE = 32
 MAX_REASON_CHARS = 1024
 MAX_OP_CHARS = 64
+# The longest IPv6 address with a zone (39 characters, '%', a 15-byte interface name) fits.
+MAX_ADDRESS_CHARS = 64
+# Secrets that Join hands out are 32 characters; anything much longer is not one.
+MAX_SECRET_CHARS = 256
+# One heartbeat carries the reports of one agent's local ranks.
+MAX_REPORTS = 4096
+_OP_NAME = re.compile(r"[A-Za-z0-9_.:-]*")
+MAX_RESTARTS = 1_000_000
 
 
 def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
@@ -43,8 +51,14 @@ def job_name(value: str, field: str = "job") -> str:
 def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits) -> JoinSpec:
     """The validated domain form of a ``JoinRequest``."""
     job = job_name(request.job)
-    if not 1 <= request.world_size <= limits.max_world_size:
+    if request.world_size < 1:
         raise invalid("world_size", request.world_size, f"must be in 1..{limits.max_world_size}")
+    if request.world_size > limits.max_world_size:
+        # A configured limit rather than a malformed value: the same request could pass elsewhere.
+        raise ResourceExhaustedError(
+            f"world_size {request.world_size} must be in 1..{limits.max_world_size}: the coordinator's "
+            f"limit max_world_size (--max-world-size) is {limits.max_world_size} members per job"
+        )
     world_size = request.world_size
     if not _HOST_NAME.fullmatch(request.host):
         raise invalid("host", request.host, "must be 1 to 253 letters, digits, '.', '_' or '-'")
@@ -54,6 +68,8 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
         raise invalid("backend", request.backend, f"must be one of {', '.join(b for b in BACKENDS if b)}")
     if request.generation < 0:
         raise invalid("generation", request.generation, "must be >= 0 (0 = the forming generation)")
+    if not 0 <= request.max_restarts <= MAX_RESTARTS:
+        raise invalid("max_restarts", request.max_restarts, f"must be in 0..{MAX_RESTARTS}")
     timeout = request.join_timeout_seconds
     if not (math.isfinite(timeout) and timeout >= 0):
         raise invalid("join_timeout_seconds", timeout, "must be a finite number of seconds >= 0")
@@ -98,6 +114,7 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
         generation=request.generation,
         backend=request.backend,
         peer_address=peer_address,
+        max_restarts=request.max_restarts,
     )
 
 
@@ -130,14 +147,13 @@ def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[Interface
                 f"must hold at most {MAX_ADDRESSES_PER_INTERFACE} addresses",
             )
         for j, address in enumerate(iface.addresses):
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
+            if not _is_ip(address):
                 raise invalid(
                     f"{field}.addresses[{j}]",
                     address,
-                    "must be an IPv4 or IPv6 address without prefix length",
-                ) from None
+                    "must be an IPv4 or IPv6 address without prefix length (an IPv6 zone must be an "
+                    f"interface name), at most {MAX_ADDRESS_CHARS} characters",
+                )
         try:
             kind = InterfaceKind(iface.kind)
         except ValueError:
@@ -189,27 +205,73 @@ def member_id(value: str, field: str = "member_id") -> str:
     return value
 
 
+def secret(value: str, field: str = "secret") -> str:
+    # Never echo the value: even a wrong secret may be another member's, or a near miss.
+    if len(value) > MAX_SECRET_CHARS:
+        raise invalid(field, f"<{len(value)} characters>", f"must be at most {MAX_SECRET_CHARS} characters")
+    return value
+
+
+def report_count(count: int) -> None:
+    if count > MAX_REPORTS:
+        raise invalid("reports", f"<{count} entries>", f"must hold at most {MAX_REPORTS} reports")
+
+
+def watch_generation(value: int) -> int:
+    if value < 0:
+        raise invalid("generation", value, "must be >= 0 (0 = the current generation)")
+    return value
+
+
 def progress(message: pb.Progress, field: str) -> Progress:
     if message.seq < 0:
         raise invalid(f"{field}.seq", message.seq, "must be >= 0")
-    if len(message.op) > MAX_OP_CHARS:
-        raise invalid(f"{field}.op", message.op, f"must be at most {MAX_OP_CHARS} characters")
+    if len(message.op) > MAX_OP_CHARS or not _OP_NAME.fullmatch(message.op):
+        raise invalid(
+            f"{field}.op",
+            message.op,
+            f"must be at most {MAX_OP_CHARS} letters, digits, '_', '.', ':' or '-' (a collective's name)",
+        )
     if not math.isfinite(message.since):
         raise invalid(f"{field}.since", message.since, "must be a finite Unix time")
     return Progress(message.seq, message.op, message.in_collective, message.since)
+
+
+def age_seconds(value: float, field: str) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise invalid(field, value, "must be a finite number of seconds >= 0 (0 = alive now)")
+    return value
 
 
 def metrics_address(value: str, field: str) -> str:
     if not value:
         return value
     host, sep, port = value.rpartition(":")
-    try:
-        if not sep or not 1 <= int(port) <= 65535:
-            raise ValueError
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        raise invalid(field, value, "must be IP:PORT of the rank's metrics endpoint") from None
+    # isascii/isdigit: int() would also take " 80", "8_0" or other scripts' digits, and /sd hands
+    # the text on as it is.
+    if not (
+        sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and _is_ip(host.strip("[]"))
+    ):
+        raise invalid(field, value, "must be IP:PORT of the rank's metrics endpoint")
     return value
+
+
+def _is_ip(text: str) -> bool:
+    """An IPv4 or IPv6 address; a zone (``fe80::1%eth0``) must look like an interface name.
+
+    ``ipaddress`` takes any text after '%', control characters included, and these strings reach
+    logs, ``status`` and ``/sd``.
+    """
+    if len(text) > MAX_ADDRESS_CHARS:
+        return False
+    _, percent, zone = text.partition("%")
+    if percent and not _IFACE_NAME.fullmatch(zone):
+        return False
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def exit_code(value: int) -> int:
@@ -221,4 +283,7 @@ def exit_code(value: int) -> int:
 def reason(value: str) -> str:
     if len(value) > MAX_REASON_CHARS:
         raise invalid("reason", value, f"must be at most {MAX_REASON_CHARS} characters")
+    # Reasons reach other ranks' logs and `status` on a terminal: no escape sequences in them.
+    if any(not c.isprintable() and c not in "\t\n" for c in value):
+        raise invalid("reason", value, "must be printable text (tabs and newlines allowed)")
     return value

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import json_format
 
-from sarcomm.coordinator.membership import EventKind, Job, JobEvent, Member
+from sarcomm.coordinator.membership import EventKind, Job, JobEvent, Member, Stall
 from sarcomm.v1 import coordinator_pb2 as pb
 
 _EVENT_KINDS = {
@@ -51,7 +52,31 @@ def member_status(member: Member) -> pb.MemberStatus:
     )
 
 
-def job_status(job: Job) -> pb.JobStatus:
+def stall_message(stall: Stall) -> pb.Stall:
+    return pb.Stall(
+        seq=stall.seq,
+        op=stall.op,
+        since=stall.since,
+        waited_seconds=stall.waited,
+        waiting_ranks=list(stall.waiting),
+        blocking_ranks=list(stall.blocking),
+    )
+
+
+def _generation_record(record: dict[str, Any]) -> pb.GenerationRecord:
+    failed = record.get("failed_rank")
+    return pb.GenerationRecord(
+        generation=record["generation"],
+        state=record["state"],
+        formed=record["formed"],
+        ended=record["ended"],
+        reason=record["reason"],
+        failed_rank=failed if failed is not None else -1,
+    )
+
+
+def job_status(job: Job, stall: Stall | None = None) -> pb.JobStatus:
+    """``job`` as a message; ``stall`` is the membership's :meth:`~Membership.stall` of it."""
     return pb.JobStatus(
         job=job.name,
         generation=job.generation,
@@ -65,12 +90,16 @@ def job_status(job: Job) -> pb.JobStatus:
         ended=job.ended,
         members=[member_status(m) for m in job.ranked_members()],
         reason=job.reason,
+        stall=stall_message(stall) if stall is not None else None,
+        history=[_generation_record(r) for r in job.history],
+        max_restarts=job.max_restarts,
     )
 
 
-def jobs_json(jobs: list[Job]) -> dict[str, Any]:
-    """The ``/v1/jobs`` document: the ``ListJobsResponse`` as JSON with every field present."""
-    message = pb.ListJobsResponse(jobs=[job_status(j) for j in jobs])
+def jobs_json(jobs: list[Job], stall_of: Callable[[Job], Stall | None] | None = None) -> dict[str, Any]:
+    """The ``/v1/jobs`` document: the ``ListJobsResponse`` as JSON with every field present
+    (``stall`` only while the job has one: ``stall_of`` is the membership's ``stall``)."""
+    message = pb.ListJobsResponse(jobs=[job_status(j, stall_of(j) if stall_of else None) for j in jobs])
     document = json_format.MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -78,4 +107,6 @@ def jobs_json(jobs: list[Job]) -> dict[str, Any]:
     for job in document["jobs"]:
         for member in job["members"]:
             member["progress"]["seq"] = int(member["progress"]["seq"])
+        if "stall" in job:
+            job["stall"]["seq"] = int(job["stall"]["seq"])
     return document

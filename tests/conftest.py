@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ class CoordinatorProcess:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Set for a coordinator started with --tls-cert: its HTTP side then speaks HTTPS only.
+    http_ssl: ssl.SSLContext | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -41,7 +44,7 @@ class CoordinatorProcess:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{'https' if self.http_ssl else 'http'}://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 20.0) -> None:
         cmd = [
@@ -64,7 +67,9 @@ class CoordinatorProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"coordinator exited with {self.proc.returncode}: {self.log()}")
             try:
-                with urllib.request.urlopen(f"{self.http_url}/healthz", timeout=1) as resp:
+                with urllib.request.urlopen(
+                    f"{self.http_url}/healthz", timeout=1, context=self.http_ssl
+                ) as resp:
                     if resp.status == 200:
                         return
             except OSError:
@@ -89,11 +94,11 @@ class CoordinatorProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def get_json(self, path: str) -> object:
-        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5) as resp:
+        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5, context=self.http_ssl) as resp:
             return json.loads(resp.read())
 
     def get_text(self, path: str) -> str:
-        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5) as resp:
+        with urllib.request.urlopen(f"{self.http_url}{path}", timeout=5, context=self.http_ssl) as resp:
             return str(resp.read().decode())
 
 
@@ -102,7 +107,12 @@ def start_coordinator(tmp_path: Path) -> Iterator[object]:
     """Factory: ``start_coordinator(*extra_args, state=True)`` starts a coordinator and returns it."""
     started: list[CoordinatorProcess] = []
 
-    def _start(*args: str, state: bool = True, env: dict[str, str] | None = None) -> CoordinatorProcess:
+    def _start(
+        *args: str,
+        state: bool = True,
+        env: dict[str, str] | None = None,
+        http_ssl: ssl.SSLContext | None = None,
+    ) -> CoordinatorProcess:
         coord = CoordinatorProcess(
             grpc_port=free_port(),
             http_port=free_port(),
@@ -110,6 +120,7 @@ def start_coordinator(tmp_path: Path) -> Iterator[object]:
             args=list(args),
             log_path=tmp_path / f"coordinator{len(started)}.log",
             env=env or {},
+            http_ssl=http_ssl,
         )
         coord.start()
         started.append(coord)

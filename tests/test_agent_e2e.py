@@ -409,7 +409,7 @@ def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatc
 # -- pure helpers ------------------------------------------------------------------------------
 
 
-def test_rank_report_carries_progress_and_stops_when_the_stamp_goes_stale(tmp_path: Path) -> None:
+def test_rank_report_carries_progress_and_the_age_of_the_ranks_own_stamp(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
     rank = _Rank(0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path))
     # No record yet (a program without sarcomm's library): alive while its process is.
@@ -427,9 +427,16 @@ def test_rank_report_carries_progress_and_stops_when_the_stamp_goes_stale(tmp_pa
     report = rank.report(100.7, 1.0)
     assert report is not None
     assert report.metrics_address == "10.0.0.2:9001"
-    assert rank.report(101.7, 1.0) is None
+    assert report.age == pytest.approx(0.1)
+    # A stopped rank stamps no more: its reports age, and the coordinator judges it by that age.
+    assert rank.report(101.7, 1.0).age == pytest.approx(1.1)
+    assert rank.stale
     writer.publish(stamp=102.0)
-    assert rank.report(102.1, 1.0) is not None
+    assert rank.report(102.1, 1.0).age == pytest.approx(0.1)
+    assert not rank.stale
+    # A stamp in the future vouches for an exiting rank: age 0, never negative.
+    writer.publish(stamp=200.0)
+    assert rank.report(102.2, 1.0).age == 0.0
     writer.close()
     rank.progress.close()
 

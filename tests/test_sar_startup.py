@@ -86,12 +86,13 @@ def test_a_dead_peer_makes_collectives_raise_peer_failed_error(
     assert results[1].returncode == 3
     assert results[0].returncode == 0, results[0].stdout
     seen = json.loads((tmp_path / "rank0.json").read_text())
-    # Liveness 0.5 s x 3 at the coordinator; seconds, not the backend's 300 s timeout.
+    # The dead process's heartbeat stream broke: judged after one 0.5 s interval, not the
+    # backend's 300 s timeout (nor the 1.5 s of missed beats).
     assert seen["heard_after_s"] < 15.0
     error = seen["error"]
     assert (error["type"], error["rank"]) == ("PeerFailedError", 1)
     assert "rank 1 on host" in error["message"]
-    assert "missed heartbeats" in error["message"]
+    assert "connection lost" in error["message"]
     jobs = {j["job"]: j for j in coordinator.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
     assert jobs["dies"]["state"] == "FAILED"
 

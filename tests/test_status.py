@@ -51,9 +51,10 @@ async def form(stub: pb_grpc.CoordinatorAsyncStub, job: str) -> list[pb.Assignme
 
 async def heartbeat(stub: pb_grpc.CoordinatorAsyncStub, reports: list[pb.MemberReport]) -> None:
     call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=reports)]), timeout=5)
+    # Read to the end: the request iterator's end half-closes the stream, an orderly end. (A
+    # cancelled stream reads as a dead reporter, whose members the coordinator then fails.)
     async for _ in call:
-        break
-    call.cancel()
+        pass
 
 
 async def leave(stub: pb_grpc.CoordinatorAsyncStub, member: pb.Assignment, code: int) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.coordinator.tls import ClientTls
 from sarcomm.worker import netinfo
 from sarcomm.worker.client import (
     CoordinatorClient,
@@ -42,7 +43,7 @@ from sarcomm.worker.client import (
     validate_target,
 )
 from sarcomm.worker.progress import ProgressReader
-from sarcomm.worker.startup import BACKENDS, PROGRESS_FILE_VARIABLE
+from sarcomm.worker.startup import AGENT_PID_VARIABLE, BACKENDS, PROGRESS_FILE_VARIABLE
 
 __all__ = [
     "EXIT_PEER_FAILED",
@@ -86,6 +87,8 @@ class AgentConfig:
             coordinator's ``--heartbeat-interval``).
         stop_grace: seconds between SIGTERM and SIGKILL when stopping ranks (default 10).
         token: bearer token for the coordinator, or None.
+        tls: TLS settings for the coordinator connection (``--tls-ca``, ``--tls-cert``,
+            ``--tls-key``), or None for plaintext.
     """
 
     coord: str
@@ -102,6 +105,7 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     stop_grace: float = 10.0
     token: str | None = field(default=None, repr=False)
+    tls: ClientTls | None = None
 
     def __post_init__(self) -> None:
         validate_target(self.coord)
@@ -214,7 +218,9 @@ def rank_environment(
     Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
     at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
     ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record),
-    ``OMP_NUM_THREADS`` unless set (see :func:`omp_threads`) and,
+    ``SAR_AGENT_PID`` (the agent: a rank whose agent is gone stops, see
+    :data:`~sarcomm.worker.startup.AGENT_PID_VARIABLE`), ``OMP_NUM_THREADS`` unless set (see
+    :func:`omp_threads`) and,
     when given, ``SAR_PROGRESS_FILE`` (where it keeps that record for the agent to read).
     """
     member = joined.assignments[index]
@@ -237,6 +243,7 @@ def rank_environment(
             "SAR_RESTART_COUNT": str(restart_count),
             "SAR_METRICS_PORT": str(rank_metrics_port(config.metrics_port, member.local_rank)),
             "SARCOMM_HEARTBEAT_INTERVAL": str(config.heartbeat_interval),
+            AGENT_PID_VARIABLE: str(os.getpid()),
         }
     )
     if not env.get("OMP_NUM_THREADS"):
@@ -272,34 +279,35 @@ class _Rank:
     def running(self) -> bool:
         return self.proc is not None and self.returncode is None
 
-    def report(self, now: float, stale_after: float, label: str = "") -> MemberReport | None:
-        """This rank's heartbeat report, or None when the agent can no longer vouch for it.
+    def report(self, now: float, stale_after: float, label: str = "") -> MemberReport:
+        """This rank's heartbeat report, with the age of its own last sign of life.
 
-        A rank whose library keeps a progress record is reported with its progress while the
-        record's alive stamp is fresh; once the stamp is ``stale_after`` seconds old (the rank is
-        stopped or wedged although its process exists) it is left out, so the coordinator's
-        missed-heartbeat rule judges it. A rank without a record (a program that does not use
-        sarcomm's library) is alive while its process is.
+        A rank whose library keeps a progress record is reported with its progress and the age of
+        the record's alive stamp: a rank that is stopped or wedged (its process exists, so the agent
+        is fine) stops stamping, its age grows, and the coordinator judges it by the same
+        interval x misses rule as a silent reporter, counted from the rank's own last stamp. Once
+        the age passes ``stale_after`` the agent logs it. A rank without a record (a program that
+        does not use sarcomm's library) is alive while its process is (age 0).
         """
         record = self.progress.read()
         if record is None:
             return MemberReport(self.member_id, self.secret)
-        age = now - record.stamp
+        # A stamp in the future vouches for an exiting rank (see startup.EXIT_GRACE_S).
+        age = max(0.0, now - record.stamp)
         if age > stale_after:
             if not self.stale:
                 self.stale = True
                 log.warning(
-                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); no longer "
-                    "reporting it alive", label, self.rank, age, record.op or "no collective", record.seq,
+                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); it is stopped "
+                    "or wedged", label, self.rank, age, record.op or "no collective", record.seq,
                 )  # fmt: skip
-            return None
-        if self.stale:
+        elif self.stale:
             self.stale = False
             log.info("%s: rank %d stamps its progress again", label, self.rank)
         progress = Progress(record.seq, record.op, record.in_collective, record.since)
         # The rank binds its metrics port itself (possibly any free one) and notes it in the record.
         metrics_address = _host_port(self.address, record.metrics_port) if record.metrics_port else ""
-        return MemberReport(self.member_id, self.secret, progress, metrics_address)
+        return MemberReport(self.member_id, self.secret, progress, metrics_address, age)
 
 
 @dataclass(frozen=True)
@@ -355,7 +363,7 @@ class Agent:
             netinfo.check_socket_name(config.socket_name, host=self._host)
         generation = 0
         restarts = 0
-        async with CoordinatorClient(config.coord, config.token) as client:
+        async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
             while True:
                 joined = await self._join(client, generation)
                 result, restartable = await self._run_generation(client, joined, restarts)
@@ -388,6 +396,7 @@ class Agent:
                 generation=generation,
                 join_timeout=config.join_timeout,
                 backend=config.backend,
+                max_restarts=config.max_restarts,
             )
         finally:
             reservation.close()
@@ -416,20 +425,24 @@ class Agent:
             )
             for i, a in enumerate(joined.assignments)
         ]
-        # The rank's library stamps every interval; four missed stamps (and at least 2 s, so that a
-        # busy host's scheduling hiccup is not taken for a hang) mean it is stopped or wedged.
-        stale_after = max(4 * config.heartbeat_interval, 2.0)
+        # The rank's library stamps every interval; past two missed stamps the agent logs it (the
+        # coordinator judges it, by the age each report carries).
+        stale_after = 3 * config.heartbeat_interval
         happenings: asyncio.Queue[_Happening] = asyncio.Queue()
         background: set[asyncio.Task[None]] = set()
         failure: _Failure | None = None  # the first failure: it decides the exit code
+        # Whether `failure` blames a local rank's own exit. A peer's death fails gloo collectives
+        # at once ("Connection closed by peer"), so a local rank may exit before the coordinator's
+        # verdict on that peer arrives; the coordinator announces only a generation's first failure,
+        # so a MEMBER_FAILED naming another host's rank means that rank was the cause.
+        local_blame = False
         stopping: _Why | None = None
         interrupted: int | None = None  # the signal the agent got, if any
         stop_task: asyncio.Task[None] | None = None
 
         def reports() -> list[MemberReport]:
             now = time.time()
-            found = (r.report(now, stale_after, label) for r in ranks if r.running)
-            return [report for report in found if report is not None]
+            return [r.report(now, stale_after, label) for r in ranks if r.running]
 
         def begin_stop(why: _Why, signum: int = signal.SIGTERM) -> None:
             nonlocal stopping, stop_task
@@ -485,6 +498,7 @@ class Agent:
                                 f"job {joined.job} generation {joined.generation}: rank {r.rank} on host "
                                 f"{self._host} failed: {reason}",
                             )
+                            local_blame = True
                         begin_stop(_Why.RANK_FAILED)
                     leave(r, code, reason)
                 elif isinstance(item, _PeerFailed):
@@ -503,6 +517,9 @@ class Agent:
                         )
                         log.error("%s: %s; stopping local rank(s) %s", label, what, stopped)
                         begin_stop(_Why.PEER_FAILED)
+                    elif local_blame and (cause := self._caused_elsewhere(item.event, ranks, joined)):
+                        failure, local_blame = cause, False
+                        log.error("%s: %s", label, cause.message)
                 else:
                     name = signal.Signals(item.signum).name
                     if interrupted is not None:
@@ -517,6 +534,23 @@ class Agent:
                         else:
                             _signal_ranks(ranks, item.signum)
 
+        if local_blame and interrupted is None:
+            # The verdict on a peer that failed first may still be on its way: report the local
+            # exits (the coordinator has announced the first failure before it answers them), then
+            # look at what the stream brought.
+            leaves = [task for task in background if not task.done()]
+            if leaves:
+                await asyncio.wait(leaves, timeout=client.timeout)
+            await asyncio.sleep(min(0.2, config.heartbeat_interval))
+            while not happenings.empty():
+                item = happenings.get_nowait()
+                if not isinstance(item, _PeerFailed):
+                    continue
+                cause = self._caused_elsewhere(item.event, ranks, joined)
+                if cause is not None:
+                    failure = cause
+                    log.error("%s: %s", label, cause.message)
+                    break
         heartbeat.cancel()
         if stop_task is not None:
             background.add(stop_task)
@@ -534,6 +568,19 @@ class Agent:
             return AgentResult(failure.exit_code, failure.message), interrupted is None
         log.info("%s: every local rank exited with code 0", label)
         return AgentResult(0), False
+
+    def _caused_elsewhere(self, event: Event, ranks: Sequence[_Rank], joined: JoinResult) -> _Failure | None:
+        """The failure to report instead of a local rank's own exit, when the coordinator names a
+        rank of another host as its generation's first failure; None otherwise."""
+        local = {r.rank for r in ranks}
+        if event.kind is not EventKind.MEMBER_FAILED or event.rank < 0 or event.rank in local:
+            return None
+        failed = ", ".join(str(r.rank) for r in ranks if r.returncode not in (None, 0))
+        return _Failure(
+            EXIT_PEER_FAILED,
+            f"job {joined.job} generation {joined.generation}: {event.describe()}; local rank(s) "
+            f"{failed} failed after it",
+        )
 
     async def _heartbeat(
         self,

@@ -4,7 +4,8 @@
 
     sar-worker --coord HOST:PORT --job NAME --world-size N [--rank R] [--nproc-per-node K]
                [--backend auto|gloo|nccl|ccl|mpi|ucc] [--socket-name IFACE] [--max-restarts M]
-               [--metrics-port P] [--join-timeout S] [--heartbeat-interval S] -- COMMAND [ARGS...]
+               [--metrics-port P] [--join-timeout S] [--heartbeat-interval S] [--token-file PATH]
+               [--tls-ca PATH] [--tls-cert PATH --tls-key PATH] -- COMMAND [ARGS...]
     sar-worker --coord ... --job ... --world-size N SUBCOMMAND [...]
 
 Every flag falls back to ``SARCOMM_<FLAG>`` (``--world-size`` -> ``SARCOMM_WORLD_SIZE``); a flag on
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.coordinator.tls import ClientTls
 from sarcomm.worker.agent import Agent, AgentConfig
 from sarcomm.worker.client import validate_target
 from sarcomm.worker.startup import BACKENDS
@@ -161,6 +163,13 @@ _OPTIONS: tuple[_Option, ...] = (
             "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
     _Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
             metavar="PATH"),
+    # TLS to the coordinator; any of the three turns it on. The names mirror the coordinator's:
+    # --tls-cert/--tls-key are this program's own certificate and key (for --tls-client-ca).
+    _Option("--tls-ca", Path, "a path", "PEM CA bundle that signed the coordinator's certificate "
+            "(default with --tls-cert: the system's roots)", metavar="PATH"),
+    _Option("--tls-cert", Path, "a path", "this host's PEM certificate, for a coordinator that "
+            "requires one (--tls-client-ca)", metavar="PATH"),
+    _Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
     _Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "log level", default="INFO"),
 )  # fmt: skip
 
@@ -231,6 +240,8 @@ def parse(
     args = parser.parse_args(argv)
     values = {option.dest: _resolve(option, getattr(args, option.dest), env) for option in _OPTIONS}
     token_file: Path | None = values.pop("token_file")
+    tls_paths: tuple[Path | None, ...] = tuple(values.pop(name) for name in ("tls_ca", "tls_cert", "tls_key"))
+    tls = ClientTls(*tls_paths) if any(p is not None for p in tls_paths) else None
     log_level: str = values.pop("log_level")
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InvalidArgumentError(f"--log-level {shorten(log_level)} must be DEBUG, INFO, WARNING or ERROR.")
@@ -264,6 +275,7 @@ def parse(
         join_timeout=values["join_timeout"],
         heartbeat_interval=values["heartbeat_interval"],
         token=token,
+        tls=tls,
     )
     return config, subcommand, args, log_level
 

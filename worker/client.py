@@ -28,11 +28,13 @@ import contextlib
 import enum
 import json
 import logging
+import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -42,16 +44,19 @@ from sarcomm.coordinator.errors import (
     InvalidArgumentError,
     JoinTimeoutError,
     SarcommError,
+    UnauthenticatedError,
     from_rpc_error,
     shorten,
 )
 from sarcomm.coordinator.interfaces import InterfaceInfo
+from sarcomm.coordinator.tls import ClientTls, Diagnosis, Rejection, diagnose
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "Assignment",
+    "ClientTls",
     "CoordinatorClient",
     "Event",
     "EventKind",
@@ -96,6 +101,16 @@ _SERVICE_CONFIG = json.dumps(
 _KEEPALIVE_TIME_MS = 300_000
 _KEEPALIVE_TIMEOUT_MS = 20_000
 _MAX_RECONNECT_BACKOFF_MS = 2_000
+
+# How long an orderly end of a heartbeat stream may take before the stream is cancelled instead.
+_ORDERLY_CLOSE_S = 1.0
+
+# While a join cannot connect, how often the TLS handshake is tried by hand, and how long a try
+# may take (see CoordinatorClient._diagnosed).
+_PROBE_EVERY_S = 1.0
+_PROBE_TIMEOUT_S = 3.0
+
+_Response = TypeVar("_Response")
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
@@ -221,16 +236,25 @@ class Progress:
 
 @dataclass(frozen=True)
 class MemberReport:
-    """One member's liveness report; ``metrics_address`` is ``host:port`` of its /metrics."""
+    """One member's liveness report; ``metrics_address`` is ``host:port`` of its /metrics.
+
+    ``age`` is how many seconds ago the member itself last showed a sign of life (0: now). An agent
+    reports each rank's own alive stamp, so a rank that is stopped or wedged ages although the
+    agent reporting for it is fine, and the coordinator judges it by its own silence.
+    """
 
     member_id: str
     secret: str = field(repr=False)
     progress: Progress | None = None
     metrics_address: str = ""
+    age: float = 0.0
 
     def to_proto(self) -> pb.MemberReport:
         msg = pb.MemberReport(
-            member_id=self.member_id, secret=self.secret, metrics_address=self.metrics_address
+            member_id=self.member_id,
+            secret=self.secret,
+            metrics_address=self.metrics_address,
+            age_seconds=self.age,
         )
         if self.progress is not None:
             p = self.progress
@@ -271,11 +295,19 @@ class CoordinatorClient:
             none.
         timeout: deadline in seconds for each call (default 30), including the time spent waiting
             for a coordinator that is not up yet. ``join`` adds its join timeout on top.
-        credentials: TLS channel credentials (``grpc.ssl_channel_credentials(...)``); None makes
-            a plaintext channel.
+        tls: TLS settings (:class:`~sarcomm.coordinator.tls.ClientTls`: the CA that signed the
+            coordinator's certificate, and this client's certificate and key for mutual TLS);
+            None (and no ``credentials``) makes a plaintext channel. When the coordinator
+            refuses the connection at the TLS layer, calls fail with a message naming which side
+            rejected what (:class:`UnauthenticatedError` for a certificate, else
+            :class:`CoordinatorUnavailableError`), and ``join`` fails within seconds rather than
+            at its deadline.
+        credentials: ready-made channel credentials (``grpc.ssl_channel_credentials(...)``),
+            instead of ``tls``; failures are then not diagnosed.
 
     Raises:
-        InvalidArgumentError: for a malformed target or a non-positive timeout.
+        InvalidArgumentError: for a malformed target, a non-positive timeout, unreadable TLS
+            files, or both ``tls`` and ``credentials``.
     """
 
     def __init__(
@@ -285,13 +317,17 @@ class CoordinatorClient:
         *,
         timeout: float = 30.0,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.target = validate_target(target)
         if not timeout > 0:
             raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
+        if tls is not None and credentials is not None:
+            raise InvalidArgumentError("give tls= or credentials=, not both.")
         self.timeout = float(timeout)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._credentials = credentials
+        self.tls = tls
+        self._credentials = tls.channel_credentials() if tls is not None else credentials
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.CoordinatorAsyncStub | None = None
 
@@ -377,6 +413,68 @@ class CoordinatorClient:
             )
         return from_rpc_error(err)
 
+    # -- TLS diagnosis ---------------------------------------------------------------------------
+
+    async def _diagnose(self) -> Diagnosis | None:
+        """Why the connection fails at the TLS layer (see :func:`~sarcomm.coordinator.tls.diagnose`),
+        or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
+        match = _TARGET_RE.match(self.target)
+        if match is None or (self._credentials is not None and self.tls is None):
+            return None
+        host = self.target[: match.start(1) - 1].strip("[]")
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(diagnose, host, int(match.group(1)), self.tls, _PROBE_TIMEOUT_S),
+                _PROBE_TIMEOUT_S * 3,
+            )
+        except (TimeoutError, OSError):
+            return None
+
+    def _tls_error(self, diagnosis: Diagnosis) -> SarcommError:
+        message = f"TLS with the coordinator at {self.target} failed: {diagnosis.message}."
+        if diagnosis.rejection is Rejection.PROTOCOL_MISMATCH:
+            return CoordinatorUnavailableError(message)
+        return UnauthenticatedError(message)
+
+    async def _explained(self, error: SarcommError) -> SarcommError:
+        """``error``, or the TLS problem behind it when the coordinator was never reached."""
+        if not isinstance(error, CoordinatorUnavailableError) or self._connected():
+            return error
+        diagnosis = await self._diagnose()
+        return error if diagnosis is None else self._tls_error(diagnosis)
+
+    async def _diagnosed(self, call: grpc.aio.UnaryUnaryCall[Any, _Response]) -> _Response:
+        """Await ``call``; while the channel cannot connect, find out whether TLS is the reason.
+
+        A call with ``wait_for_ready`` waits through connection failures until its deadline, which
+        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but a
+        wrong certificate never heals. So while the channel is in TRANSIENT_FAILURE the handshake
+        is tried again by :meth:`_diagnose`, and a TLS rejection ends the call at once.
+        """
+        found: list[Diagnosis] = []
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(_PROBE_EVERY_S)
+                channel = self._channel
+                if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    continue
+                diagnosis = await self._diagnose()
+                if diagnosis is not None:
+                    found.append(diagnosis)
+                    call.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if found:  # our watcher cancelled the call, not the caller its task
+                raise self._tls_error(found[0]) from None
+            raise
+        finally:
+            watcher.cancel()
+
     # -- Join ------------------------------------------------------------------------------------
 
     async def join(
@@ -437,6 +535,7 @@ class CoordinatorClient:
         generation: int = 0,
         join_timeout: float | None = None,
         backend: str = "",
+        max_restarts: int = 0,
     ) -> JoinResult:
         """Register ``nproc`` members of this host in ``job`` and block until the world forms.
 
@@ -461,6 +560,8 @@ class CoordinatorClient:
                 ``--join-timeout`` (assumed to be at most :data:`DEFAULT_JOIN_TIMEOUT` for the
                 client's deadline). The call's deadline is this plus ``timeout``.
             backend: the torch.distributed backend the members will use (informational).
+            max_restarts: how often this host restarts the job after a failure (informational:
+                ``status`` shows it beside the restart count).
 
         Returns:
             the shared answer, with one :class:`Assignment` per member in request order.
@@ -513,6 +614,7 @@ class CoordinatorClient:
                 generation=generation,
                 join_timeout_seconds=join_timeout or 0.0,
                 backend=backend,
+                max_restarts=max_restarts,
             )
         except (ValueError, TypeError) as exc:  # protobuf: int32 overflow, wrong types
             raise InvalidArgumentError(f"A Join field does not fit its protobuf type: {exc}") from exc
@@ -525,11 +627,11 @@ class CoordinatorClient:
             self.target, world_size, nproc, deadline,
         )  # fmt: skip
         try:
-            resp = await self.stub.Join(
-                request, timeout=deadline, metadata=self._metadata, wait_for_ready=True
+            resp = await self._diagnosed(
+                self.stub.Join(request, timeout=deadline, metadata=self._metadata, wait_for_ready=True)
             )
         except grpc.aio.AioRpcError as err:
-            raise self.translate(err, "Join", deadline, started) from err
+            raise await self._explained(self.translate(err, "Join", deadline, started)) from err
         if len(resp.assignments) != nproc:
             raise SarcommError(
                 f"The coordinator at {self.target} answered Join for job {resp.job!r} with "
@@ -588,7 +690,7 @@ class CoordinatorClient:
         try:
             replies = [HeartbeatReply.from_proto(r) async for r in call]
         except grpc.aio.AioRpcError as err:
-            raise self.translate(err, "Heartbeat", self.timeout, started) from err
+            raise await self._explained(self.translate(err, "Heartbeat", self.timeout, started)) from err
         if not replies:
             raise SarcommError(
                 f"The coordinator at {self.target} closed the Heartbeat stream without an answer."
@@ -627,7 +729,7 @@ class CoordinatorClient:
                 request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as err:
-            raise self.translate(err, "Leave", self.timeout, started) from err
+            raise await self._explained(self.translate(err, "Leave", self.timeout, started)) from err
         return resp.job_state
 
     async def watch(self, job: str, generation: int = 0, *, timeout: float = 3600.0) -> AsyncIterator[Event]:
@@ -655,7 +757,7 @@ class CoordinatorClient:
             error = self.translate(err, "Watch", timeout, started)
             if isinstance(error, CoordinatorUnavailableError) and self._connected():
                 return  # our own deadline on an established stream: a normal end
-            raise error from err
+            raise await self._explained(error) from err
         finally:
             call.cancel()
 
@@ -674,7 +776,7 @@ class CoordinatorClient:
                 wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as err:
-            raise self.translate(err, "ListJobs", self.timeout, started) from err
+            raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err
         return list(resp.jobs)
 
 
@@ -684,14 +786,16 @@ class HeartbeatStream:
     Every ``interval`` seconds it sends ``reports()`` as one request; each answer is queued and
     handed out by ``async for reply in stream``. The stream has a deadline (``stream_timeout``,
     default one hour) like every call; when it passes, or when the connection drops
-    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again after one
-    interval, waiting for the coordinator like any call. Ranks keep running meanwhile: collectives
-    never depend on the coordinator being up. Any other failure (``UNAUTHENTICATED`` ...), or an
-    exception from ``reports()``, ends the iteration by raising it (gRPC statuses as their
-    :mod:`sarcomm.coordinator.errors` class).
+    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
+    coordinator like any call (gRPC reconnects with exponential backoff and jitter). Ranks keep
+    running meanwhile: collectives never depend on the coordinator being up. Any other failure
+    (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
+    (gRPC statuses as their :mod:`sarcomm.coordinator.errors` class).
 
     ``connected`` says whether the current stream has had an answer. Use as an async context
-    manager; leaving it cancels the stream.
+    manager; leaving it ends the stream in order (a half-close), which the coordinator tells apart
+    from a broken stream: a broken one means the reporter most likely died, and the members it
+    reported fail unless another stream reports them within one interval.
     """
 
     def __init__(
@@ -716,6 +820,10 @@ class HeartbeatStream:
         self._queue: asyncio.Queue[HeartbeatReply | Exception | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._ended = False
+        # Set by aclose: the writer half-closes the stream and the task ends.
+        self._closing = asyncio.Event()
+        # Whether the last stream had answers before it broke: then it is reopened at once.
+        self._was_connected = False
         self.connected = False
 
     async def __aenter__(self) -> HeartbeatStream:
@@ -733,9 +841,16 @@ class HeartbeatStream:
             self._task = asyncio.ensure_future(self._run())
 
     async def aclose(self) -> None:
-        """Stop sending and cancel the stream; waits for the background task (at most 5 s)."""
+        """Stop sending and end the stream in order (at most about one second; cancelled after
+        that, e.g. while the coordinator is unreachable); waits for the background task."""
         task, self._task = self._task, None
         self._ended = True
+        self._closing.set()
+        if task is not None and not task.done():
+            # The writer half-closes and the coordinator ends the stream; the shield keeps the
+            # timeout from cancelling the task half-way.
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), timeout=_ORDERLY_CLOSE_S)
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
@@ -758,8 +873,9 @@ class HeartbeatStream:
     async def _writer(
         self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
     ) -> None:
-        """Send a batch every interval; returns only when ``reports()`` raised (error queued)."""
-        while True:
+        """Send a batch every interval; returns when ``reports()`` raised (error queued) or, after a
+        half-close, when :meth:`aclose` asked for the end."""
+        while not self._closing.is_set():
             try:
                 request = pb.HeartbeatRequest(reports=[r.to_proto() for r in self._reports()])
             except Exception as exc:  # a broken callback must not silently stop the heartbeats
@@ -767,7 +883,9 @@ class HeartbeatStream:
                 return
             if request.reports:
                 await call.write(request)
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.interval)
+        await call.done_writing()
 
     async def _reader(
         self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
@@ -788,10 +906,16 @@ class HeartbeatStream:
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if writer in done and writer.exception() is None:
-                return False  # reports() raised; its error is queued
+                if self._closing.is_set():
+                    # Half-closed: let the coordinator end the stream before anything cancels it,
+                    # or it would take the end for a broken stream.
+                    await asyncio.wait({reader}, timeout=_ORDERLY_CLOSE_S)
+                return False  # closing, or reports() raised and its error is queued
             # A failed write means the call is over; the reader has the status.
             await asyncio.wait({reader}, timeout=self.interval + 5.0)
             err = reader.exception() if reader.done() else None
+            if self._closing.is_set():
+                return False
             if not reader.done() or err is None:
                 log.info("Heartbeat stream to %s closed; reopening it", client.target)
                 return True
@@ -808,6 +932,7 @@ class HeartbeatStream:
                         "Heartbeat stream to %s ended (%s: %s); reopening it; ranks keep running",
                         client.target, code.name, err.details(),
                     )  # fmt: skip
+                self._was_connected = self.connected
                 self.connected = False
                 return True
             self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
@@ -824,10 +949,14 @@ class HeartbeatStream:
     async def _run(self) -> None:
         try:
             reopen = await self._one_stream()
-            while reopen:
-                # One interval between streams, so a coordinator that answers at once with an error
-                # (e.g. while shutting down) is not hammered; waiting for a restart is wait_for_ready's.
-                await asyncio.sleep(self.interval)
+            while reopen and not self._closing.is_set():
+                # A stream that had answers is reopened at once (jittered, so that reporters do not
+                # all arrive in one instant): the coordinator judges the members of a broken stream
+                # after one interval. Otherwise one interval between streams, so a coordinator that
+                # answers at once with an error (e.g. while shutting down) is not hammered; waiting
+                # for a restart is wait_for_ready's, with gRPC's backoff and jitter.
+                quick, self._was_connected = self._was_connected, False
+                await asyncio.sleep(random.uniform(0.0, 0.1) * self.interval if quick else self.interval)
                 reopen = await self._one_stream()
         finally:
             self._ended = True

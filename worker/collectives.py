@@ -266,9 +266,10 @@ def _raise_not_ready(op: str) -> None:
 
 
 def _raise_failure(stats: CollectiveStats, exc: BaseException) -> None:
-    """Count the error; raise the known peer failure instead of the backend's error, if any."""
+    """Count the error; raise the known peer failure instead of the backend's error, if any (waiting
+    briefly for the coordinator's verdict when the backend noticed a dead peer first)."""
     stats.error()
-    failure = _STATE.peer_failure
+    failure = comm.peer_failure_after(exc)
     if failure is not None and failure is not exc:
         raise failure from exc
 

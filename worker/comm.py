@@ -14,6 +14,8 @@ process group left alone) with these differences, each on purpose:
   backend is an :class:`InvalidArgumentError` that says why and names the available ones.
 - The process group always gets an explicit timeout (``SAR_COLLECTIVE_TIMEOUT`` seconds, default
   300) instead of gloo's 30 minutes.
+- When the coordinator reports a failed peer (:func:`mark_peer_failed`), the process group is
+  aborted so that a collective already waiting raises too (see :func:`abort_backend`).
 - With ``nccl`` a second, gloo process group over the same ranks carries CPU tensors, which NCCL
   cannot move; the collectives route to it by the tensor's device.
 - SAR's writes of ``MPI_COMM_WORLD``, ``OMPI_COMM_WORLD`` and similar variables are left out: no MPI
@@ -32,6 +34,8 @@ import importlib.util
 import logging
 import math
 import os
+import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -49,6 +53,7 @@ __all__ = [
     "STATE",
     "BackendProbe",
     "CommState",
+    "abort_backend",
     "adopted_backend",
     "backend",
     "choose_backend",
@@ -62,6 +67,7 @@ __all__ = [
     "master_ip",
     "master_port",
     "needs_cpu_side_group",
+    "peer_failure_after",
     "probe_backends",
     "rank",
     "socket_environment",
@@ -304,6 +310,7 @@ class CommState:
 
     __slots__ = (
         "backend",
+        "backend_sockets",
         "comm_device",
         "cpu_backend",
         "cpu_group",
@@ -343,6 +350,9 @@ class CommState:
         #: op -> stats for the default group's backend, and for the CPU side group's.
         self.stats: dict[str, metrics.CollectiveStats] = {}
         self.cpu_stats: dict[str, metrics.CollectiveStats] = {}
+        #: The sockets (``socket:[inode]``) the process groups opened: gloo's connections to the
+        #: peers and the store's; abort_backend shuts them down.
+        self.backend_sockets: frozenset[str] = frozenset()
 
 
 #: The state of this process. Internal to sarcomm.worker: use the getters below.
@@ -414,6 +424,7 @@ def initialize_comms(
     if device.type == "cuda":
         # Collectives without an explicit device (barrier, object collectives) use the current one.
         torch.cuda.set_device(device)
+    sockets_before = _socket_inodes() if not dist.is_initialized() else None
     if not dist.is_initialized():
         log.info(
             "job %s rank %s generation %s: initialising %s process group of %s ranks via %s:%s "
@@ -428,6 +439,10 @@ def initialize_comms(
     cpu_group: dist.ProcessGroup | None = STATE.cpu_group if STATE.initialized else None
     if not group_carries_cpu and cpu_group is None:
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    if sockets_before is not None:
+        # What the new groups opened (gloo connects every pair at creation): only these are shut
+        # down on abort, never the coordinator's connection or the user's own sockets.
+        STATE.backend_sockets = frozenset(_socket_inodes().values()) - frozenset(sockets_before.values())
 
     STATE.rank, STATE.world_size, STATE.backend, STATE.comm_device = rank, world_size, name, device
     STATE.master_addr, STATE.master_port, STATE.owns_group = master_ip_address, port, owns_group
@@ -437,6 +452,7 @@ def initialize_comms(
     STATE.cpu_stats = {op: metrics.collective_stats(op, STATE.cpu_backend) for op in OPS}
     STATE.initialized = True
     STATE.peer_failure = None
+    _failure_known.clear()
     STATE.ready = True
     _destroy_at_exit()
     metrics.set_worker_info(job=job, rank=rank, world_size=world_size, backend=name, generation=generation)
@@ -504,11 +520,113 @@ def _destroy_at_exit() -> None:
 
 
 def mark_peer_failed(error: PeerFailedError) -> None:
-    """Record that a peer failed (the agent's or client's watchdog calls this). From then on every
-    sarcomm collective raises ``error`` at once instead of entering a call that cannot finish, and
-    one that fails while in flight is re-raised as ``error``. Cleared by initialize_comms."""
+    """Record that a peer failed (the client's watchdog calls this, from its own thread). From
+    then on every sarcomm collective raises ``error`` at once instead of entering a call that cannot
+    finish; the process group is aborted (:func:`abort_backend`), so that a collective already
+    waiting for the failed peer fails within moments and is re-raised as ``error``. Cleared by
+    initialize_comms (the process group must be made anew: an aborted one is unusable)."""
+    first = STATE.peer_failure is None
     STATE.peer_failure = error
     STATE.ready = False
+    _failure_known.set()
+    if first and STATE.initialized:
+        abort_backend()
+
+
+#: Set when a peer failure is known; a collective whose backend failed waits on it for the verdict.
+_failure_known = threading.Event()
+
+
+def peer_failure_after(exc: BaseException) -> PeerFailedError | None:
+    """The peer failure to raise instead of ``exc``, a backend error of a collective, if any.
+
+    A peer that died closes its connections, so gloo fails the collective with "Connection closed
+    by peer" a moment *before* the coordinator has judged the peer. When a coordinator watches this
+    process (it registered itself), the coordinator's verdict is waited for, at most
+    :func:`sarcomm.worker.startup.peer_verdict_wait` seconds, so that the caller gets
+    :class:`PeerFailedError` naming the rank, host and reason rather than gloo's message. None when
+    no failure is known (then ``exc`` stands).
+    """
+    failure = STATE.peer_failure
+    if failure is not None or not isinstance(exc, RuntimeError):
+        return failure
+    from sarcomm.worker.startup import peer_verdict_wait  # local: startup imports this lazily too
+
+    wait = peer_verdict_wait()
+    if wait > 0:
+        _failure_known.wait(wait)
+    return STATE.peer_failure
+
+
+def abort_backend() -> None:
+    """Make collectives that are waiting in the backend fail now; the groups are unusable after.
+
+    - nccl (and other backends that implement it): ``ProcessGroup.abort()``.
+    - gloo: torch 2.13's ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at once but leave
+      a collective that waits for a silent peer blocked until the group's timeout (measured: a
+      two-rank all_reduce stayed blocked until the peer exited), and
+      ``distributed_c10d._abort_process_group`` is documented for NCCL only. What does unblock it is
+      its sockets: ``shutdown(SHUT_RDWR)`` of each connection the groups opened (gloo's pairs and
+      the store's) makes gloo's pending reads fail with "Connection closed by peer", and the
+      collective raises within milliseconds. Listening sockets are left alone (shutting down
+      gloo's listener makes its accept thread terminate the process), as is every socket opened
+      outside the groups' creation (the coordinator's connection, the user's own).
+
+    Called from the watchdog's thread while the main thread may be inside a collective: it only
+    signals the backend and touches sockets, never torch's group registry.
+    """
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not None and STATE.backend != "gloo":
+        try:
+            world.abort()
+        except Exception as exc:  # best effort: the sockets below still unblock the CPU side group
+            log.warning("aborting the %s process group failed: %s", STATE.backend, exc)
+    closed = _shutdown_sockets(STATE.backend_sockets)
+    log.warning(
+        "rank %s: aborted the process group after a peer failure (%d connection(s) shut down)",
+        STATE.rank, closed,
+    )  # fmt: skip
+
+
+def _socket_inodes() -> dict[int, str]:
+    """This process's socket descriptors: fd -> ``socket:[inode]`` (empty where /proc is missing)."""
+    found: dict[int, str] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if link.startswith("socket:["):
+            found[int(fd)] = link
+    return found
+
+
+def _shutdown_sockets(inodes: frozenset[str]) -> int:
+    """``shutdown(SHUT_RDWR)`` every connected socket among ``inodes``; returns how many."""
+    closed = 0
+    for fd, link in _socket_inodes().items():
+        if link not in inodes:
+            continue
+        try:
+            # A duplicate descriptor: shutdown acts on the socket itself, and closing the duplicate
+            # leaves the backend's own descriptor open (it gets errors, not a reused fd number).
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            closed += 1
+        except OSError:  # not connected (any more), or not a TCP socket
+            pass
+        finally:
+            sock.close()
+    return closed
 
 
 def _state() -> CommState:

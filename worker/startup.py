@@ -13,12 +13,13 @@ A process that registered itself (no agent) is kept alive at the coordinator by 
 stream running on a private event-loop thread, carrying the progress its collectives note; it
 reports ``Leave`` when the interpreter exits (exit code 1 after an uncaught exception, else 0). A
 failure of another rank that the heartbeats report is logged, kept for :func:`peer_failure` and
-handed to :func:`sarcomm.worker.comm.mark_peer_failed`, so that the next collective raises
-:class:`~sarcomm.coordinator.errors.PeerFailedError` instead of waiting for a peer that is gone.
+handed to :func:`sarcomm.worker.comm.mark_peer_failed`, so that the next collective, and one already
+waiting, raises :class:`~sarcomm.coordinator.errors.PeerFailedError` instead of waiting for a peer
+that is gone.
 
 Under ``sar-worker``, :func:`init` keeps the progress record the agent reads
 (``SAR_PROGRESS_FILE``, stamped every ``SARCOMM_HEARTBEAT_INTERVAL`` seconds); the agent stops the
-ranks itself when a peer fails.
+ranks itself when a peer fails, and a rank whose agent is gone (``SAR_AGENT_PID``) stops itself.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -40,6 +42,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from sarcomm.coordinator.errors import InvalidArgumentError, PeerFailedError, SarcommError, shorten
+from sarcomm.coordinator.tls import ClientTls
 from sarcomm.worker.client import (
     DEFAULT_JOIN_TIMEOUT,
     CoordinatorClient,
@@ -53,6 +56,7 @@ from sarcomm.worker.client import (
 from sarcomm.worker.progress import ProgressWriter
 
 __all__ = [
+    "AGENT_PID_VARIABLE",
     "BACKENDS",
     "METRICS_PORT_VARIABLE",
     "PROGRESS_FILE_VARIABLE",
@@ -64,6 +68,7 @@ __all__ = [
     "metrics_port_setting",
     "parse_launch_env",
     "peer_failure",
+    "peer_verdict_wait",
     "start_rank_services",
 ]
 
@@ -77,6 +82,10 @@ BACKENDS = ("auto", "gloo", "nccl", "ccl", "mpi", "ucc")
 PROGRESS_FILE_VARIABLE = "SAR_PROGRESS_FILE"
 #: The port a rank serves ``/metrics`` on; see :func:`metrics_port_setting`.
 METRICS_PORT_VARIABLE = "SAR_METRICS_PORT"
+#: The pid of the ``sar-worker`` that started a rank. Ranks run in sessions of their own (so the
+#: agent can signal each rank's process group), so they outlive an agent that is killed; a rank
+#: whose agent is gone stops itself (SIGTERM) instead of running on unwatched.
+AGENT_PID_VARIABLE = "SAR_AGENT_PID"
 
 #: Seconds between heartbeats of a self-registered process when neither the ``heartbeat_interval``
 #: argument nor ``SARCOMM_HEARTBEAT_INTERVAL`` says otherwise (the coordinator's default).
@@ -344,9 +353,10 @@ class _Registration:
         coord: str,
         token: str | None,
         heartbeat_interval: float,
+        tls: ClientTls | None = None,
     ) -> None:
         self._thread = _LoopThread("sarcomm-coordinator")
-        self._client = CoordinatorClient(coord, token)
+        self._client = CoordinatorClient(coord, token, tls=tls)
         self._interval = heartbeat_interval
         self._stream: HeartbeatStream | None = None
         self._watcher: concurrent.futures.Future[None] | None = None
@@ -360,6 +370,10 @@ class _Registration:
     @property
     def client_timeout(self) -> float:
         return self._client.timeout
+
+    @property
+    def interval(self) -> float:
+        return self._interval
 
     def join(self, deadline: float, **kwargs: Any) -> JoinResult:
         async def _join() -> JoinResult:
@@ -479,12 +493,13 @@ _registration_lock = threading.Lock()
 _progress: ProgressWriter | None = None
 
 
-def _install_progress(path: Path | None, interval: float) -> ProgressWriter:
+def _install_progress(path: Path | None, interval: float, agent_pid: int | None = None) -> ProgressWriter:
     """Note every collective's progress in a :class:`ProgressWriter` (once per process).
 
     With ``path`` (under ``sar-worker``) a daemon thread stamps the shared record every
     ``interval`` seconds: a rank blocked inside a collective still stamps, a stopped or wedged one
-    does not, which is how its agent tells them apart. Without ``path`` the record stays in this
+    does not, which is how its agent tells them apart. The same thread stops this rank (SIGTERM to
+    itself) once the agent ``agent_pid`` is gone. Without ``path`` the record stays in this
     process, read by its own heartbeats.
     """
     global _progress
@@ -500,6 +515,13 @@ def _install_progress(path: Path | None, interval: float) -> ProgressWriter:
         def stamp() -> None:
             while not stop.wait(interval):
                 writer.publish()
+                if agent_pid is not None and not _alive(agent_pid):
+                    log.error(
+                        "rank %s: its sar-worker (pid %d) is gone, so nobody watches it or tells it of "
+                        "failures; stopping", os.environ.get("RANK", "?"), agent_pid,
+                    )  # fmt: skip
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
 
         thread = threading.Thread(target=stamp, name="sarcomm-progress", daemon=True)
         thread.start()
@@ -517,6 +539,22 @@ def _install_progress(path: Path | None, interval: float) -> ProgressWriter:
         atexit.register(end)
     _progress = writer
     return writer
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _agent_pid(env: Mapping[str, str]) -> int | None:
+    """``SAR_AGENT_PID`` as a pid, or None (unset, or not a positive integer: then not watched)."""
+    text = env.get(AGENT_PID_VARIABLE, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _host_port(address: str, port: int) -> str:
@@ -563,7 +601,7 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     writer = _progress
     progress_file = env.get(PROGRESS_FILE_VARIABLE)
     if writer is None and progress_file and _registration is None:
-        writer = _install_progress(Path(progress_file), _heartbeat_interval(env, None))
+        writer = _install_progress(Path(progress_file), _heartbeat_interval(env, None), _agent_pid(env))
     port = metrics_port_setting(env, member=bool(env.get("SAR_MEMBER_ID")))
     if port is None:
         return
@@ -591,6 +629,18 @@ def peer_failure() -> PeerFailedError | None:
     return _registration.failure if _registration is not None else None
 
 
+def peer_verdict_wait() -> float:
+    """Seconds a collective whose backend saw a peer vanish waits for the coordinator to say which
+    rank failed and why, before it raises the backend's own error; 0 when no coordinator watches
+    this process (it did not register itself).
+
+    The coordinator judges a rank whose connection broke after one heartbeat interval and a silent
+    one after interval x misses (3 by default); the extra 2 s cover the sweep and the event's trip.
+    """
+    registration = _registration
+    return 0.0 if registration is None else 3 * registration.interval + 2.0
+
+
 def _heartbeat_interval(env: Mapping[str, str], value: float | None) -> float:
     if value is None:
         text = env.get("SARCOMM_HEARTBEAT_INTERVAL")
@@ -607,6 +657,15 @@ def _heartbeat_interval(env: Mapping[str, str], value: float | None) -> float:
     if not value > 0:
         raise InvalidArgumentError(f"heartbeat_interval={value!r} must be a positive number of seconds.")
     return value
+
+
+def _token_from_file(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"SARCOMM_TOKEN_FILE={shorten(path)} must be a readable file: {exc.strerror}"
+        ) from None
 
 
 def _register(
@@ -639,7 +698,12 @@ def _register(
                 "This process already registered with a coordinator (coord_ip_init or init(coord=...) "
                 "ran before); a process is one member."
             )
-        registration = _Registration(coord, token, interval)
+        # The agent's settings, for processes that register themselves: SARCOMM_TOKEN_FILE and
+        # SARCOMM_TLS_CA/_CERT/_KEY mean here what they mean to sar-worker.
+        tls = ClientTls.from_env(environ)
+        if token is None and environ.get("SARCOMM_TOKEN_FILE"):
+            token = _token_from_file(environ["SARCOMM_TOKEN_FILE"])
+        registration = _Registration(coord, token, interval, tls)
         reservation = netinfo.reserve_port("")
         try:
             result = registration.join(
@@ -858,7 +922,7 @@ def init(
     if coord is None and progress_file:
         # Under sar-worker: keep the record its agent reads, so that it reports this rank's
         # progress and notices when the rank is stopped or wedged.
-        _install_progress(Path(progress_file), _heartbeat_interval(env, None))
+        _install_progress(Path(progress_file), _heartbeat_interval(env, None), _agent_pid(env))
     if not initialize:
         start_rank_services(env)  # initialize_comms does it otherwise
     if initialize:

@@ -117,6 +117,7 @@ class JoinRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
     host: _builtins.str
@@ -130,6 +131,10 @@ class JoinRequest(_message.Message):
     """How long to wait for the world to form, in seconds; 0 = the coordinator's --join-timeout."""
     backend: _builtins.str
     """Backend the member will use ("gloo", "nccl", ...); informational."""
+    max_restarts: _builtins.int
+    """How often the joining agent restarts the job after a failure (its --max-restarts); the
+    coordinator shows it beside restart_count, so `status` can say when none are left.
+    """
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterface]: ...
     @_builtins.property
@@ -149,10 +154,11 @@ class JoinRequest(_message.Message):
         generation: _builtins.int = ...,
         join_timeout_seconds: _builtins.float = ...,
         backend: _builtins.str = ...,
+        max_restarts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_timeout_seconds", b"join_timeout_seconds", "members", b"members", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_timeout_seconds", b"join_timeout_seconds", "max_restarts", b"max_restarts", "members", b"members", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,10 +282,16 @@ class MemberReport(_message.Message):
     SECRET_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    AGE_SECONDS_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     secret: _builtins.str
     metrics_address: _builtins.str
     """host:port of the rank's Prometheus endpoint, once it serves one."""
+    age_seconds: _builtins.float
+    """Seconds since the member itself last showed a sign of life, as the reporter measured it (an
+    agent reports its ranks' own alive stamps: a stopped or wedged rank's age grows while its
+    agent keeps reporting). 0 = alive now. The coordinator judges liveness by this age.
+    """
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     def __init__(
@@ -289,10 +301,11 @@ class MemberReport(_message.Message):
         secret: _builtins.str = ...,
         progress: Global___Progress | None = ...,
         metrics_address: _builtins.str = ...,
+        age_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -551,6 +564,85 @@ class MemberStatus(_message.Message):
 Global___MemberStatus: _TypeAlias = MemberStatus  # noqa: Y015
 
 @_typing.final
+class Stall(_message.Message):
+    """Ranks that everybody waits for: some ranks have waited in collective `seq` for longer than
+    the coordinator's --stall-threshold while `blocking_ranks` have not entered it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    OP_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    WAITED_SECONDS_FIELD_NUMBER: _builtins.int
+    WAITING_RANKS_FIELD_NUMBER: _builtins.int
+    BLOCKING_RANKS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    op: _builtins.str
+    since: _builtins.float
+    """Unix time the first waiting rank entered collective `seq`."""
+    waited_seconds: _builtins.float
+    """Seconds the first waiting rank has waited, when the status was made."""
+    @_builtins.property
+    def waiting_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def blocking_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        op: _builtins.str = ...,
+        since: _builtins.float = ...,
+        waited_seconds: _builtins.float = ...,
+        waiting_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        blocking_ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocking_ranks", b"blocking_ranks", "op", b"op", "seq", b"seq", "since", b"since", "waited_seconds", b"waited_seconds", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Stall: _TypeAlias = Stall  # noqa: Y015
+
+@_typing.final
+class GenerationRecord(_message.Message):
+    """One earlier generation of a job, kept so that `status` shows why it restarted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    FORMED_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    FAILED_RANK_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    state: _builtins.str
+    formed: _builtins.float
+    ended: _builtins.float
+    reason: _builtins.str
+    failed_rank: _builtins.int
+    """The rank whose failure ended the generation; -1 when none did."""
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        state: _builtins.str = ...,
+        formed: _builtins.float = ...,
+        ended: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        failed_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "failed_rank", b"failed_rank", "formed", b"formed", "generation", b"generation", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerationRecord: _TypeAlias = GenerationRecord  # noqa: Y015
+
+@_typing.final
 class JobStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -566,6 +658,9 @@ class JobStatus(_message.Message):
     ENDED_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    STALL_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     state: _builtins.str
@@ -577,8 +672,18 @@ class JobStatus(_message.Message):
     formed: _builtins.float
     ended: _builtins.float
     reason: _builtins.str
+    max_restarts: _builtins.int
+    """The largest --max-restarts the agents of this generation asked for (0: none, or unknown)."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberStatus]: ...
+    @_builtins.property
+    def stall(self) -> Global___Stall:
+        """Set while ranks of a running job wait on others in one collective (see Stall)."""
+
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationRecord]:
+        """Earlier generations under this name, oldest first (at most the last 100)."""
+
     def __init__(
         self,
         *,
@@ -594,10 +699,13 @@ class JobStatus(_message.Message):
         ended: _builtins.float = ...,
         members: _abc.Iterable[Global___MemberStatus] | None = ...,
         reason: _builtins.str = ...,
+        stall: Global___Stall | None = ...,
+        history: _abc.Iterable[Global___GenerationRecord] | None = ...,
+        max_restarts: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stall", b"stall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "members", b"members", "reason", b"reason", "restart_count", b"restart_count", "state", b"state", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "history", b"history", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "max_restarts", b"max_restarts", "members", b"members", "reason", b"reason", "restart_count", b"restart_count", "stall", b"stall", "state", b"state", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

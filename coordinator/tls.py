@@ -1,0 +1,273 @@
+"""TLS for both sides: the coordinator's server credentials, the clients' settings, and the
+diagnosis of a failed handshake.
+
+gRPC reports a certificate problem as "the coordinator is unavailable", and with
+``wait_for_ready`` not even that until the deadline passes. :func:`diagnose` repeats the handshake
+with Python's ``ssl`` module to find out which side rejected what, so that a worker with a wrong or
+missing certificate fails with a sentence a person can act on instead of a timeout.
+
+This module is shared by the coordinator (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``) and
+by its clients (``sar-worker --tls-ca/--tls-cert/--tls-key``, ``sar-coordinator status``); like
+:mod:`~sarcomm.coordinator.interfaces` it imports nothing of the server.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from sarcomm.coordinator.errors import InvalidArgumentError
+
+__all__ = [
+    "ENV_CA",
+    "ENV_CERT",
+    "ENV_KEY",
+    "ClientTls",
+    "Diagnosis",
+    "Rejection",
+    "diagnose",
+    "server_credentials",
+    "server_ssl_context",
+]
+
+ENV_CA = "SARCOMM_TLS_CA"
+ENV_CERT = "SARCOMM_TLS_CERT"
+ENV_KEY = "SARCOMM_TLS_KEY"
+
+# What an HTTP/2 client sends first; a gRPC server that accepted the connection answers it with
+# its SETTINGS frame, one that rejected the client's certificate closes the connection instead.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# What OpenSSL says when the answer to a ClientHello is not TLS at all (a plaintext HTTP/2 server).
+_PLAINTEXT_ANSWERS = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+)
+
+
+def _read(field: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"{field} {str(path)!r} must be a readable PEM file: {error.strerror}"
+        ) from None
+    if b"-----BEGIN " not in data:
+        raise InvalidArgumentError(f"{field} {str(path)!r} must be a PEM file (no '-----BEGIN' line in it)")
+    return data
+
+
+# -- the coordinator's side ----------------------------------------------------------------------
+
+
+def server_ssl_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:
+    """The HTTP side's TLS context; building it also proves that the files are usable.
+
+    Raises:
+        InvalidArgumentError: a file is unreadable or not PEM, the key does not belong to the
+            certificate, or the CA bundle holds no certificate.
+    """
+    _read("tls_cert", cert)
+    _read("tls_key", key)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as error:
+        raise InvalidArgumentError(
+            f"tls_cert {str(cert)!r} and tls_key {str(key)!r} must be a certificate and its own "
+            f"private key: {error.reason or error}"
+        ) from None
+    if client_ca is not None:
+        _read("tls_client_ca", client_ca)
+        try:
+            context.load_verify_locations(cafile=str(client_ca))
+        except ssl.SSLError as error:
+            raise InvalidArgumentError(
+                f"tls_client_ca {str(client_ca)!r} must hold PEM CA certificates: {error.reason or error}"
+            ) from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def server_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:
+    """gRPC server credentials; with ``client_ca`` every client must present a certificate it signed."""
+    return grpc.ssl_server_credentials(
+        [(_read("tls_key", key), _read("tls_cert", cert))],
+        root_certificates=_read("tls_client_ca", client_ca) if client_ca is not None else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
+# -- the clients' side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client talks TLS to the coordinator.
+
+    ``ca``: PEM bundle of the CA(s) that signed the coordinator's ``--tls-cert`` (None: the
+    system's roots). ``cert``/``key``: this client's own certificate and key, for a coordinator
+    started with ``--tls-client-ca`` (mutual TLS); give both or neither.
+
+    Raises:
+        InvalidArgumentError: only one of ``cert``/``key``, or a file that is not readable PEM.
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise InvalidArgumentError(
+                f"--tls-cert {_shown(self.cert)} and --tls-key {_shown(self.key)} must be given together "
+                "(this client's certificate and its private key)"
+            )
+        for field, path in (("--tls-ca", self.ca), ("--tls-cert", self.cert), ("--tls-key", self.key)):
+            if path is not None:
+                _read(field, path)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ClientTls | None:
+        """From ``SARCOMM_TLS_CA``, ``SARCOMM_TLS_CERT`` and ``SARCOMM_TLS_KEY``; None when none is set."""
+        ca, cert, key = (env.get(name) or None for name in (ENV_CA, ENV_CERT, ENV_KEY))
+        if ca is None and cert is None and key is None:
+            return None
+        return cls(*(Path(value) if value else None for value in (ca, cert, key)))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read("--tls-ca", self.ca) if self.ca else None,
+            private_key=_read("--tls-key", self.key) if self.key else None,
+            certificate_chain=_read("--tls-cert", self.cert) if self.cert else None,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same settings for Python's ``ssl`` (HTTPS requests, :func:`diagnose`)."""
+        context = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+        if self.cert is not None and self.key is not None:
+            context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+
+def _shown(path: Path | None) -> str:
+    return repr(str(path)) if path is not None else "(not given)"
+
+
+class Rejection(enum.Enum):
+    """Who refused the connection, as far as :func:`diagnose` could tell."""
+
+    #: This client did not accept the coordinator's certificate.
+    CLIENT_REJECTED_SERVER = "client"
+    #: The coordinator did not accept this client's certificate, or its lack of one.
+    SERVER_REJECTED_CLIENT = "server"
+    #: One side speaks TLS and the other plaintext.
+    PROTOCOL_MISMATCH = "protocol"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    rejection: Rejection
+    message: str
+
+
+def diagnose(host: str, port: int, tls: ClientTls | None, timeout: float = 3.0) -> Diagnosis | None:
+    """Why a connection to the coordinator at ``host:port`` fails at the TLS layer, or None.
+
+    Blocking (run it in a thread). None means "not a TLS problem": nothing listens, the network
+    drops the packets, or the handshake works, so the caller keeps its own explanation.
+    """
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return None
+    with sock:
+        sock.settimeout(timeout)
+        if tls is None:
+            return _plaintext_client(sock, host)
+        return _tls_client(sock, host, tls)
+
+
+def _plaintext_client(sock: socket.socket, host: str) -> Diagnosis | None:
+    # Does the coordinator speak TLS where this client speaks plaintext? Try a handshake that
+    # trusts anything: it only asks the question, nothing is sent over it.
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(sock, server_hostname=host):
+            pass
+    except (ssl.SSLError, OSError):
+        return None
+    return Diagnosis(
+        Rejection.PROTOCOL_MISMATCH,
+        "it speaks TLS and this client connected in plaintext: give the client the CA that signed "
+        "the coordinator's certificate (sar-worker --tls-ca or SARCOMM_TLS_CA)",
+    )
+
+
+def _tls_client(sock: socket.socket, host: str, tls: ClientTls) -> Diagnosis | None:
+    try:
+        context = tls.ssl_context()
+    except (ssl.SSLError, OSError) as error:
+        return Diagnosis(Rejection.CLIENT_REJECTED_SERVER, f"this client's TLS files are unusable: {error}")
+    context.set_alpn_protocols(["h2"])
+    try:
+        tls_sock = context.wrap_socket(sock, server_hostname=host)
+    except ssl.SSLCertVerificationError as error:
+        return Diagnosis(
+            Rejection.CLIENT_REJECTED_SERVER,
+            f"this client rejected the coordinator's certificate ({error.verify_message}): --tls-ca "
+            f"must hold the CA that signed the coordinator's --tls-cert, and that certificate must "
+            f"name {host!r}",
+        )
+    except ssl.SSLError as error:
+        reason = error.reason or ""
+        if "ALERT" in reason:
+            return _server_rejected(tls, reason)
+        if reason in _PLAINTEXT_ANSWERS:
+            return Diagnosis(
+                Rejection.PROTOCOL_MISMATCH,
+                "it does not speak TLS (it answered the TLS handshake in plaintext): start it with "
+                "--tls-cert and --tls-key, or connect without --tls-ca/--tls-cert",
+            )
+        return Diagnosis(Rejection.PROTOCOL_MISMATCH, f"the TLS handshake failed: {reason or error}")
+    except OSError:
+        # The coordinator hung up during the handshake: under TLS 1.2 that is how some servers
+        # refuse a client certificate.
+        return _server_rejected(tls, "connection closed during the handshake")
+    with tls_sock:
+        # Under TLS 1.3 the client finishes its handshake before the server has looked at the
+        # client's certificate; the verdict is what the server does next.
+        try:
+            tls_sock.sendall(_H2_PREFACE)
+            answer = tls_sock.recv(64)
+        except ssl.SSLError as error:
+            return _server_rejected(tls, error.reason or str(error))
+        except TimeoutError:
+            return None
+        except OSError as error:
+            return _server_rejected(tls, str(error))
+        if not answer:
+            return _server_rejected(tls, "connection closed after the handshake")
+    return None
+
+
+def _server_rejected(tls: ClientTls, what: str) -> Diagnosis:
+    if tls.cert is None:
+        advice = (
+            "this client sent no certificate and the coordinator requires one (--tls-client-ca): give "
+            "the client --tls-cert and --tls-key (or SARCOMM_TLS_CERT and SARCOMM_TLS_KEY)"
+        )
+    else:
+        advice = (
+            f"the coordinator rejected this client's certificate {str(tls.cert)!r}: it must be signed "
+            "by a CA in the coordinator's --tls-client-ca and be valid now"
+        )
+    return Diagnosis(Rejection.SERVER_REJECTED_CLIENT, f"{advice} ({what})")

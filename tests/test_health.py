@@ -1,0 +1,681 @@
+"""Failure detection and reaction with real processes: ranks killed, stopped, cut off; agents
+killed; restarts; a coordinator killed mid-job. Plus the membership rules behind them (fake clock).
+
+The world tests run a real coordinator (heartbeat interval 0.5 s x 3 misses: a member is dead
+after 1.5 s of silence), real ``sar-worker`` agents or self-registered processes, and ranks that
+run gloo all_reduce in a loop (``scripts/health_rank.py``). A thread watches the job through the
+``Watch`` stream, so each test measures when the coordinator told the job, not when it polled.
+Every wait has a deadline; none waits for gloo's timeout (the ranks' groups have 300 s).
+
+The partition test builds hosts out of network namespaces joined by a bridge in a namespace of its
+own (the root namespace's iptables may drop bridged traffic); it needs root and ``ip``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sarcomm.coordinator.errors import SarcommError
+from sarcomm.coordinator.membership import (
+    JobState,
+    JoinSpec,
+    MemberRequest,
+    Membership,
+    MemberState,
+    Progress,
+)
+from sarcomm.coordinator.store import SqliteStore
+from sarcomm.worker.client import CoordinatorClient, Event, EventKind
+from tests.conftest import CoordinatorProcess, free_port
+from tests.test_membership import LO, FakeClock
+
+SCRIPTS = Path(__file__).parent / "scripts"
+RANK_SCRIPT = str(SCRIPTS / "health_rank.py")
+INTERVAL_S, MISSES = 0.5, 3
+#: The issue's bound for a silent member: interval x misses + 1 s.
+DETECT_S = INTERVAL_S * MISSES + 1.0
+#: The issue's bound from a rank's SIGKILL to the last other rank stopping.
+KILL_STOP_S = 3.0
+#: Bounds start-up (torch imports on 2 busy cores, rendezvous) and every other wait.
+START_DEADLINE_S = 90.0
+END_DEADLINE_S = 30.0
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
+    env.update(extra)
+    return env
+
+
+class World:
+    """Agents or self-registered ranks of one job, a Watch on it, and its control directory."""
+
+    def __init__(self, coord: CoordinatorProcess, job: str, control: Path) -> None:
+        self.coord, self.job, self.control = coord, job, control
+        self.procs: list[subprocess.Popen[str]] = []
+        self.events: list[tuple[float, Event]] = []
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=lambda: asyncio.run(self._watch()), daemon=True)
+        self._watcher.start()
+
+    async def _watch(self) -> None:
+        # Reconnects across a coordinator restart; gives up when the test ends.
+        while not self._stop.is_set():
+            try:
+                async with CoordinatorClient(self.coord.grpc_target, timeout=5.0) as client:
+                    async for event in client.watch(self.job, timeout=2.0):
+                        self.events.append((time.monotonic(), event))
+            except SarcommError:
+                await asyncio.sleep(0.1)
+
+    def agent(self, *flags: str, netns: str | None = None, coord: str | None = None) -> subprocess.Popen[str]:
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord or self.coord.grpc_target,
+             "--job", self.job, "--heartbeat-interval", "0.25", "--join-timeout", "60", "--backend", "gloo",
+             *flags, "--", sys.executable, RANK_SCRIPT, str(self.control)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_clean_env(),
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def library_rank(self, rank: int, world: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, RANK_SCRIPT, str(self.control), self.coord.grpc_target, self.job, str(rank),
+             str(world)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=_clean_env(SARCOMM_HEARTBEAT_INTERVAL="0.25"),
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def pids(self, ranks: range) -> dict[int, int]:
+        """Each rank's pid once it runs collectives."""
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            files = {r: self.control / f"rank{r}.pid" for r in ranks}
+            if all(f.exists() for f in files.values()):
+                return {r: int(f.read_text()) for r, f in files.items()}
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    pytest.fail(f"{proc.args} exited with {proc.returncode} before the world ran:\n"
+                                f"{proc.stderr.read() if proc.stderr else ''}\n{self.coord.log()}")  # fmt: skip
+            assert time.monotonic() < deadline, f"ranks did not start: {self.coord.log()}"
+            time.sleep(0.05)
+
+    def failure(self, after: float, deadline_s: float = END_DEADLINE_S) -> tuple[float, Event]:
+        """The first MEMBER_FAILED told after monotonic time ``after``, and when."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            for seen, event in list(self.events):
+                if seen >= after and event.kind is EventKind.MEMBER_FAILED:
+                    return seen, event
+            time.sleep(0.01)
+        pytest.fail(f"no MEMBER_FAILED within {deadline_s} s; events {self.events}\n{self.coord.log()}")
+
+    def wait(self, proc: subprocess.Popen[str], timeout: float = END_DEADLINE_S) -> tuple[int, str]:
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{proc.args[:6]} still running after {timeout} s\n{self.coord.log()}")
+        return proc.returncode, stderr
+
+    def result(self, rank: int, generation: int = 1) -> dict[str, object]:
+        data = json.loads((self.control / f"rank{rank}.gen{generation}.json").read_text())
+        assert isinstance(data, dict)
+        return data
+
+    def close(self) -> None:
+        self._stop.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        # Ranks of a killed agent (or a stopped rank) may be left: never leave a process behind.
+        for pid_file in self.control.glob("rank*.pid"):
+            pid = int(pid_file.read_text())
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._watcher.join(5)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its agent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _stopped_by(pids: dict[int, int], start: float, deadline_s: float) -> float:
+    """Seconds from monotonic ``start`` until every process of ``pids`` is gone."""
+    deadline = start + deadline_s
+    while any(_alive(p) for p in pids.values()):
+        if time.monotonic() > deadline:
+            left = [r for r, p in pids.items() if _alive(p)]
+            pytest.fail(f"rank(s) {left} still running {deadline_s} s after the fault")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def _job(coord: CoordinatorProcess, job: str) -> dict[str, object]:
+    jobs = {j["job"]: j for j in coord.get_json(f"/v1/jobs?job={job}")["jobs"]}  # type: ignore[index]
+    found = jobs[job]
+    assert isinstance(found, dict)
+    return found
+
+
+def _status(coord: CoordinatorProcess, job: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sarcomm.coordinator.cli", "status", "--coord", coord.grpc_target, "--job", job],
+        capture_output=True, text=True, timeout=30, env=_clean_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture
+def coord(start_coordinator: Callable[..., CoordinatorProcess]) -> CoordinatorProcess:
+    return start_coordinator(
+        "--heartbeat-interval", str(INTERVAL_S), "--heartbeat-misses", str(MISSES), "--join-timeout", "90",
+        "--stall-threshold", "0.5", "--shutdown-grace", "1",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def world_factory(tmp_path: Path) -> Iterator[Callable[[CoordinatorProcess, str], World]]:
+    worlds: list[World] = []
+
+    def make(coordinator: CoordinatorProcess, job: str) -> World:
+        control = tmp_path / job
+        control.mkdir()
+        worlds.append(World(coordinator, job, control))
+        return worlds[-1]
+
+    yield make
+    for world in worlds:
+        world.close()
+
+
+# -- agent mode --------------------------------------------------------------------------------
+
+
+def test_agents_name_a_straggler_then_stop_every_rank_within_3s_of_a_sigkill(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "kill4")
+    a = world.agent("--world-size", "4", "--nproc-per-node", "2", "--rank", "0")
+    b = world.agent("--world-size", "4", "--nproc-per-node", "2", "--rank", "2")
+    pids = world.pids(range(4))
+
+    # Rank 3 is alive but late before every all_reduce: the others wait for it in the collective,
+    # and the coordinator (--stall-threshold 0.5) names it in /v1/jobs, the metric and status.
+    (world.control / "slow").write_text("3")
+    deadline = time.monotonic() + END_DEADLINE_S
+    seen_json = seen_metric = seen_status = False
+    while not (seen_json and seen_metric and seen_status):
+        assert time.monotonic() < deadline, f"the stall was not named: {_job(coord, 'kill4')}"
+        stall = _job(coord, "kill4").get("stall")
+        if isinstance(stall, dict) and stall["blocking_ranks"] == [3]:
+            assert stall["op"] == "all_reduce"
+            assert stall["waiting_ranks"] == [0, 1, 2]
+            assert stall["waited_seconds"] >= 0.5
+            seen_json = True
+        metrics = coord.get_text("/metrics")
+        seen_metric = seen_metric or bool(
+            re.search(
+                r'sar_coordinator_rank_blocking_seconds\{job="kill4",op="all_reduce",rank="3"\}', metrics
+            )
+        )
+        if seen_json and not seen_status:
+            text = _status(coord, "kill4")
+            seen_status = "in collective #" in text and "(all_reduce) for rank(s) 3, which have not" in text
+        time.sleep(0.05)
+    (world.control / "slow").unlink()
+    assert all(_alive(p) for p in pids.values()), "a straggler is not a failure"
+
+    time.sleep(0.5)  # back in the loop at full speed
+    started = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    others = {r: p for r, p in pids.items() if r != 1}
+    stopped_after = _stopped_by(others, started, KILL_STOP_S + 5)
+    told_at, event = world.failure(started)
+    assert stopped_after <= KILL_STOP_S, f"last rank stopped {stopped_after:.2f} s after the kill"
+    assert (event.rank, event.reason) == (1, "killed by signal 9 (SIGKILL)")
+    code_a, err_a = world.wait(a)
+    code_b, err_b = world.wait(b)
+    assert code_a == 128 + signal.SIGKILL, err_a
+    assert code_b != 0, err_b
+    for err in (err_a, err_b):
+        last = err.strip().splitlines()[-1]
+        assert re.search(r"rank 1 on host \S+ failed: killed by signal 9", last), last
+    state = _job(coord, "kill4")
+    assert state["state"] == "FAILED"
+    assert str(state["reason"]).startswith("rank 1 on host")
+    assert "rank 1 on host" in _status(coord, "kill4")
+    print(
+        f"rank SIGKILL: told after {told_at - started:.2f} s, last rank stopped after {stopped_after:.2f} s"
+    )
+
+
+def test_a_sigstopped_rank_that_the_others_wait_for_is_detected_and_every_rank_stopped(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "stop2")
+    a = world.agent("--world-size", "2", "--rank", "0")
+    b = world.agent("--world-size", "2", "--rank", "1")
+    pids = world.pids(range(2))
+    started = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)  # alive, hung: its agent is fine and keeps reporting
+    told_at, event = world.failure(started)
+    assert told_at - started <= DETECT_S, f"told after {told_at - started:.2f} s"
+    assert event.rank == 1
+    assert event.reason.startswith("missed heartbeats")
+    _stopped_by(pids, started, END_DEADLINE_S)
+    for proc in (a, b):
+        code, err = world.wait(proc)
+        assert code != 0, err
+        assert "rank 1 on host" in err.strip().splitlines()[-1], err
+    # Rank 0 was waiting for rank 1 inside all_reduce when it was stopped.
+    assert "rank 1 on host" in _status(coord, "stop2")
+    assert "missed heartbeats" in str(_job(coord, "stop2")["reason"])
+
+
+def test_a_sigkilled_agent_is_detected_and_its_orphaned_ranks_stop_too(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "agent2")
+    a = world.agent("--world-size", "2", "--rank", "0")
+    b = world.agent("--world-size", "2", "--rank", "1")
+    pids = world.pids(range(2))
+    started = time.monotonic()
+    b.kill()
+    told_at, event = world.failure(started)
+    # Its stream broke: judged after one interval, well inside the silence rule.
+    assert told_at - started <= DETECT_S, f"told after {told_at - started:.2f} s"
+    assert event.rank == 1
+    assert event.reason.startswith("connection lost")
+    # Rank 0 is stopped by its agent; rank 1, whose agent is gone, stops itself.
+    _stopped_by(pids, started, END_DEADLINE_S)
+    code, err = world.wait(a)
+    assert code != 0
+    assert "rank 1 on host" in err.strip().splitlines()[-1], err
+    assert "connection lost" in _status(coord, "agent2")
+
+
+def test_max_restarts_1_restarts_as_generation_2_after_a_sigkill_with_correct_results(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "again4")
+    flags = ("--world-size", "4", "--nproc-per-node", "2", "--max-restarts", "1")
+    a = world.agent(*flags, "--rank", "0")
+    b = world.agent(*flags, "--rank", "2")
+    pids = world.pids(range(4))
+    os.kill(pids[1], signal.SIGKILL)
+    for proc in (a, b):
+        code, err = world.wait(proc, START_DEADLINE_S)
+        assert code == 0, err
+    for rank in range(4):
+        result = world.result(rank, generation=2)
+        assert (result["restarts"], result["wrong"], result["iterations"]) == (1, 0, 20), result
+    state = _job(coord, "again4")
+    assert (state["state"], state["generation"], state["restart_count"], state["max_restarts"]) == (
+        "FINISHED", 2, 1, 1,
+    )  # fmt: skip
+    history = state["history"]
+    assert isinstance(history, list)
+    assert [(h["generation"], h["state"], h["failed_rank"]) for h in history] == [(1, "FAILED", 1)]
+    assert "killed by signal 9" in history[0]["reason"]
+    text = _status(coord, "again4")
+    assert "restarts 1 of 1" in text
+    assert re.search(r"generation 1 FAILED: rank 1 on host \S+ failed: killed by signal 9", text), text
+
+
+# -- library mode (self-registered processes, PeerFailedError) ---------------------------------
+
+
+def test_library_sigkill_of_a_rank_raises_peer_failed_error_on_every_other_rank_within_3s(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "lib4")
+    procs = [world.library_rank(r, 4) for r in range(4)]
+    pids = world.pids(range(4))
+    wall_started, started = time.time(), time.monotonic()
+    os.kill(pids[2], signal.SIGKILL)
+    stopped_after = _stopped_by({r: p for r, p in pids.items() if r != 2}, started, KILL_STOP_S + 5)
+    assert stopped_after <= KILL_STOP_S, f"last rank stopped {stopped_after:.2f} s after the kill"
+    for rank in (0, 1, 3):
+        code, err = world.wait(procs[rank])
+        assert code == 3, err
+        error = world.result(rank)["error"]
+        assert isinstance(error, dict)
+        assert error["rank"] == 2
+        assert re.search(r"rank 2 on host \S+ failed: connection lost", error["message"]), error
+        assert error["raised_at"] - wall_started <= KILL_STOP_S
+    assert "connection lost" in str(_job(coord, "lib4")["reason"])
+
+
+def test_library_sigstop_unblocks_collectives_already_waiting_with_peer_failed_error(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "libstop3")
+    procs = [world.library_rank(r, 3) for r in range(3)]
+    pids = world.pids(range(3))
+    wall_started, started = time.time(), time.monotonic()
+    # Rank 1's process is stopped, sockets open: gloo alone would wait 300 s in the all_reduce the
+    # others are in. The coordinator's verdict aborts their process groups.
+    os.kill(pids[1], signal.SIGSTOP)
+    told_at, event = world.failure(started)
+    assert told_at - started <= DETECT_S, f"told after {told_at - started:.2f} s"
+    assert (event.rank, event.reason[:17]) == (1, "missed heartbeats")
+    _stopped_by({0: pids[0], 2: pids[2]}, started, END_DEADLINE_S)
+    for rank in (0, 2):
+        code, err = world.wait(procs[rank])
+        assert code == 3, err
+        error = world.result(rank)["error"]
+        assert isinstance(error, dict)
+        assert error["rank"] == 1
+        assert "missed heartbeats" in error["message"]
+        # Raised in the collective that was waiting, moments after the verdict.
+        assert error["raised_at"] - wall_started <= DETECT_S + 1.0, error
+    os.kill(pids[1], signal.SIGKILL)
+
+
+# -- coordinator restart -----------------------------------------------------------------------
+
+
+def test_a_job_survives_a_coordinator_sigkill_and_a_later_failure_is_still_told(
+    coord: CoordinatorProcess, world_factory: Callable[[CoordinatorProcess, str], World]
+) -> None:
+    world = world_factory(coord, "outage2")
+    a = world.agent("--world-size", "2", "--rank", "0")
+    b = world.agent("--world-size", "2", "--rank", "1")
+    pids = world.pids(range(2))
+    before = _job(coord, "outage2")
+    coord.kill()
+    time.sleep(1.5)  # longer than the liveness timeout: nobody may be judged for the outage
+    restarted = time.time()
+    coord.start()
+    # Members reconnect (backoff and jitter) and report again; the ranks never stopped.
+    deadline = time.monotonic() + END_DEADLINE_S
+    while True:
+        after = _job(coord, "outage2")
+        members = after["members"]
+        assert isinstance(members, list)
+        if all(m["last_heartbeat"] > restarted and m["progress"]["seq"] > 0 for m in members):
+            break
+        assert time.monotonic() < deadline, f"members did not reconnect: {after}\n{coord.log()}"
+        time.sleep(0.1)
+    assert all(_alive(p) for p in pids.values())
+    assert (after["job"], after["generation"], after["state"]) == (
+        before["job"],
+        before["generation"],
+        "RUNNING",
+    )
+    members_before = before["members"]
+    assert isinstance(members_before, list)
+    assert [(m["member_id"], m["rank"], m["state"]) for m in members] == [
+        (m["member_id"], m["rank"], m["state"]) for m in members_before
+    ]
+    # The ranks kept running collectives through the outage.
+    progress_before = {m["rank"]: m["progress"]["seq"] for m in members_before}
+    assert all(m["progress"]["seq"] > progress_before[m["rank"]] for m in members)
+
+    time.sleep(2 * INTERVAL_S * MISSES)  # past the liveness timeout: still running, nobody judged
+    assert _job(coord, "outage2")["state"] == "RUNNING"
+    started = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    told_at, event = world.failure(started)
+    assert told_at - started <= KILL_STOP_S
+    assert event.rank == 1
+    for proc in (a, b):
+        code, err = world.wait(proc)
+        assert code != 0
+        assert "rank 1 on host" in err.strip().splitlines()[-1], err
+    assert _job(coord, "outage2")["state"] == "FAILED"
+
+
+# -- partition (network namespaces) ------------------------------------------------------------
+
+
+def _netns_unavailable() -> str:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs the ip command (iproute2)"
+    return ""
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if result.returncode != 0:
+        raise AssertionError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[str, list[str]]]:
+    """Three hosts (namespaces with eth0 at 10.79.0.11-13) and the root namespace at 10.79.0.1, on
+    one bridge that lives in a switch namespace of its own. Yields (coordinator address, hosts)."""
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 100000}"
+    switch, names = f"sarsw{tag}", [f"sarh{tag}-{i}" for i in range(3)]
+    head = f"sarhd{tag}"
+    created: list[str] = []
+    try:
+        for name in (switch, *names):
+            result = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=30)
+            if result.returncode != 0:
+                pytest.skip(f"cannot create a network namespace: {result.stderr.strip()}")
+            created.append(name)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        _ip("link", "add", head, "type", "veth", "peer", "name", "up0", "netns", switch)
+        _ip("addr", "add", "10.79.0.1/24", "dev", head)
+        _ip("link", "set", head, "up")
+        ports = ["up0"]
+        for i, name in enumerate(names, start=1):
+            _ip(
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"up{i}",
+                "netns",
+                switch,
+            )
+            _ip("-n", name, "addr", "add", f"10.79.0.{10 + i}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            ports.append(f"up{i}")
+        for port in ports:
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+        yield "10.79.0.1", names
+    finally:
+        for name in created:  # deleting a namespace deletes its veth ends and their peers
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)
+        subprocess.run(["ip", "link", "del", head], capture_output=True, timeout=30, check=False)
+
+
+@pytest.mark.netns
+def test_a_host_cut_off_by_taking_its_link_down_is_detected_and_the_others_stopped(
+    start_coordinator: Callable[..., CoordinatorProcess],
+    hosts: tuple[str, list[str]],
+    world_factory: Callable[[CoordinatorProcess, str], World],
+) -> None:
+    address, names = hosts
+    port = free_port()
+    coordinator = start_coordinator(
+        "--listen", f"0.0.0.0:{port}", "--heartbeat-interval", str(INTERVAL_S), "--heartbeat-misses",
+        str(MISSES), "--join-timeout", "90", "--shutdown-grace", "1",
+    )  # fmt: skip
+    coordinator.grpc_port = port  # the fixture's loopback target reaches 0.0.0.0 too
+    world = world_factory(coordinator, "cut3")
+    agents = [
+        world.agent("--world-size", "3", "--rank", str(i), netns=name, coord=f"{address}:{port}")
+        for i, name in enumerate(names)
+    ]
+    pids = world.pids(range(3))
+    started = time.monotonic()
+    _ip("-n", names[2], "link", "set", "eth0", "down")  # host 2 and its rank 2 are cut off
+    told_at, event = world.failure(started)
+    assert told_at - started <= DETECT_S, f"told after {told_at - started:.2f} s"
+    assert event.rank == 2
+    assert event.reason.startswith("missed heartbeats")
+    _stopped_by({0: pids[0], 1: pids[1]}, started, END_DEADLINE_S)
+    for proc in agents[:2]:
+        code, err = world.wait(proc)
+        assert code != 0, err
+        assert "rank 2 on host" in err.strip().splitlines()[-1], err
+    text = _status(coordinator, "cut3")
+    assert "rank 2 on host" in text and "missed heartbeats" in text
+    # Host 2 hears nothing (it is cut off); its agent and rank are killed by the test's cleanup.
+
+
+# -- membership rules (fake clock, no processes) -----------------------------------------------
+
+
+def _formed(membership: Membership, world_size: int = 3) -> list[str]:
+    tickets = [
+        membership.join(
+            JoinSpec(job="j", world_size=world_size, host=f"h{r}", interfaces=(LO,),
+                     members=(MemberRequest(local_rank=0, rank=r),), store_port=29500, peer_address="127.0.0.1",
+                     max_restarts=2)
+        )
+        for r in range(world_size)
+    ]  # fmt: skip
+    return [t.members[0].member_id for t in tickets]
+
+
+def _membership(clock: FakeClock, **kwargs: float) -> Membership:
+    return Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock, **kwargs)  # type: ignore[arg-type]
+
+
+def _secret_free(membership: Membership, member_id: str) -> None:
+    """Let the tests report without the secret: the rules under test come after authentication."""
+    membership._members[member_id][1].check_secret = lambda secret: True  # type: ignore[method-assign]
+
+
+def _report(membership: Membership, member_id: str, **kwargs: object) -> None:
+    _secret_free(membership, member_id)
+    membership.heartbeat(member_id, "", kwargs.pop("progress", None), "", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_rank_reported_with_a_growing_age_fails_by_its_own_silence() -> None:
+    clock = FakeClock()
+    membership = _membership(clock)
+    ids = _formed(membership)
+    for step in range(1, 5):  # its agent keeps reporting it, but its own stamp stopped at 1000
+        clock.now = 1000.0 + step
+        for member_id in ids:
+            _report(membership, member_id, age=float(step) if member_id == ids[1] else 0.0)
+        clock.now += 0.1
+        failed = membership.sweep()
+        if failed:
+            break
+    assert [m.rank for _, m in failed] == [1]
+    assert clock.now == pytest.approx(1003.1)  # 3 s after its last stamp, not after the agent's last report
+    assert failed[0][1].reason == "missed heartbeats: silent for 3.1 s"
+
+
+def test_a_broken_stream_fails_its_members_after_the_grace_unless_a_newer_stream_reports() -> None:
+    clock = FakeClock()
+    membership = _membership(clock, lost_grace=0.5)
+    ids = _formed(membership)
+    old, new = object(), object()
+    for member_id in ids:
+        _report(membership, member_id, stream=old)
+    _report(membership, ids[0], stream=new)  # rank 0's reporter already reopened its stream
+    membership.stream_lost(old, ids)
+    clock.now += 0.4
+    assert membership.sweep() == []
+    _report(membership, ids[2], stream=new)  # rank 2 came back within the grace
+    clock.now += 0.2
+    failed = membership.sweep()
+    assert [m.rank for _, m in failed] == [1]
+    assert failed[0][1].reason.startswith("connection lost")
+    assert failed[0][0].state is JobState.FAILED
+
+
+def test_restored_members_get_the_reconnect_grace_then_the_silence_rule(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = SqliteStore(tmp_path / "state.sqlite")
+    ids = _formed(Membership(store, liveness_timeout=3.0, clock=clock, wall=clock))
+    restored = Membership(store, liveness_timeout=3.0, restore_grace=10.0, clock=clock, wall=clock)
+    clock.now += 9.0
+    assert restored.sweep() == []
+    _report(restored, ids[0])  # rank 0 reconnected: from now on the usual rule
+    clock.now += 1.5
+    failed = restored.sweep()
+    assert sorted(m.rank for _, m in failed) == [1, 2]  # judged once the grace was over
+    clock.now += 10.0
+    assert restored.job("j") is not None
+
+
+def test_stall_names_the_ranks_that_have_not_entered_the_collective_the_others_wait_in() -> None:
+    clock = FakeClock()
+    membership = _membership(clock, stall_threshold=30.0)
+    ids = _formed(membership)
+    job = membership.job("j")
+    assert job is not None
+    _report(membership, ids[0], progress=Progress(8, "all_reduce", True, 1000.0))
+    _report(membership, ids[1], progress=Progress(7, "all_to_all", False, 999.0))
+    _report(membership, ids[2], progress=Progress(8, "all_reduce", True, 1001.0))
+    clock.now = 1029.0
+    assert membership.stall(job) is None  # not waited long enough
+    clock.now = 1031.0
+    stall = membership.stall(job)
+    assert stall is not None
+    assert (stall.seq, stall.op, stall.waiting, stall.blocking, stall.waited) == (
+        8, "all_reduce", (0, 2), (1,), 31.0,
+    )  # fmt: skip
+    assert stall.describe() == (
+        "2 rank(s) have waited 31.0 s in collective #8 (all_reduce) for rank(s) 1, which have not entered it"
+    )
+    _report(membership, ids[1], progress=Progress(8, "all_reduce", True, 1031.0))
+    assert membership.stall(job) is None  # everyone is in #8: nobody to name
+
+
+def test_history_keeps_each_ended_generation_and_survives_an_abandoned_rejoin() -> None:
+    clock = FakeClock()
+    membership = _membership(clock)
+    ids = _formed(membership)
+    _secret_free(membership, ids[1])
+    membership.leave(ids[1], "", -9, "killed by signal 9 (SIGKILL)")
+    second = membership.join(
+        JoinSpec(job="j", world_size=3, host="h0", interfaces=(LO,), members=(MemberRequest(0, 0),),
+                 store_port=29500, peer_address="127.0.0.1")
+    )  # fmt: skip
+    assert second.job.history[0]["reason"] == "rank 1 on host h1 failed: killed by signal 9 (SIGKILL)"
+    assert second.job.history[0]["failed_rank"] == 1
+    membership.abandon(second)
+    back = membership.job("j")
+    assert back is not None
+    assert (back.generation, back.state, back.max_restarts) == (1, JobState.FAILED, 2)
+    assert [m.state for m in back.members].count(MemberState.FAILED) == 1
