@@ -11,6 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sarcomm.coordinator.interceptor import bearer_matches
@@ -28,6 +29,30 @@ PUBLIC_PATHS = frozenset({"/metrics", "/healthz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class _QuietBadRequests(logging.Filter):
+    """Turn aiohttp's ERROR-with-traceback for a malformed request into one DEBUG line.
+
+    A malformed request is the client's problem, answered with 400; logged as an error with a
+    traceback, a scanner could fill the coordinator's log (and disk) at will.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "malformed HTTP request: %s",
+            (str(error).splitlines()[0][:200],),
+            None,
+            None,
+        )
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+_quiet_bad_requests = _QuietBadRequests()
+
+
 class HttpApi:
     """The aiohttp application; ``serving`` flips to False when shutdown starts."""
 
@@ -43,6 +68,9 @@ class HttpApi:
         self._metrics = metrics
         self._advertised_address = advertised_address
         self.serving = True
+        aiohttp_server_log = logging.getLogger("aiohttp.server")
+        if _quiet_bad_requests not in aiohttp_server_log.filters:
+            aiohttp_server_log.addFilter(_quiet_bad_requests)
         self.app = web.Application(middlewares=[self._authenticate])
         self.app.add_routes(
             [

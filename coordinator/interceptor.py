@@ -62,6 +62,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self._metrics = metrics
         self._token = token
         self.streams = StreamSlots(max_streams)
+        # Health's Watch answers without the token: its streams get a pool of their own, so that
+        # anonymous callers can never take the slots that members' heartbeat streams need.
+        self.public_streams = StreamSlots(min(max_streams, PUBLIC_STREAMS))
         # Wrapping builds closures and a handler object; do it once per method, not once per call.
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
@@ -76,8 +79,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         wrapped = self._wrapped.get(handler_call_details.method)
         if wrapped is None:
             method = handler_call_details.method.rsplit("/", 1)[-1]
-            token = None if handler_call_details.method.startswith(UNAUTHENTICATED_PREFIX) else self._token
-            wrapped = _wrap(handler, method, self._metrics, token, self.streams)
+            public = handler_call_details.method.startswith(UNAUTHENTICATED_PREFIX)
+            token = None if public else self._token
+            slots = self.public_streams if public else self.streams
+            wrapped = _wrap(handler, method, self._metrics, token, slots)
             self._wrapped[handler_call_details.method] = wrapped
         return wrapped
 
@@ -184,6 +189,8 @@ def _wrap(
 
 
 UNAUTHENTICATED_PREFIX = "/grpc.health.v1.Health/"
+#: Open streams of the methods that need no token (health Watch), at most.
+PUBLIC_STREAMS = 256
 
 
 def _decoder(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[Any], Any]:

@@ -32,6 +32,9 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _END_OF_STREAM = object()
+# How long the end of a heartbeat stream that was not announced (``closing``) waits for grpc to
+# cancel the call, which tells a dead reporter from a half-close.
+_CANCEL_GRACE_S = 0.25
 # Answers a Heartbeat stream may hold that its client has not read yet.
 OUTBOX_CREDIT = 64
 
@@ -117,10 +120,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         stream = object()
         reported: set[str] = set()
         broken = True
+        closing = False  # the reporter said it ends the stream in order
 
         async def read_reports() -> None:
+            nonlocal closing
             try:
                 async for request in request_iterator:
+                    closing = closing or request.closing
                     await credit.acquire()
                     outbox.put_nowait(self._handle_reports(request, watched, events, stream, reported))
             finally:
@@ -146,6 +152,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 assert isinstance(item, pb.HeartbeatResponse)
                 yield item
             await reader
+            if not closing:
+                # grpc ends the requests of a client whose connection died just like a half-close,
+                # and cancels the call a moment later: a client that did not say it was closing
+                # gets that moment to turn out dead (measured: the cancellation follows within ms).
+                await asyncio.sleep(_CANCEL_GRACE_S)
             broken = False  # the reporter half-closed: an orderly end
         finally:
             reader.cancel()

@@ -381,11 +381,14 @@ def test_a_killed_worker_container_is_detected_and_the_others_stop(
             f"the {len(others)} other workers stopped {time.monotonic() - killed_at:.1f} s after docker kill"
         )
         assert len(others) == WORLD - 1
+        blamed = set()
         for worker in others:
             assert worker["State"]["ExitCode"] != 0, worker["Name"]
             # sar-worker's last line names the failed rank, its host and the reason.
             last = logs(worker).strip().splitlines()[-1]
-            assert re.search(rf"job {job} generation 1: rank \d+ on host \S+ failed: ", last), last
+            named = re.search(rf"job {job} generation 1: (rank \d+ on host \S+) failed: ", last)
+            assert named, last
+            blamed.add(named[1])
         (killed,) = [w for w in proj.workers() if w["Config"]["Hostname"] == host]
         assert killed["State"]["ExitCode"] == 137  # SIGKILL
 
@@ -398,5 +401,17 @@ def test_a_killed_worker_container_is_detected_and_the_others_stop(
                                       "--filter", "label=com.docker.compose.service=coordinator").split())
         )  # fmt: skip
         assert coordinator[0]["State"]["Health"]["Status"] == "healthy"
+        (victim_member,) = [m for m in failed["members"] if m["rank"] == victim]
 
         assert_nothing_left(proj)
+
+    # The killed container's own rank should be the one named. When a peer's collective errors
+    # out first (the killed container's sockets reset at once), that peer's exit fails the job,
+    # and the killed member is neither named nor marked FAILED: a known gap of the coordinator's
+    # failure attribution, reported here without failing the run until it is closed.
+    expected = f"rank {victim} on host {host}"
+    if blamed != {expected} or victim_member["state"] != "FAILED":
+        pytest.xfail(
+            f"the others stopped, but named {sorted(blamed)} instead of {expected} (the killed "
+            f"container), whose member the coordinator left {victim_member['state']}"
+        )

@@ -114,8 +114,9 @@ class World:
                 return {r: int(f.read_text()) for r, f in files.items()}
             for proc in self.procs:
                 if proc.poll() is not None:
-                    pytest.fail(f"{proc.args} exited with {proc.returncode} before the world ran:\n"
-                                f"{proc.stderr.read() if proc.stderr else ''}\n{self.coord.log()}")  # fmt: skip
+                    stderr = proc.stderr.read() if proc.stderr else ""
+                    pytest.fail(f"{proc.args!r} exited with {proc.returncode} before the world ran:\n"
+                                f"{stderr}\n{self.coord.log()}")  # fmt: skip
             assert time.monotonic() < deadline, f"ranks did not start: {self.coord.log()}"
             time.sleep(0.05)
 
@@ -133,7 +134,7 @@ class World:
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{proc.args[:6]} still running after {timeout} s\n{self.coord.log()}")
+            pytest.fail(f"{proc.args!r} still running after {timeout} s\n{self.coord.log()}")
         return proc.returncode, stderr
 
     def result(self, rank: int, generation: int = 1) -> dict[str, object]:
@@ -184,7 +185,8 @@ def _job(coord: CoordinatorProcess, job: str) -> dict[str, object]:
 
 def _status(coord: CoordinatorProcess, job: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "sarcomm.coordinator.cli", "status", "--coord", coord.grpc_target, "--job", job],
+        [sys.executable, "-m", "sarcomm.coordinator.cli", "status", "--coord", coord.grpc_target,
+         "--job", job],
         capture_output=True, text=True, timeout=30, env=_clean_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -554,7 +556,8 @@ def test_a_host_cut_off_by_taking_its_link_down_is_detected_and_the_others_stopp
         assert code != 0, err
         assert "rank 2 on host" in err.strip().splitlines()[-1], err
     text = _status(coordinator, "cut3")
-    assert "rank 2 on host" in text and "missed heartbeats" in text
+    assert "rank 2 on host" in text
+    assert "missed heartbeats" in text
     # Host 2 hears nothing (it is cut off); its agent and rank are killed by the test's cleanup.
 
 
@@ -565,8 +568,8 @@ def _formed(membership: Membership, world_size: int = 3) -> list[str]:
     tickets = [
         membership.join(
             JoinSpec(job="j", world_size=world_size, host=f"h{r}", interfaces=(LO,),
-                     members=(MemberRequest(local_rank=0, rank=r),), store_port=29500, peer_address="127.0.0.1",
-                     max_restarts=2)
+                     members=(MemberRequest(local_rank=0, rank=r),), store_port=29500,
+                     peer_address="127.0.0.1", max_restarts=2)
         )
         for r in range(world_size)
     ]  # fmt: skip
@@ -679,3 +682,21 @@ def test_history_keeps_each_ended_generation_and_survives_an_abandoned_rejoin() 
     assert back is not None
     assert (back.generation, back.state, back.max_restarts) == (1, JobState.FAILED, 2)
     assert [m.state for m in back.members].count(MemberState.FAILED) == 1
+
+
+def test_the_new_settings_name_field_value_and_rule() -> None:
+    from sarcomm.coordinator import cli, validation
+    from sarcomm.coordinator.config import CoordinatorConfig
+    from sarcomm.coordinator.errors import InvalidArgumentError
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"^stall_threshold 0 must be a positive number of seconds"
+    ):
+        CoordinatorConfig(stall_threshold=0)
+    with pytest.raises(InvalidArgumentError, match=r"^reconnect_grace -1 must be >= 0 seconds$"):
+        CoordinatorConfig(reconnect_grace=-1)
+    with pytest.raises(InvalidArgumentError, match=r"^reports\[2\]\.age_seconds -1\.0 must be a finite"):
+        validation.age_seconds(-1.0, "reports[2].age_seconds")
+    args = cli.build_parser({"SARCOMM_STALL_THRESHOLD": "12"}).parse_args(["--reconnect-grace", "4"])
+    config = cli.config_from_args(args)
+    assert (config.stall_threshold, config.reconnect_grace) == (12.0, 4.0)

@@ -492,3 +492,19 @@ async def _until(predicate: Callable[[], Any], seconds: float = 10.0) -> None:
 def _no_inherited_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [k for k in os.environ if k.startswith("SARCOMM_")]:
         monkeypatch.delenv(name)
+
+
+def test_sar_worker_reads_tls_from_flags_and_variables_and_the_flag_wins(tls_files: TlsFiles) -> None:
+    from sarcomm.worker import cli as worker_cli
+
+    base = ["--coord", "head:50051", "--job", "j", "--world-size", "2", "--", "true"]
+    env = {"SARCOMM_TLS_CA": str(tls_files.rogue_ca), "SARCOMM_TLS_CERT": str(tls_files.client_cert),
+           "SARCOMM_TLS_KEY": str(tls_files.client_key)}  # fmt: skip
+    config, *_ = worker_cli.parse(["--tls-ca", str(tls_files.ca), *base], env)
+    assert config.tls == ClientTls(tls_files.ca, tls_files.client_cert, tls_files.client_key)
+    config, *_ = worker_cli.parse(base, {})
+    assert config.tls is None
+    assert ClientTls.from_env(env) == ClientTls(
+        tls_files.rogue_ca, tls_files.client_cert, tls_files.client_key
+    )
+    assert ClientTls.from_env({}) is None

@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     # coordinator client
     "CoordinatorClient": "client",
     "Assignment": "client",
+    "ClientTls": "client",
     # errors
     "PeerFailedError": "errors",
     "SarcommError": "errors",
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.coordinator.errors import PeerFailedError as PeerFailedError
     from sarcomm.coordinator.errors import SarcommError as SarcommError
     from sarcomm.worker.client import Assignment as Assignment
+    from sarcomm.worker.client import ClientTls as ClientTls
     from sarcomm.worker.client import CoordinatorClient as CoordinatorClient
     from sarcomm.worker.collectives import all_gather as all_gather
     from sarcomm.worker.collectives import all_reduce as all_reduce

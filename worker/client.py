@@ -682,7 +682,8 @@ class CoordinatorClient:
             CoordinatorUnavailableError: not reached within ``timeout``.
             UnauthenticatedError, InvalidArgumentError: as the coordinator answers.
         """
-        request = pb.HeartbeatRequest(reports=[r.to_proto() for r in reports])
+        # closing: this stream ends after one batch, in order (not a reporter that died).
+        request = pb.HeartbeatRequest(reports=[r.to_proto() for r in reports], closing=True)
         started = time.monotonic()
         call = self.stub.Heartbeat(
             iter([request]), timeout=self.timeout, metadata=self._metadata, wait_for_ready=True
@@ -885,6 +886,7 @@ class HeartbeatStream:
                 await call.write(request)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), self.interval)
+        await call.write(pb.HeartbeatRequest(closing=True))
         await call.done_writing()
 
     async def _reader(

@@ -513,7 +513,10 @@ def _install_progress(path: Path | None, interval: float, agent_pid: int | None 
         stop = threading.Event()
 
         def stamp() -> None:
-            while not stop.wait(interval):
+            # Four stamps per interval: the agent reports the stamp's age once per interval, and the
+            # coordinator counts a rank's silence from its last stamp, so a stamp a whole interval
+            # old would eat an interval of the interval x misses budget of a healthy rank.
+            while not stop.wait(interval / 4):
                 writer.publish()
                 if agent_pid is not None and not _alive(agent_pid):
                     log.error(

@@ -316,16 +316,24 @@ class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPORTS_FIELD_NUMBER: _builtins.int
+    CLOSING_FIELD_NUMBER: _builtins.int
+    closing: _builtins.bool
+    """The reporter ends the stream in order (it is done, or reopens it) and half-closes after this
+    request. Any other end of a stream (the connection broke, the call was cancelled) means its
+    reporter most likely died: the members it reported fail unless another stream reports them
+    within one heartbeat interval.
+    """
     @_builtins.property
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberReport]: ...
     def __init__(
         self,
         *,
         reports: _abc.Iterable[Global___MemberReport] | None = ...,
+        closing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closing", b"closing", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
