@@ -59,6 +59,7 @@ tmp="$(mktemp -d /var/tmp/sarcomm-build.XXXXXX)"
 trap 'rm -rf "$tmp"' EXIT
 
 # -- 1. base image ---------------------------------------------------------------------------------
+# shellcheck source=/dev/null
 suite="${SARCOMM_DEBIAN_SUITE:-$( (. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}") || true)}"
 BASE="${SARCOMM_BASE_IMAGE:-sarcomm-base:${suite:-bookworm}}"
 
@@ -133,11 +134,16 @@ else
     platforms+=(--platform "manylinux_2_${minor}_$machine")
   done
   abi="cp${py_version/./}"
+  # pip's own settings (pip.conf, PIP_*) apply: a local find-links folder or index is used too.
+  status=0
   "$PYTHON" -m pip download --quiet --disable-pip-version-check --dest "$WHEELHOUSE" \
     --only-binary=:all: --implementation cp --python-version "$py_version" \
     --abi "$abi" --abi abi3 --abi none "${platforms[@]}" \
     ${SARCOMM_TORCH_INDEX:+--extra-index-url "$SARCOMM_TORCH_INDEX"} \
-    "torch==$TORCH_VERSION" -r "$tmp/requirements.txt" "setuptools>=77" wheel
+    "torch==$TORCH_VERSION" -r "$tmp/requirements.txt" "setuptools>=77" wheel 2>"$tmp/pip.log" || status=$?
+  # Leave out pip's warnings about configured index folders that do not exist.
+  grep -v "is ignored: it is neither a file nor a directory" "$tmp/pip.log" >&2 || true
+  [ "$status" = 0 ] || { echo "build-images.sh: pip download failed ($status)" >&2; exit 1; }
   if cuda="$(find "$WHEELHOUSE" -name 'nvidia_*.whl' -o -name 'triton-*.whl' | head -n 3)" && [ -n "$cuda" ]; then
     echo "build-images.sh: torch==$TORCH_VERSION came with CUDA wheels ($cuda ...);" \
       "set SARCOMM_TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build" >&2
