@@ -18,6 +18,7 @@ once per size before timing.
 
     python benchmarks/all_to_all.py [--world 4] [--sizes 1K:64M] [--json out.json]
         [--thresholds 64K,...]  # extra sarcomm runs with other small_message_bytes, for tuning
+        [--seconds-per-size 15] # how long each size is timed (1 makes a quick smoke pass)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import sys
@@ -132,7 +134,9 @@ def methods(thresholds: list[int]) -> dict[str, Callable[[list[torch.Tensor], li
     return found
 
 
-def rank_main(rank: int, world: int, port: int, sizes: list[int], thresholds: list[int], out: Any) -> None:
+def rank_main(
+    rank: int, world: int, port: int, sizes: list[int], thresholds: list[int], per_size_s: float, out: Any
+) -> None:
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
     from sarcomm.worker import comm
@@ -159,7 +163,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], thresholds: li
             fn(recv, send)
         estimate = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(estimate, dist.ReduceOp.MAX)
-        iters = int(min(MAX_ITERS, max(MIN_ITERS, TIME_PER_SIZE_S / max(float(estimate), 1e-6))))
+        iters = int(min(MAX_ITERS, max(MIN_ITERS, per_size_s / max(float(estimate), 1e-6))))
         names = list(table)
         times: dict[str, list[float]] = {name: [] for name in names}
         for it in range(iters + WARMUP_ITERS):
@@ -247,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         "--sizes", default="1K:64M", help="bytes sent per rank: LOW:HIGH (x4 steps) or a list"
     )
     parser.add_argument("--thresholds", default="", help="extra sarcomm runs with these small_message_bytes")
+    parser.add_argument(
+        "--seconds-per-size",
+        type=float,
+        default=TIME_PER_SIZE_S,
+        help=f"seconds of timed calls per size, all methods together (default {TIME_PER_SIZE_S:g})",
+    )
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--markdown", help="write the table here as Markdown")
     args = parser.parse_args(argv)
@@ -258,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=rank_main, args=(r, args.world, port, sizes, thresholds, out))
+        ctx.Process(
+            target=rank_main,
+            args=(r, args.world, port, sizes, thresholds, args.seconds_per_size, out),
+        )
         for r in range(args.world)
     ]
     started = time.monotonic()
@@ -274,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
 
         report = {
             "benchmark": "all_to_all",
+            "command": shlex.join(
+                ["python", "benchmarks/all_to_all.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": args.world,
             "backend": "gloo",
@@ -286,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "small_message_bytes": collectives.all_to_all_config().small_message_bytes,
             "statistic": "median over iterations of the slowest rank's wall time per call",
+            "seconds_per_size": args.seconds_per_size,
             "wall_seconds": round(time.monotonic() - started, 1),
             "rows": rows,
         }

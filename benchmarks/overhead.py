@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import sys
@@ -319,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {
             "benchmark": "overhead",
+            "command": shlex.join(
+                ["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "backend": "gloo",
             "host": {

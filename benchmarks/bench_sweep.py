@@ -1,0 +1,167 @@
+"""The bench sweep: ``sar-worker ... bench`` through a real coordinator, as a user runs it.
+
+Starts a ``sar-coordinator`` on free loopback ports (state in memory), then one ``sar-worker``
+agent with ``--nproc-per-node`` = ``--world`` local ranks (4) on gloo, whose COMMAND is the
+built-in bench (``worker/bench.py``): every op over the size sweep, each result checked. The
+bench's own JSON (rows of op, bytes, time_us, algbw, busbw, wrong) is kept as it is, with the
+command, the machine and the wall time added, so that ``report.py`` can label it. The agent's
+exit status is this script's: 1 when any value was wrong.
+
+    python benchmarks/bench_sweep.py --json benchmarks/results/bench_sweep.json   # about 30 s
+    python benchmarks/bench_sweep.py --sizes 1K:1M --factor 32 --iters 5          # a smoke pass
+
+It runs what ``benchmarks/README.md`` shows as two commands; the coordinator's log goes to a
+temporary directory and is printed if the agent fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], http_port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sar-coordinator exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{http_port}/healthz", timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"sar-coordinator not healthy within {timeout:g} s")
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions: dict[str, str | None] = {}
+    for dist in ("torch", "grpcio"):
+        # The installed distributions' versions, without importing torch into this process.
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu or platform.processor(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": versions["torch"],
+        "grpcio": versions["grpcio"],
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # 4 ranks on few cores are at the scheduler's mercy; the load says how much else ran.
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--world", type=int, default=4, help="ranks, all local (--nproc-per-node)")
+    parser.add_argument("--backend", default="gloo", help="sar-worker --backend")
+    parser.add_argument("--ops", default="all", help="bench --ops")
+    parser.add_argument("--sizes", default="1K:16M", help="bench --sizes")
+    parser.add_argument("--factor", default="2", help="bench --factor")
+    parser.add_argument("--iters", default="50", help="bench --iters")
+    parser.add_argument("--warmup", default="5", help="bench --warmup")
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds, given to both the coordinator and the agent (the agent's must not exceed the "
+        "coordinator's; 0.5 on the coordinator with the agent's default 1 s fails the job)",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the agent may run")
+    parser.add_argument("--json", type=Path, help="write the bench's results, labelled, here")
+    args = parser.parse_args(argv)
+    command = shlex.join(["python", "benchmarks/bench_sweep.py", *(sys.argv[1:] if argv is None else argv)])
+    grpc_port, http_port = free_port(), free_port()
+    load_at_start = round(os.getloadavg()[0], 2)
+    with tempfile.TemporaryDirectory(prefix="sarcomm-bench-") as tmp:
+        log_path = Path(tmp) / "coordinator.log"
+        raw_json = Path(tmp) / "bench.json"
+        coordinator_cmd = [
+            sys.executable, "-m", "sarcomm.coordinator.cli",
+            "--listen", f"{LOOPBACK}:{grpc_port}", "--http", f"{LOOPBACK}:{http_port}",
+            "--heartbeat-interval", str(args.heartbeat_interval),
+        ]  # fmt: skip
+        worker_cmd = [
+            sys.executable, "-m", "sarcomm.worker.cli",
+            "--coord", f"{LOOPBACK}:{grpc_port}", "--job", "bench-sweep",
+            "--world-size", str(args.world), "--nproc-per-node", str(args.world), "--backend", args.backend,
+            "--heartbeat-interval", str(args.heartbeat_interval),
+            "bench", "--ops", args.ops, "--sizes", args.sizes, "--factor", args.factor,
+            "--iters", args.iters, "--warmup", args.warmup, "--json", str(raw_json),
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            coordinator = subprocess.Popen(coordinator_cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_healthy(coordinator, http_port)
+                started = time.monotonic()
+                try:
+                    status = subprocess.run(worker_cmd, timeout=args.timeout, check=False).returncode
+                except subprocess.TimeoutExpired:
+                    print(f"bench_sweep: sar-worker ran past --timeout {args.timeout:g} s", file=sys.stderr)
+                    status = 124
+                wall = time.monotonic() - started
+            finally:
+                coordinator.terminate()
+                try:
+                    coordinator.wait(15)
+                except subprocess.TimeoutExpired:
+                    coordinator.kill()
+                    coordinator.wait()
+        if status != 0:
+            print(f"bench_sweep: sar-worker exited {status}; coordinator log:", file=sys.stderr)
+            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+        if args.json and raw_json.exists():
+            document = json.loads(raw_json.read_text())
+            labelled = {
+                "benchmark": "bench_sweep",
+                "command": command,
+                "machine": {**machine(), "loadavg_1m_at_start": load_at_start},
+                "wall_seconds": round(wall, 1),
+                "exit_status": status,
+                **document,
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(labelled, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
