@@ -95,6 +95,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             interface=first.interface,
             address=first.address,
             restart_count=job.restart_count,
+            heartbeat_interval_seconds=self._config.heartbeat_interval,
             assignments=[
                 pb.Assignment(rank=_rank(m.rank), local_rank=m.local_rank, member_id=m.member_id, secret=s)
                 for m, s in zip(ticket.members, ticket.secrets, strict=True)

@@ -21,7 +21,7 @@ import pytest
 from sarcomm.coordinator.errors import InvalidArgumentError
 from sarcomm.worker import cli
 from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
-from sarcomm.worker.client import Assignment, JoinResult, MemberReport, Progress
+from sarcomm.worker.client import Assignment, JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, free_port
 
@@ -477,3 +477,22 @@ def test_rank_environment_holds_the_contract() -> None:
     assert omp_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2)
     kept = rank_environment({"OMP_NUM_THREADS": "7"}, config, joined, 0, restart_count=0)
     assert kept["OMP_NUM_THREADS"] == "7"
+
+
+def test_an_agent_slower_than_the_coordinator_beats_at_the_coordinators_interval(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    # The coordinator expects a report every 0.5 s (silent after 1.5 s); this agent is told 2 s.
+    # It must follow the coordinator, or its healthy rank is declared dead mid-run.
+    command = [sys.executable, RANK_SCRIPT, "sleep", str(tmp_path), "4"]
+    proc = agents.start("a", "paced", "--world-size", "1", "--heartbeat-interval", "2", command=command)
+    code, stderr = agents.wait(proc)
+    assert code == 0, stderr
+    assert "heartbeating every 0.5 s, the coordinator's interval" in stderr
+    assert job_state(coordinator, "paced")["state"] == "FINISHED"
+
+
+def test_paced_interval_takes_the_shorter_of_ours_and_the_coordinators() -> None:
+    assert paced_interval(2.0, 0.5) == 0.5
+    assert paced_interval(0.25, 1.0) == 0.25
+    assert paced_interval(1.0, 0.0) == 1.0  # an older coordinator does not say

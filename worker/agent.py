@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -40,6 +41,7 @@ from sarcomm.worker.client import (
     JoinResult,
     MemberReport,
     Progress,
+    paced_interval,
     validate_target,
 )
 from sarcomm.worker.progress import ProgressReader
@@ -366,6 +368,7 @@ class Agent:
         async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
             while True:
                 joined = await self._join(client, generation)
+                self._follow_coordinator_interval(joined)
                 result, restartable = await self._run_generation(client, joined, restarts)
                 if result.exit_code == 0 or not restartable or restarts >= config.max_restarts:
                     return result
@@ -378,6 +381,18 @@ class Agent:
                     config.job, list(joined.ranks), joined.generation, result.message, restarts,
                     config.max_restarts, generation,
                 )  # fmt: skip
+
+    def _follow_coordinator_interval(self, joined: JoinResult) -> None:
+        """Beat (and have the ranks stamp) as often as the coordinator expects, when it expects
+        reports more often than ``--heartbeat-interval`` says."""
+        interval = paced_interval(self.config.heartbeat_interval, joined.heartbeat_interval)
+        if interval != self.config.heartbeat_interval:
+            log.info(
+                "job=%s ranks=%s generation=%d: heartbeating every %g s, the coordinator's interval "
+                "(--heartbeat-interval %g is slower)",
+                joined.job, list(joined.ranks), joined.generation, interval, self.config.heartbeat_interval,
+            )  # fmt: skip
+            self.config = dataclasses.replace(self.config, heartbeat_interval=interval)
 
     async def _join(self, client: CoordinatorClient, generation: int) -> JoinResult:
         config = self.config

@@ -65,6 +65,7 @@ __all__ = [
     "JoinResult",
     "MemberReport",
     "Progress",
+    "paced_interval",
     "validate_target",
 ]
 
@@ -203,6 +204,13 @@ class Assignment:
     restart_count: int
 
 
+def paced_interval(configured: float, coordinator: float) -> float:
+    """Seconds between heartbeats: ``configured``, or the coordinator's interval when that is
+    shorter (0: not told). The coordinator judges silence by its own interval, so a member that
+    beats slower than it expects would be taken for dead while healthy."""
+    return min(configured, coordinator) if coordinator > 0 else configured
+
+
 @dataclass(frozen=True)
 class JoinResult:
     """The answer to one ``Join`` for the K members of one host; ``assignments`` follow the
@@ -217,6 +225,8 @@ class JoinResult:
     address: str
     restart_count: int
     assignments: tuple[Assignment, ...]
+    #: The coordinator's expected seconds between reports (0: not told); see :func:`paced_interval`.
+    heartbeat_interval: float = 0.0
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -664,6 +674,7 @@ class CoordinatorClient:
             interface=resp.interface,
             address=resp.address,
             restart_count=resp.restart_count,
+            heartbeat_interval=resp.heartbeat_interval_seconds,
             assignments=assignments,
         )
         log.info(

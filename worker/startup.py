@@ -51,6 +51,7 @@ from sarcomm.worker.client import (
     JoinResult,
     MemberReport,
     Progress,
+    paced_interval,
     validate_target,
 )
 from sarcomm.worker.progress import ProgressWriter
@@ -398,6 +399,7 @@ class _Registration:
                 )
             ]
 
+        self._interval = paced_interval(self._interval, result.heartbeat_interval)
         self._stream = self._client.heartbeats(reports, self._interval)
         self._watcher = self._thread.submit(self._watch(self._stream, result))
         self._install_hooks()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csarcomm/v1/coordinator.proto\x12\nsarcomm.v1\"s\n\x10NetworkInterface\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.sarcomm.v1.InterfaceKind\x12\x15\n\rdefault_route\x18\x04 \x01(\x08\"<\n\nMemberSpec\x12\x11\n\x04rank\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x42\x07\n\x05_rank\"\x99\x02\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x30\n\ninterfaces\x18\x04 \x03(\x0b\x32\x1c.sarcomm.v1.NetworkInterface\x12\'\n\x07members\x18\x05 \x03(\x0b\x32\x16.sarcomm.v1.MemberSpec\x12\x12\n\nstore_port\x18\x06 \x01(\x05\x12\x13\n\x0bsocket_name\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x14\n\x0cmax_restarts\x18\x0b \x01(\x05\"Q\n\nAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x11\n\tmember_id\x18\x03 \x01(\t\x12\x0e\n\x06secret\x18\x04 \x01(\t\"\xd5\x01\n\x0cJoinResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\x05\x12\x11\n\tinterface\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12+\n\x0b\x61ssignments\x18\x08 \x03(\x0b\x32\x16.sarcomm.v1.Assignment\x12\x15\n\rrestart_count\x18\t \x01(\x05\"I\n\x08Progress\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02op\x18\x02 \x01(\t\x12\x15\n\rin_collective\x18\x03 \x01(\x08\x12\r\n\x05since\x18\x04 \x01(\x01\"\x87\x01\n\x0cMemberReport\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\x12&\n\x08progress\x18\x03 \x01(\x0b\x32\x14.sarcomm.v1.Progress\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x13\n\x0b\x61ge_seconds\x18\x05 \x01(\x01\"N\n\x10HeartbeatRequest\x12)\n\x07reports\x18\x01 \x03(\x0b\x32\x18.sarcomm.v1.MemberReport\x12\x0f\n\x07\x63losing\x18\x02 \x01(\x08\"R\n\x11HeartbeatResponse\x12\x17\n\x0funknown_members\x18\x01 \x03(\t\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.sarcomm.v1.JobEvent\"T\n\x0cLeaveRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\"\n\rLeaveResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t\"/\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\"\x87\x02\n\x08JobEvent\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.sarcomm.v1.JobEvent.Kind\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\"w\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cWORLD_FORMED\x10\x01\x12\x11\n\rMEMBER_FAILED\x10\x02\x12\x10\n\x0cJOB_FINISHED\x10\x03\x12\x0e\n\nJOB_FAILED\x10\x04\x12\x12\n\x0eJOB_RESTARTING\x10\x05\"\x1e\n\x0fListJobsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x80\x02\n\x0cMemberStatus\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x11\n\tinterface\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\texit_code\x18\x08 \x01(\x05\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x16\n\x0elast_heartbeat\x18\n \x01(\x01\x12&\n\x08progress\x18\x0b \x01(\x0b\x32\x14.sarcomm.v1.Progress\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\"v\n\x05Stall\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05since\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x15\n\rwaiting_ranks\x18\x05 \x03(\x05\x12\x16\n\x0e\x62locking_ranks\x18\x06 \x03(\x05\"y\n\x10GenerationRecord\x12\x12\n\ngeneration\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x66ormed\x18\x03 \x01(\x01\x12\r\n\x05\x65nded\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x66\x61iled_rank\x18\x06 \x01(\x05\"\xe2\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x0e\n\x06\x66ormed\x18\t \x01(\x01\x12\r\n\x05\x65nded\x18\n \x01(\x01\x12)\n\x07members\x18\x0b \x03(\x0b\x32\x18.sarcomm.v1.MemberStatus\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12 \n\x05stall\x18\r \x01(\x0b\x32\x11.sarcomm.v1.Stall\x12-\n\x07history\x18\x0e \x03(\x0b\x32\x1c.sarcomm.v1.GenerationRecord\x12\x14\n\x0cmax_restarts\x18\x0f \x01(\x05\"7\n\x10ListJobsResponse\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.sarcomm.v1.JobStatus*\xb9\x01\n\rInterfaceKind\x12\x1e\n\x1aINTERFACE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17INTERFACE_KIND_PHYSICAL\x10\x01\x12\x1b\n\x17INTERFACE_KIND_LOOPBACK\x10\x02\x12\x19\n\x15INTERFACE_KIND_BRIDGE\x10\x03\x12\x17\n\x13INTERFACE_KIND_VETH\x10\x04\x12\x1a\n\x16INTERFACE_KIND_VIRTUAL\x10\x05\x32\xd6\x02\n\x0b\x43oordinator\x12\x39\n\x04Join\x12\x17.sarcomm.v1.JoinRequest\x1a\x18.sarcomm.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1c.sarcomm.v1.HeartbeatRequest\x1a\x1d.sarcomm.v1.HeartbeatResponse(\x01\x30\x01\x12<\n\x05Leave\x12\x18.sarcomm.v1.LeaveRequest\x1a\x19.sarcomm.v1.LeaveResponse\x12\x39\n\x05Watch\x12\x18.sarcomm.v1.WatchRequest\x1a\x14.sarcomm.v1.JobEvent0\x01\x12\x45\n\x08ListJobs\x12\x1b.sarcomm.v1.ListJobsRequest\x1a\x1c.sarcomm.v1.ListJobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csarcomm/v1/coordinator.proto\x12\nsarcomm.v1\"s\n\x10NetworkInterface\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.sarcomm.v1.InterfaceKind\x12\x15\n\rdefault_route\x18\x04 \x01(\x08\"<\n\nMemberSpec\x12\x11\n\x04rank\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x42\x07\n\x05_rank\"\x99\x02\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x30\n\ninterfaces\x18\x04 \x03(\x0b\x32\x1c.sarcomm.v1.NetworkInterface\x12\'\n\x07members\x18\x05 \x03(\x0b\x32\x16.sarcomm.v1.MemberSpec\x12\x12\n\nstore_port\x18\x06 \x01(\x05\x12\x13\n\x0bsocket_name\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x14\n\x0cmax_restarts\x18\x0b \x01(\x05\"Q\n\nAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x11\n\tmember_id\x18\x03 \x01(\t\x12\x0e\n\x06secret\x18\x04 \x01(\t\"\xf9\x01\n\x0cJoinResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\x05\x12\x11\n\tinterface\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12+\n\x0b\x61ssignments\x18\x08 \x03(\x0b\x32\x16.sarcomm.v1.Assignment\x12\x15\n\rrestart_count\x18\t \x01(\x05\x12\"\n\x1aheartbeat_interval_seconds\x18\n \x01(\x01\"I\n\x08Progress\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02op\x18\x02 \x01(\t\x12\x15\n\rin_collective\x18\x03 \x01(\x08\x12\r\n\x05since\x18\x04 \x01(\x01\"\x87\x01\n\x0cMemberReport\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\x12&\n\x08progress\x18\x03 \x01(\x0b\x32\x14.sarcomm.v1.Progress\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x13\n\x0b\x61ge_seconds\x18\x05 \x01(\x01\"N\n\x10HeartbeatRequest\x12)\n\x07reports\x18\x01 \x03(\x0b\x32\x18.sarcomm.v1.MemberReport\x12\x0f\n\x07\x63losing\x18\x02 \x01(\x08\"R\n\x11HeartbeatResponse\x12\x17\n\x0funknown_members\x18\x01 \x03(\t\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.sarcomm.v1.JobEvent\"T\n\x0cLeaveRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\"\n\rLeaveResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t\"/\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\"\x87\x02\n\x08JobEvent\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.sarcomm.v1.JobEvent.Kind\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\"w\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cWORLD_FORMED\x10\x01\x12\x11\n\rMEMBER_FAILED\x10\x02\x12\x10\n\x0cJOB_FINISHED\x10\x03\x12\x0e\n\nJOB_FAILED\x10\x04\x12\x12\n\x0eJOB_RESTARTING\x10\x05\"\x1e\n\x0fListJobsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x80\x02\n\x0cMemberStatus\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x11\n\tinterface\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\texit_code\x18\x08 \x01(\x05\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x16\n\x0elast_heartbeat\x18\n \x01(\x01\x12&\n\x08progress\x18\x0b \x01(\x0b\x32\x14.sarcomm.v1.Progress\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\"v\n\x05Stall\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05since\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x15\n\rwaiting_ranks\x18\x05 \x03(\x05\x12\x16\n\x0e\x62locking_ranks\x18\x06 \x03(\x05\"y\n\x10GenerationRecord\x12\x12\n\ngeneration\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x66ormed\x18\x03 \x01(\x01\x12\r\n\x05\x65nded\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0b\x66\x61iled_rank\x18\x06 \x01(\x05\"\xe2\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x0e\n\x06\x66ormed\x18\t \x01(\x01\x12\r\n\x05\x65nded\x18\n \x01(\x01\x12)\n\x07members\x18\x0b \x03(\x0b\x32\x18.sarcomm.v1.MemberStatus\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12 \n\x05stall\x18\r \x01(\x0b\x32\x11.sarcomm.v1.Stall\x12-\n\x07history\x18\x0e \x03(\x0b\x32\x1c.sarcomm.v1.GenerationRecord\x12\x14\n\x0cmax_restarts\x18\x0f \x01(\x05\"7\n\x10ListJobsResponse\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.sarcomm.v1.JobStatus*\xb9\x01\n\rInterfaceKind\x12\x1e\n\x1aINTERFACE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17INTERFACE_KIND_PHYSICAL\x10\x01\x12\x1b\n\x17INTERFACE_KIND_LOOPBACK\x10\x02\x12\x19\n\x15INTERFACE_KIND_BRIDGE\x10\x03\x12\x17\n\x13INTERFACE_KIND_VETH\x10\x04\x12\x1a\n\x16INTERFACE_KIND_VIRTUAL\x10\x05\x32\xd6\x02\n\x0b\x43oordinator\x12\x39\n\x04Join\x12\x17.sarcomm.v1.JoinRequest\x1a\x18.sarcomm.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1c.sarcomm.v1.HeartbeatRequest\x1a\x1d.sarcomm.v1.HeartbeatResponse(\x01\x30\x01\x12<\n\x05Leave\x12\x18.sarcomm.v1.LeaveRequest\x1a\x19.sarcomm.v1.LeaveResponse\x12\x39\n\x05Watch\x12\x18.sarcomm.v1.WatchRequest\x1a\x14.sarcomm.v1.JobEvent0\x01\x12\x45\n\x08ListJobs\x12\x1b.sarcomm.v1.ListJobsRequest\x1a\x1c.sarcomm.v1.ListJobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sarcomm.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INTERFACEKIND']._serialized_start=2569
-  _globals['_INTERFACEKIND']._serialized_end=2754
+  _globals['_INTERFACEKIND']._serialized_start=2605
+  _globals['_INTERFACEKIND']._serialized_end=2790
   _globals['_NETWORKINTERFACE']._serialized_start=44
   _globals['_NETWORKINTERFACE']._serialized_end=159
   _globals['_MEMBERSPEC']._serialized_start=161
@@ -42,37 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNMENT']._serialized_start=507
   _globals['_ASSIGNMENT']._serialized_end=588
   _globals['_JOINRESPONSE']._serialized_start=591
-  _globals['_JOINRESPONSE']._serialized_end=804
-  _globals['_PROGRESS']._serialized_start=806
-  _globals['_PROGRESS']._serialized_end=879
-  _globals['_MEMBERREPORT']._serialized_start=882
-  _globals['_MEMBERREPORT']._serialized_end=1017
-  _globals['_HEARTBEATREQUEST']._serialized_start=1019
-  _globals['_HEARTBEATREQUEST']._serialized_end=1097
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1099
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1181
-  _globals['_LEAVEREQUEST']._serialized_start=1183
-  _globals['_LEAVEREQUEST']._serialized_end=1267
-  _globals['_LEAVERESPONSE']._serialized_start=1269
-  _globals['_LEAVERESPONSE']._serialized_end=1303
-  _globals['_WATCHREQUEST']._serialized_start=1305
-  _globals['_WATCHREQUEST']._serialized_end=1352
-  _globals['_JOBEVENT']._serialized_start=1355
-  _globals['_JOBEVENT']._serialized_end=1618
-  _globals['_JOBEVENT_KIND']._serialized_start=1499
-  _globals['_JOBEVENT_KIND']._serialized_end=1618
-  _globals['_LISTJOBSREQUEST']._serialized_start=1620
-  _globals['_LISTJOBSREQUEST']._serialized_end=1650
-  _globals['_MEMBERSTATUS']._serialized_start=1653
-  _globals['_MEMBERSTATUS']._serialized_end=1909
-  _globals['_STALL']._serialized_start=1911
-  _globals['_STALL']._serialized_end=2029
-  _globals['_GENERATIONRECORD']._serialized_start=2031
-  _globals['_GENERATIONRECORD']._serialized_end=2152
-  _globals['_JOBSTATUS']._serialized_start=2155
-  _globals['_JOBSTATUS']._serialized_end=2509
-  _globals['_LISTJOBSRESPONSE']._serialized_start=2511
-  _globals['_LISTJOBSRESPONSE']._serialized_end=2566
-  _globals['_COORDINATOR']._serialized_start=2757
-  _globals['_COORDINATOR']._serialized_end=3099
+  _globals['_JOINRESPONSE']._serialized_end=840
+  _globals['_PROGRESS']._serialized_start=842
+  _globals['_PROGRESS']._serialized_end=915
+  _globals['_MEMBERREPORT']._serialized_start=918
+  _globals['_MEMBERREPORT']._serialized_end=1053
+  _globals['_HEARTBEATREQUEST']._serialized_start=1055
+  _globals['_HEARTBEATREQUEST']._serialized_end=1133
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1135
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1217
+  _globals['_LEAVEREQUEST']._serialized_start=1219
+  _globals['_LEAVEREQUEST']._serialized_end=1303
+  _globals['_LEAVERESPONSE']._serialized_start=1305
+  _globals['_LEAVERESPONSE']._serialized_end=1339
+  _globals['_WATCHREQUEST']._serialized_start=1341
+  _globals['_WATCHREQUEST']._serialized_end=1388
+  _globals['_JOBEVENT']._serialized_start=1391
+  _globals['_JOBEVENT']._serialized_end=1654
+  _globals['_JOBEVENT_KIND']._serialized_start=1535
+  _globals['_JOBEVENT_KIND']._serialized_end=1654
+  _globals['_LISTJOBSREQUEST']._serialized_start=1656
+  _globals['_LISTJOBSREQUEST']._serialized_end=1686
+  _globals['_MEMBERSTATUS']._serialized_start=1689
+  _globals['_MEMBERSTATUS']._serialized_end=1945
+  _globals['_STALL']._serialized_start=1947
+  _globals['_STALL']._serialized_end=2065
+  _globals['_GENERATIONRECORD']._serialized_start=2067
+  _globals['_GENERATIONRECORD']._serialized_end=2188
+  _globals['_JOBSTATUS']._serialized_start=2191
+  _globals['_JOBSTATUS']._serialized_end=2545
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2547
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2602
+  _globals['_COORDINATOR']._serialized_start=2793
+  _globals['_COORDINATOR']._serialized_end=3135
 # @@protoc_insertion_point(module_scope)

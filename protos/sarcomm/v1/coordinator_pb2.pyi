@@ -206,6 +206,7 @@ class JoinResponse(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     world_size: _builtins.int
@@ -216,6 +217,11 @@ class JoinResponse(_message.Message):
     address: _builtins.str
     """This host's address on that interface."""
     restart_count: _builtins.int
+    heartbeat_interval_seconds: _builtins.float
+    """Seconds between the reports the coordinator expects from each member (its
+    --heartbeat-interval): a reporter configured slower beats this often instead, so that a
+    mismatch never makes healthy members look silent.
+    """
     @_builtins.property
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Assignment]:
         """One per MemberSpec of the request, in the same order."""
@@ -232,10 +238,11 @@ class JoinResponse(_message.Message):
         address: _builtins.str = ...,
         assignments: _abc.Iterable[Global___Assignment] | None = ...,
         restart_count: _builtins.int = ...,
+        heartbeat_interval_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignments", b"assignments", "generation", b"generation", "interface", b"interface", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignments", b"assignments", "generation", b"generation", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "interface", b"interface", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
