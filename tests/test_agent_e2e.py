@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,6 +88,26 @@ def agents(coordinator: CoordinatorProcess) -> Iterator[Agents]:
     started.kill()
 
 
+def free_port_run(count: int) -> int:
+    """A port P such that P..P+count-1 were all free a moment ago (a fixed --metrics-port gives
+    local rank i the port P+i: a busy P+1 would leave that rank without an endpoint)."""
+    for _ in range(100):
+        first = free_port()
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
 def job_state(coord: CoordinatorProcess, job: str) -> dict[str, object]:
     jobs = {j["job"]: j for j in coord.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
     return jobs[job]  # type: ignore[no-any-return]
@@ -98,7 +119,7 @@ def job_state(coord: CoordinatorProcess, job: str) -> dict[str, object]:
 def test_two_agents_with_two_ranks_each_run_gloo_collectives(
     agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
 ) -> None:
-    metrics_port = free_port()
+    metrics_port = free_port_run(2)  # agent a's local ranks take P and P+1
     command = [sys.executable, RANK_SCRIPT, "collectives", str(tmp_path)]
     a = agents.start("a", "e2e", "--world-size", "4", "--nproc-per-node", "2", "--backend", "gloo",
                      "--metrics-port", str(metrics_port), command=command)  # fmt: skip
