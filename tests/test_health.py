@@ -71,18 +71,27 @@ class World:
         self.procs: list[subprocess.Popen[str]] = []
         self.events: list[tuple[float, Event]] = []
         self._stop = threading.Event()
-        self._watcher = threading.Thread(target=lambda: asyncio.run(self._watch()), daemon=True)
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._watcher = threading.Thread(
+            target=self._loop.run_until_complete, args=(self._watch(),), daemon=True
+        )
         self._watcher.start()
 
     async def _watch(self) -> None:
-        # Reconnects across a coordinator restart; gives up when the test ends.
-        while not self._stop.is_set():
-            try:
-                async with CoordinatorClient(self.coord.grpc_target, timeout=5.0) as client:
-                    async for event in client.watch(self.job, timeout=2.0):
-                        self.events.append((time.monotonic(), event))
-            except SarcommError:
-                await asyncio.sleep(0.1)
+        # One long Watch (the coordinator's events are not replayed: a gap between two streams
+        # could lose one), reconnected only when the coordinator goes away; close() cancels it.
+        self._task = asyncio.current_task()
+        try:
+            while not self._stop.is_set():
+                try:
+                    async with CoordinatorClient(self.coord.grpc_target, timeout=5.0) as client:
+                        async for event in client.watch(self.job, timeout=600.0):
+                            self.events.append((time.monotonic(), event))
+                except SarcommError:
+                    await asyncio.sleep(0.1)
+        except asyncio.CancelledError:
+            return
 
     def agent(self, *flags: str, netns: str | None = None, coord: str | None = None) -> subprocess.Popen[str]:
         prefix = ["ip", "netns", "exec", netns] if netns else []
@@ -153,7 +162,11 @@ class World:
             pid = int(pid_file.read_text())
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        if self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
         self._watcher.join(5)
+        if not self._watcher.is_alive():
+            self._loop.close()
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,443 @@
+"""Coordinator CPU and memory with 4096 heartbeating members, batched by agents or one stream each.
+
+Two shapes of the same 4096-member job (one job, world size 4096):
+
+- ``batched``: 512 simulated agents of 8 ranks each. Each agent joins once with its 8 members and
+  keeps one ``Heartbeat`` stream, sending one request with 8 reports (each with its progress:
+  a sequence number that grows, an op, in or out of a collective) every interval. 512 streams,
+  4096 reports a second at the default interval.
+- ``single``: 4096 single-rank members (processes that registered themselves), each with its own
+  channel (its own TCP connection), one join and one stream with one report per interval. 4096
+  streams, 4096 reports a second.
+
+The members are simulated with ``grpc.aio`` in ``--procs`` client processes (4 by default), each
+one asyncio loop with one channel per simulated agent or member; their first beats are spread
+evenly over one interval. A fresh ``sar-coordinator`` (defaults: ``--heartbeat-interval 1``,
+``--heartbeat-misses 3``, a SQLite ``--state`` file) serves each shape.
+
+Measured, per shape, once every member streams and after ``--warmup`` seconds (5):
+
+- the coordinator's CPU over ``--duration`` seconds (20): user + system time from /proc, as a
+  share of one core;
+- its memory: resident set size when idle (before any join), at the end, and its peak (VmHWM);
+- the reports it counted (``sar_coordinator_heartbeats_total``) per second;
+- the clients' ack latency (a request written to its ack read), median and 99th percentile;
+- members the coordinator judged failed during the run (must be 0), and the time the world took
+  to form.
+
+The clients share the machine with the coordinator: on a 2-core machine they take most of the
+other core, so the coordinator's share is what it needs at this load, not a limit of it. Run::
+
+    python benchmarks/heartbeat_load.py --json benchmarks/results/heartbeat_load.json \\
+        --markdown benchmarks/results/heartbeat_load.md        # about 2 minutes
+
+A client process is this same file (``heartbeat_load.py _client ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SHAPES = {"batched": (512, 8), "single": (4096, 1)}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# -- a client process ------------------------------------------------------------------------------
+
+
+async def client_main(config: dict[str, Any]) -> dict[str, Any]:
+    """Join ``agents`` agents of ``members`` members each, then heartbeat until ``end_at``."""
+    import grpc
+
+    from sarcomm.v1 import coordinator_pb2 as pb
+    from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+    target, job, world = config["target"], config["job"], config["world"]
+    agents, members, interval = config["agents"], config["members"], config["interval"]
+    lo = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+    # One channel (one TCP connection) per simulated agent, or agents spread over `channels`.
+    count = config["channels"] or agents
+    channels = [grpc.aio.insecure_channel(target) for _ in range(count)]
+    stubs = [pb_grpc.CoordinatorStub(channels[i % count]) for i in range(agents)]
+
+    async def join(i: int) -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            job=job, world_size=world, host=f"p{config['proc']}-a{i}", interfaces=[lo], store_port=29500,
+            members=[pb.MemberSpec(local_rank=k) for k in range(members)], join_timeout_seconds=300,
+        )  # fmt: skip
+        return await stubs[i].Join(request, timeout=320, wait_for_ready=True)
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    acks = 0
+    end_at = config["end_at"]
+    joins_left = agents
+    stop = asyncio.Event()
+
+    async def watch_stop() -> None:
+        # The parent creates the stop file after its measurement; end_at bounds the run anyway.
+        stop_path = Path(config["stop"])
+        for _ in range(int((end_at - time.monotonic()) / 0.2) + 1):
+            if await asyncio.to_thread(stop_path.exists):
+                break
+            await asyncio.sleep(0.2)
+        stop.set()
+
+    async def agent(i: int) -> None:
+        nonlocal acks, joins_left
+        # As a real member: heartbeats start the moment its own join returns.
+        joined = await join(i)
+        joins_left -= 1
+        if joins_left == 0:
+            await asyncio.to_thread(Path(config["ready"]).write_text, "joined")
+        call = stubs[i].Heartbeat(timeout=3600)
+        sent: list[float] = []
+        seq = 0
+
+        async def reader() -> None:
+            nonlocal acks
+            async for response in call:
+                if not response.events and sent:
+                    latencies.append(time.monotonic() - sent.pop(0))
+                    acks += 1
+
+        reading = asyncio.ensure_future(reader())
+        try:
+            first = True
+            while not stop.is_set():
+                seq += 1
+                now = time.time()
+                reports = [
+                    pb.MemberReport(
+                        member_id=a.member_id, secret=a.secret,
+                        progress=pb.Progress(seq=seq, op="all_reduce", in_collective=seq % 2 == 1, since=now),
+                    )
+                    for a in joined.assignments
+                ]  # fmt: skip
+                sent.append(time.monotonic())
+                await call.write(pb.HeartbeatRequest(reports=reports))
+                # After the first beat the agents' beats are spread over one interval, as the
+                # beats of real ones drift apart.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), random.uniform(0, interval) if first else interval)
+                first = False
+            await call.write(pb.HeartbeatRequest(closing=True))
+            await call.done_writing()
+            await asyncio.wait_for(reading, 10)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            errors.append(repr(exc)[:200])
+        finally:
+            reading.cancel()
+
+    watcher = asyncio.ensure_future(watch_stop())
+    await asyncio.gather(*(agent(i) for i in range(agents)))
+    await watcher
+    for channel in channels:
+        await channel.close()
+    latencies.sort()
+    return {"acks": acks, "latencies": latencies[:: max(1, len(latencies) // 2000)], "errors": errors[:5]}
+
+
+def run_client(argv: list[str]) -> int:
+    config = json.loads(argv[0])
+    # One channel (one connection, a few descriptors) per simulated agent.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    result = asyncio.run(client_main(config))
+    Path(config["out"]).write_text(json.dumps(result))
+    return 0
+
+
+# -- the parent ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0])
+    return found
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return str(response.read().decode())
+
+
+def _counter(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    agents, members = SHAPES[shape]
+    world = agents * members
+    grpc_port, http_port = _free_port(), _free_port()
+    log = (work / f"coordinator-{shape}.log").open("ab")
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
+         "--http", f"127.0.0.1:{http_port}", "--state", str(work / f"state-{shape}.sqlite"),
+         "--heartbeat-interval", str(args.interval), "--heartbeat-misses", str(args.misses),
+         "--log-level", "WARNING", "--shutdown-grace", "1"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    http = f"http://127.0.0.1:{http_port}"
+    clients: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _get(f"{http}/healthz")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the coordinator did not start") from None
+                time.sleep(0.05)
+        time.sleep(0.5)
+        idle = _memory_kib(coordinator.pid)
+        job = f"load-{shape}"
+        started = time.monotonic()
+        # Clients stream until the stop file appears; end_at only bounds a run that went wrong.
+        end_at = started + 2 * args.join_budget + args.warmup + args.duration
+        stop_file = work / f"{shape}.stop"
+        share = [agents // args.procs + (1 if p < agents % args.procs else 0) for p in range(args.procs)]
+        for p, count in enumerate(share):
+            config = {
+                "target": f"127.0.0.1:{grpc_port}", "job": job, "world": world, "agents": count,
+                "members": members, "interval": args.interval, "end_at": end_at, "proc": p,
+                "ready": str(work / f"{shape}-{p}.ready"), "out": str(work / f"{shape}-{p}.json"),
+                "channels": args.channels, "stop": str(stop_file),
+            }  # fmt: skip
+            clients.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(config)]))
+        while not all((work / f"{shape}-{p}.ready").exists() for p in range(args.procs)):
+            if time.monotonic() > started + args.join_budget:
+                raise RuntimeError(f"{shape}: the world did not form within {args.join_budget} s")
+            if any(c.poll() not in (None, 0) for c in clients):
+                raise RuntimeError(f"{shape}: a client process failed")
+            time.sleep(0.05)
+        formed_s = time.monotonic() - started
+        # Every member's first report follows its own join answer; a world of thousands gets its
+        # answers in a burst, which takes a while on a machine its clients share.
+        while True:
+            status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+            if all(m["last_heartbeat"] > 0 for m in status["members"]):
+                first_reports_s = time.time() - status["formed"]
+                break
+            if time.monotonic() > started + args.join_budget:
+                raise RuntimeError(f"{shape}: not every member reported within {args.join_budget} s")
+            time.sleep(0.5)
+        time.sleep(args.warmup)
+        cpu0, wall0 = _cpu_seconds(coordinator.pid), time.monotonic()
+        beats0 = _counter(_get(f"{http}/metrics"), "sar_coordinator_heartbeats_total")
+        peak_rss = 0
+        while time.monotonic() < wall0 + args.duration:
+            time.sleep(1.0)
+            peak_rss = max(peak_rss, _memory_kib(coordinator.pid)["VmRSS"])
+        cpu1, wall1 = _cpu_seconds(coordinator.pid), time.monotonic()
+        metrics = _get(f"{http}/metrics")
+        beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
+        memory = _memory_kib(coordinator.pid)
+        status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+        failed = sum(1 for m in status["members"] if m["state"] == "FAILED")
+        # How stale the stalest member was at the end: what the liveness rule saw.
+        stalest_s = time.time() - min(m["last_heartbeat"] for m in status["members"])
+        stop_file.write_text("stop")
+        for client in clients:
+            client.wait(60)
+        results = [json.loads((work / f"{shape}-{p}.json").read_text()) for p in range(args.procs)]
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+        coordinator.send_signal(signal.SIGTERM)
+        try:
+            coordinator.wait(15)
+        except subprocess.TimeoutExpired:
+            coordinator.kill()
+    latencies = sorted(x for r in results for x in r["latencies"])
+    errors = [e for r in results for e in r["errors"]]
+    return {
+        "shape": shape,
+        "streams": agents,
+        "members": world,
+        "members_per_stream": members,
+        "coordinator_cpu_percent": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 1),
+        "reports_per_s": round((beats1 - beats0) / (wall1 - wall0)),
+        "rss_idle_mib": round(idle["VmRSS"] / 1024, 1),
+        "rss_mib": round(memory["VmRSS"] / 1024, 1),
+        "rss_peak_mib": round(max(memory["VmHWM"], peak_rss) / 1024, 1),
+        "ack_p50_ms": round(1000 * statistics.median(latencies), 2) if latencies else None,
+        "ack_p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2) if latencies else None,
+        "members_failed": failed,
+        "stalest_member_s": round(stalest_s, 2),
+        "job_state": status["state"],
+        "world_formed_s": round(formed_s, 2),
+        "all_reporting_s": round(first_reports_s, 2),
+        "client_errors": len(errors),
+        "client_error_examples": errors[:3],
+    }
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import grpc
+
+    return {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m, s = doc["machine"], doc["settings"]
+    lines = [
+        "# Heartbeat load",
+        "",
+        f"Recorded {m['date']} on {m['affinity_cpus']} CPUs ({m['cpu_model'] or 'unknown model'}), "
+        f"Python {m['python']}, grpcio {m['grpcio']}, load average {m['loadavg_1m_at_start']} to "
+        f"{m.get('loadavg_1m_at_end', '?')}; the {s['procs']} client processes share those CPUs.",
+        f"Coordinator at --heartbeat-interval {s['interval_s']:g} (one report per member per interval) "
+        f"and --heartbeat-misses {s['misses']}; CPU over {s['duration_s']:g} s after every member "
+        f"reported and {s['warmup_s']:g} s of warm-up.",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        "| shape | streams | members | coordinator CPU (% of a core) | reports/s | RSS idle / end / peak "
+        "(MiB) | ack p50 / p99 (ms) | stalest member | members failed | world formed / all reporting |",
+        "|---|---:|---:|---:|---:|---|---|---:|---:|---|",
+    ]
+    for r in doc["summary"]:
+        lines.append(
+            f"| {r['shape']} | {r['streams']} | {r['members']} | {r['coordinator_cpu_percent']} | "
+            f"{r['reports_per_s']} | {r['rss_idle_mib']} / {r['rss_mib']} / {r['rss_peak_mib']} | "
+            f"{r['ack_p50_ms']} / {r['ack_p99_ms']} | {r['stalest_member_s']} s | {r['members_failed']} | "
+            f"{r['world_formed_s']} s / {r['all_reporting_s']} s |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="batched,single", help="batched, single or both")
+    parser.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
+    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s (default 1)")
+    parser.add_argument(
+        "--misses",
+        type=int,
+        default=10,
+        help="the coordinator's --heartbeat-misses (default 10: the clients, simulated on the "
+        "coordinator's own machine, answer the join burst of a 4096-member world slowly)",
+    )
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring (default 5)")
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=0,
+        help="channels (TCP connections) per client process; 0 (default): one per simulated agent",
+    )
+    parser.add_argument("--join-budget", type=float, default=60.0, help="bound of forming the world, s")
+    parser.add_argument("--quick", action="store_true", help="measure 5 s after 2 s of warm-up")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write a Markdown table here")
+    parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup, args.duration = 2.0, 5.0
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        parser.error(f"--shapes {','.join(bad)!r}: each must be one of {', '.join(SHAPES)}")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="sar-heartbeat-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    summary = []
+    for shape in shapes:
+        result = measure(shape, args, work)
+        print(json.dumps(result), flush=True)
+        summary.append(result)
+    info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    headline = [
+        f"{r['shape']}: {r['members']} members on {r['streams']} streams cost the coordinator "
+        f"{r['coordinator_cpu_percent']}% of a core and {r['rss_peak_mib']} MiB at peak; "
+        f"{r['members_failed']} judged failed"
+        for r in summary
+    ]
+    given = argv if argv is not None else sys.argv[1:]
+    doc = {
+        "benchmark": "heartbeat_load",
+        "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
+        "headline": headline,
+        "summary": summary,
+        "command": "python benchmarks/heartbeat_load.py " + " ".join(given),
+        "settings": {
+            "procs": args.procs,
+            "interval_s": args.interval,
+            "misses": args.misses,
+            "warmup_s": args.warmup,
+            "duration_s": args.duration,
+            "channels_per_proc": args.channels or "one per agent",
+        },
+        "machine": info,
+        "quick": args.quick,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    table = markdown(doc)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_client":
+        raise SystemExit(run_client(sys.argv[2:]))
+    raise SystemExit(main())
