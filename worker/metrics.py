@@ -22,6 +22,7 @@ Exported families (all in :data:`REGISTRY`):
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import threading
@@ -350,6 +351,10 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> tuple[str, int]:
             )
         server, thread = start_http_server(port, addr=host, registry=REGISTRY)
         _server, _server_thread = server, thread
+        # Stopped before the interpreter finalises: a daemon thread still serving then is torn
+        # down with pthread_exit, which aborts a process that has loaded torch's C++ runtime
+        # ("terminate called without an active exception") and turns exit 0 into SIGABRT.
+        atexit.register(stop_metrics_server)
         bound_host, bound_port = _address(server)
     log.info("metrics server listening on %s:%s", bound_host, bound_port)
     return bound_host, bound_port
