@@ -718,7 +718,19 @@ class Membership:
             member.reason = reason or "exited with code 0"
             log.debug("%s: rank %s on %s left with code 0", job.label, member.rank, member.host)
         else:
-            self._fail_member(job, member, reason or f"exited with code {exit_code}")
+            own_reason = reason or f"exited with code {exit_code}"
+            # A rank whose process died takes its connections with it: its peers' collectives fail
+            # at once and their exit may reach us before its broken stream is judged. When a member
+            # of this job already has a broken stream, that one is the cause: blame it first.
+            for other in job.members:
+                if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
+                    self._fail_member(
+                        job,
+                        other,
+                        f"connection lost: its heartbeat stream broke (process or agent gone), and then "
+                        f"rank {member.rank} on host {member.host} {own_reason}",
+                    )
+            self._fail_member(job, member, own_reason)
         self._settle(job)
         self._store.save_job(job.to_record())
         return job
@@ -750,7 +762,9 @@ class Membership:
         now = self._clock()
         failed: list[tuple[Job, Member]] = []
         for job in list(self._jobs.values()):
-            if job.state is not JobState.RUNNING:
+            # A failed job's silent members are judged too: otherwise a rank that died after (or
+            # while) another failed stays RUNNING and the job never ends.
+            if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
                 continue
             changed = False
             for member in job.members:

@@ -713,3 +713,38 @@ def test_the_new_settings_name_field_value_and_rule() -> None:
     args = cli.build_parser({"SARCOMM_STALL_THRESHOLD": "12"}).parse_args(["--reconnect-grace", "4"])
     config = cli.config_from_args(args)
     assert (config.stall_threshold, config.reconnect_grace) == (12.0, 4.0)
+
+
+def test_a_peer_that_exits_after_a_broken_stream_does_not_take_the_blame() -> None:
+    # A killed container: its connections close at once, so a peer's collective fails and that
+    # peer's non-zero exit can arrive while the dead rank's broken stream is still in its grace.
+    clock = FakeClock()
+    membership = _membership(clock, lost_grace=0.5)
+    ids = _formed(membership)
+    stream = object()
+    for member_id in ids:
+        _report(membership, member_id, stream=stream if member_id == ids[2] else object())
+    membership.stream_lost(stream, [ids[2]])
+    _secret_free(membership, ids[1])
+    job = membership.leave(ids[1], "", 1, "exited with code 1")
+    assert job.state is JobState.FAILED
+    assert job.failed_rank == 2
+    assert job.reason.startswith("rank 2 on host h2 failed: connection lost")
+    assert "rank 1 on host h1 exited with code 1" in job.reason
+
+
+def test_a_failed_jobs_silent_member_is_judged_so_the_job_ends() -> None:
+    clock = FakeClock()
+    membership = _membership(clock)
+    ids = _formed(membership)
+    _secret_free(membership, ids[0])
+    _secret_free(membership, ids[1])
+    membership.leave(ids[0], "", 1, "exited with code 1")  # fails the job
+    membership.leave(ids[1], "", 143, "stopped")
+    clock.now += 3.5  # rank 2 never reports again
+    failed = membership.sweep()
+    assert [m.rank for _, m in failed] == [2]
+    job = failed[0][0]
+    assert job.state is JobState.FAILED
+    assert job.failed_rank == 0  # the first failure keeps the blame
+    assert job.ended
