@@ -40,7 +40,6 @@ terminal). torch is imported only by the ranks, never by the agent.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import datetime
 import json
@@ -54,9 +53,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import sarcomm.worker as sar
-from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
-from sarcomm.worker.agent import Agent, AgentConfig
-from sarcomm.worker.cli import EXIT_COORDINATOR, EXIT_USAGE
+from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.worker.agent import AgentConfig
+from sarcomm.worker.cli import EXIT_USAGE, run_agent
 
 if TYPE_CHECKING:
     import torch
@@ -703,24 +702,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 # -- the subcommand (agent side) -----------------------------------------------------------------
 
 
-def _run_agent(config: AgentConfig) -> int:
-    """Run the agent as ``sar-worker -- COMMAND`` does, with the same messages and exit codes."""
-    try:
-        result = asyncio.run(Agent(config).run())
-    except InvalidArgumentError as exc:
-        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except SarcommError as exc:
-        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
-        return EXIT_COORDINATOR
-    except KeyboardInterrupt:
-        print(f"sar-worker: job {config.job}: interrupted before the ranks started", file=sys.stderr)
-        return 130
-    if result.message:
-        print(f"sar-worker: {result.message}", file=sys.stderr)
-    return result.exit_code
-
-
 class BenchCommand:
     """``sar-worker ... bench``: checks its flags, then runs the bench ranks as the agent's COMMAND."""
 
@@ -741,7 +722,7 @@ class BenchCommand:
             print(f"sar-worker: error: bench: {exc}", file=sys.stderr)
             return EXIT_USAGE
         command = (sys.executable, "-m", RANK_MODULE, *settings.argv())
-        return _run_agent(dataclasses.replace(config, command=command))
+        return run_agent(dataclasses.replace(config, command=command))
 
 
 #: The instance ``sar-worker`` registers.

@@ -44,6 +44,7 @@ __all__ = [
     "main",
     "parse",
     "register_subcommand",
+    "run_agent",
 ]
 
 log = logging.getLogger("sarcomm.worker")
@@ -299,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if subcommand is not None:
         return subcommand.run(config, args)
+    return run_agent(config)
+
+
+def run_agent(config: AgentConfig) -> int:
+    """Run the agent to its end and return ``sar-worker``'s exit status, printing its one-line
+    error or failure message (subcommands that run ranks, such as ``bench``, use it too)."""
     try:
         result = asyncio.run(Agent(config).run())
     except InvalidArgumentError as exc:
