@@ -926,11 +926,12 @@ def init(
     progress_file = env.get(PROGRESS_FILE_VARIABLE)
     if coord is None and progress_file:
         # Under sar-worker: keep the record its agent reads, so that it reports this rank's
-        # progress and notices when the rank is stopped or wedged.
+        # progress and notices when the rank is stopped or wedged. Started before the rendezvous,
+        # which can take long, so that the agent sees the rank alive meanwhile.
         _install_progress(Path(progress_file), _heartbeat_interval(env, None), _agent_pid(env))
     if not initialize:
         start_rank_services(env)  # initialize_comms does it otherwise
-    if initialize:
+    else:
         from sarcomm.worker import comm  # local: imports torch
 
         comm.initialize_comms(
