@@ -84,7 +84,9 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
         return await stubs[i].Join(request, timeout=320, wait_for_ready=True)
 
-    latencies: list[float] = []
+    # (when a request was written, how long its ack took): the parent keeps the requests written
+    # inside its measurement window (time.monotonic is one clock for every process on Linux).
+    samples: list[tuple[float, float]] = []
     errors: list[str] = []
     acks = 0
     end_at = config["end_at"]
@@ -115,7 +117,8 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
             nonlocal acks
             async for response in call:
                 if not response.events and sent:
-                    latencies.append(time.monotonic() - sent.pop(0))
+                    at = sent.pop(0)
+                    samples.append((at, time.monotonic() - at))
                     acks += 1
 
         reading = asyncio.ensure_future(reader())
@@ -151,8 +154,11 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
     await watcher
     for channel in channels:
         await channel.close()
-    latencies.sort()
-    return {"acks": acks, "latencies": latencies[:: max(1, len(latencies) // 2000)], "errors": errors[:5]}
+    return {
+        "acks": acks,
+        "samples": [(round(at, 6), round(latency, 6)) for at, latency in samples],
+        "errors": errors[:5],
+    }
 
 
 def run_client(argv: list[str]) -> int:
@@ -259,14 +265,26 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(0.5)
         time.sleep(args.warmup)
         cpu0, wall0 = _cpu_seconds(coordinator.pid), time.monotonic()
-        beats0 = _counter(_get(f"{http}/metrics"), "sar_coordinator_heartbeats_total")
+        metrics0 = _get(f"{http}/metrics")
+        beats0 = _counter(metrics0, "sar_coordinator_heartbeats_total")
         peak_rss = 0
+        scrapes: list[float] = []
+        next_scrape = wall0
         while time.monotonic() < wall0 + args.duration:
-            time.sleep(1.0)
+            if args.scrape_interval and time.monotonic() >= next_scrape:
+                # What a Prometheus server does at its scrape interval: both endpoints, with every
+                # member's per-rank series, are served from the loop that answers the heartbeats.
+                for path in ("/metrics", "/sd"):
+                    began = time.monotonic()
+                    _get(f"{http}{path}")
+                    scrapes.append(time.monotonic() - began)
+                next_scrape += args.scrape_interval
+            time.sleep(max(0.0, min(1.0, wall0 + args.duration - time.monotonic())))
             peak_rss = max(peak_rss, _memory_kib(coordinator.pid)["VmRSS"])
         cpu1, wall1 = _cpu_seconds(coordinator.pid), time.monotonic()
         metrics = _get(f"{http}/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
+        lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
         memory = _memory_kib(coordinator.pid)
         status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
         failed = sum(1 for m in status["members"] if m["state"] == "FAILED")
@@ -285,7 +303,9 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             coordinator.wait(15)
         except subprocess.TimeoutExpired:
             coordinator.kill()
-    latencies = sorted(x for r in results for x in r["latencies"])
+    # Acks of the requests written inside the measured window: not the burst of first beats that
+    # follows the world's join answers, nor the closing ones.
+    latencies = sorted(lat for r in results for at, lat in r["samples"] if wall0 <= at < wall1)
     errors = [e for r in results for e in r["errors"]]
     return {
         "shape": shape,
@@ -298,7 +318,13 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rss_mib": round(memory["VmRSS"] / 1024, 1),
         "rss_peak_mib": round(max(memory["VmHWM"], peak_rss) / 1024, 1),
         "ack_p50_ms": round(1000 * statistics.median(latencies), 2) if latencies else None,
-        "ack_p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2) if latencies else None,
+        "ack_p99_ms": _percentile_ms(latencies, 0.99),
+        "ack_p999_ms": _percentile_ms(latencies, 0.999),
+        "ack_max_ms": round(1000 * latencies[-1], 2) if latencies else None,
+        "acks_measured": len(latencies),
+        **lag,
+        "scrapes": len(scrapes),
+        "scrape_max_ms": round(1000 * max(scrapes), 1) if scrapes else None,
         "members_failed": failed,
         "stalest_member_s": round(stalest_s, 2),
         "job_state": status["state"],
@@ -307,6 +333,34 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "client_errors": len(errors),
         "client_error_examples": errors[:3],
     }
+
+
+def _buckets(metrics: str, name: str) -> dict[float, float]:
+    found = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            found[float(le)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _bucket_delta(before: str, after: str, name: str) -> dict[str, Any]:
+    """The coordinator's loop-lag histogram over the window: samples, and how many were late by
+    more than 5 and 20 ms, with the bucket bound under which 99% of them fell."""
+    first, last = _buckets(before, name), _buckets(after, name)
+    delta = {le: last[le] - first.get(le, 0.0) for le in sorted(last)}
+    total = delta.get(float("inf"), 0.0)
+    p99 = next((le for le, count in delta.items() if total and count >= 0.99 * total), None)
+    return {
+        "loop_lag_samples": int(total),
+        "loop_lag_p99_le_ms": None if p99 is None else round(1000 * p99, 1),
+        "loop_lag_over_5ms": int(total - delta.get(0.005, 0.0)),
+        "loop_lag_over_20ms": int(total - delta.get(0.02, 0.0)),
+    }
+
+
+def _percentile_ms(ordered: list[float], q: float) -> float | None:
+    return round(1000 * ordered[int(q * (len(ordered) - 1))], 2) if ordered else None
 
 
 def machine() -> dict[str, Any]:
@@ -383,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="channels (TCP connections) per client process; 0 (default): one per simulated agent",
     )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=15.0,
+        help="GET /metrics and /sd this often while measuring, as Prometheus does (default 15 s, "
+        "deploy/prometheus's interval; 0: never)",
+    )
     parser.add_argument("--join-budget", type=float, default=60.0, help="bound of forming the world, s")
     parser.add_argument("--quick", action="store_true", help="measure 5 s after 2 s of warm-up")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -423,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             "misses": args.misses,
             "warmup_s": args.warmup,
             "duration_s": args.duration,
+            "scrape_interval_s": args.scrape_interval,
             "channels_per_proc": args.channels or "one per agent",
         },
         "machine": info,

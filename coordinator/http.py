@@ -6,18 +6,20 @@ Prometheus discovers and what ``status`` shows can never disagree.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import json
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sarcomm.coordinator.interceptor import bearer_matches
 from sarcomm.coordinator.membership import Member, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.views import jobs_json
+from sarcomm.coordinator.views import jobs_document, jobs_message
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,9 @@ class HttpApi:
         return await handler(request)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._metrics.registry)
+        # The snapshot on the loop (cheap, consistent), the text in a thread (the costly part).
+        snapshot = self._metrics.snapshot()
+        body = await asyncio.to_thread(self._metrics.render, snapshot)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -107,7 +111,10 @@ class HttpApi:
         jobs = self._membership.jobs()
         if name:
             jobs = [j for j in jobs if j.name == name]
-        return web.json_response(jobs_json(jobs, self._membership.stall))
+        # The message is built on the loop (it reads live state); JSON, the costly part, in a thread.
+        message = jobs_message(jobs, self._membership.stall)
+        body = await asyncio.to_thread(lambda: json.dumps(jobs_document(message)).encode())
+        return web.Response(body=body, content_type="application/json")
 
     async def service_discovery(self, request: web.Request) -> web.Response:
         """Prometheus HTTP SD: the full target list on every call, one group per live rank."""

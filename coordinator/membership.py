@@ -376,7 +376,8 @@ class Membership:
     members restored from the store have to reconnect before they are judged (at least the
     liveness timeout);
     ``stall_threshold`` how long ranks must wait in one collective before :meth:`stall` names
-    the ranks they wait for.
+    the ranks they wait for. ``persist`` is told of every job whose stored record changed (default:
+    write it to ``store`` at once).
     """
 
     def __init__(
@@ -391,8 +392,12 @@ class Membership:
         stall_threshold: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        persist: Callable[[Job], None] | None = None,
     ) -> None:
         self._store = store
+        # Called with each job whose record changed; by default it is written at once. The server
+        # passes persistence.WriteBehind.mark, which coalesces the writes off the event loop.
+        self._persist = persist or (lambda job: store.save_job(job.to_record()))
         self._liveness_timeout = liveness_timeout
         self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
         self._restore_grace = max(restore_grace, liveness_timeout)
@@ -642,7 +647,7 @@ class Membership:
         job.state = JobState.RUNNING
         job.formed = self._wall()
         job.previous = None  # the new world replaces the ended one for good
-        self._store.save_job(job.to_record())
+        self._persist(job)
         job.formed_event.set()
         log.info(
             "%s: world formed, %d ranks, master %s:%d on %s",
@@ -701,7 +706,7 @@ class Membership:
             member.progress = progress
         if metrics_address and metrics_address != member.metrics_address:
             member.metrics_address = metrics_address
-            self._store.save_job(job.to_record())
+            self._persist(job)
         return job, member
 
     def leave(self, member_id: str, secret: str, exit_code: int, reason: str = "") -> Job:
@@ -732,7 +737,7 @@ class Membership:
                     )
             self._fail_member(job, member, own_reason)
         self._settle(job)
-        self._store.save_job(job.to_record())
+        self._persist(job)
         return job
 
     def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
@@ -785,7 +790,7 @@ class Membership:
                 changed = True
             if changed:
                 self._settle(job)
-                self._store.save_job(job.to_record())
+                self._persist(job)
             elif job.state is JobState.RUNNING:
                 self._log_stall(job)
         return failed

@@ -1,7 +1,8 @@
 """The coordinator's own Prometheus metrics.
 
-Counts of members and jobs by state are read from the membership at scrape time by a custom
-collector, so there is no second copy of that state to keep in step. Per-rank identity is not a
+Counts of members and jobs by state are read from the membership at scrape time (a snapshot taken
+on the event loop, formatted in a worker thread so that a 4096-rank scrape does not hold up the
+heartbeats), so there is no second copy of that state to keep in step. Per-rank identity is not a
 label on the ranks' own series: it travels as target labels from ``/sd``.
 
 Three per-rank families are the exception, because only the coordinator knows them: whether a
@@ -18,14 +19,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sarcomm.coordinator.membership import JobState, Membership, MemberState
 
 RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 600)
 #: Every value :func:`failure_reason_label` returns; each is exported from the start (at 0), so a
 #: rate or increase over failures has a series to work on before the first failure.
@@ -36,33 +39,74 @@ FAILURE_REASONS = ("missed_heartbeats", "connection_lost", "killed", "exit_code"
 FAILED_RANK_RETENTION_S = 3600.0
 
 
-class _StateCollector(Collector):
-    def __init__(self, membership: Membership, wall: Callable[[], float]) -> None:
-        self._membership = membership
-        self._wall = wall
+@dataclass(frozen=True)
+class StateSnapshot:
+    """What the state families show, copied from the membership in one go on the event loop.
+
+    Copying is cheap (a tuple per live rank); turning it into text is not (~30 ms for 4096 ranks),
+    so that part runs off the loop on this immutable copy (see :meth:`CoordinatorMetrics.render`).
+    """
+
+    job_counts: dict[JobState, int]
+    member_counts: dict[MemberState, int]
+    #: (job, rank, seconds inside the current collective) per live rank of a running job
+    live_ranks: list[tuple[str, str, float]]
+    #: (job, rank) whose failure failed its job recently
+    failed_ranks: list[tuple[str, str]]
+    #: (job, rank, op, seconds the others waited) per rank others wait for
+    blocking: list[tuple[str, str, str, float]]
+
+
+def snapshot_state(membership: Membership, now: float) -> StateSnapshot:
+    job_counts = dict.fromkeys(JobState, 0)
+    member_counts = dict.fromkeys(MemberState, 0)
+    live: list[tuple[str, str, float]] = []
+    failed: list[tuple[str, str]] = []
+    blocking: list[tuple[str, str, str, float]] = []
+    running = MemberState.RUNNING
+    for job in membership.jobs():
+        job_counts[job.state] += 1
+        for member in job.members:
+            member_counts[member.state] += 1
+        if job.state is JobState.RUNNING:
+            stall = membership.stall(job)
+            if stall is not None:
+                blocking += [(job.name, str(rank), stall.op, stall.waited) for rank in stall.blocking]
+            for member in job.members:
+                if member.state is not running or member.rank is None:
+                    continue
+                progress = member.progress
+                # The rank stamps `since` with its own clock: clamp a small skew to 0.
+                inside = max(0.0, now - progress.since) if progress.in_collective else 0.0
+                live.append((job.name, str(member.rank), inside))
+        elif (
+            job.state is JobState.FAILED
+            and job.failed_rank is not None
+            # `ended` stays 0 while stopped peers are still leaving: that failure is recent.
+            and (not job.ended or now - job.ended < FAILED_RANK_RETENTION_S)
+        ):
+            failed.append((job.name, str(job.failed_rank)))
+    return StateSnapshot(job_counts, member_counts, live, failed, blocking)
+
+
+class _StateFamilies(Collector):
+    """The families of one :class:`StateSnapshot`; safe to format in any thread."""
+
+    def __init__(self, snapshot: StateSnapshot) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot
         jobs = GaugeMetricFamily(
             "sar_coordinator_jobs", "Jobs by state (latest generation of each name).", labels=["state"]
         )
         members = GaugeMetricFamily(
             "sar_coordinator_members", "Members of latest generations by state.", labels=["state"]
         )
-        job_counts = dict.fromkeys(JobState, 0)
-        member_counts = dict.fromkeys(MemberState, 0)
-        for job in self._membership.jobs():
-            job_counts[job.state] += 1
-            for member in job.members:
-                member_counts[member.state] += 1
-        for job_state, count in job_counts.items():
+        for job_state, count in snap.job_counts.items():
             jobs.add_metric([job_state.value], count)
-        for member_state, count in member_counts.items():
+        for member_state, count in snap.member_counts.items():
             members.add_metric([member_state.value], count)
-        yield jobs
-        yield members
-        yield from self._per_rank()
-
-    def _per_rank(self) -> Iterator[GaugeMetricFamily]:
         up = GaugeMetricFamily(
             "sar_coordinator_rank_up",
             "1 for each live rank of a running job; 0 for the rank whose failure failed its job "
@@ -81,29 +125,15 @@ class _StateCollector(Collector):
             "has not entered (only past --stall-threshold); op is that collective.",
             labels=["job", "rank", "op"],
         )
-        now = self._wall()
-        for job in self._membership.jobs():
-            if job.state is JobState.RUNNING:
-                stall = self._membership.stall(job)
-                if stall is not None:
-                    for rank in stall.blocking:
-                        blocking.add_metric([job.name, str(rank), stall.op], stall.waited)
-                for member in job.members:
-                    if member.state is not MemberState.RUNNING or member.rank is None:
-                        continue
-                    labels = [job.name, str(member.rank)]
-                    up.add_metric(labels, 1)
-                    progress = member.progress
-                    # The rank stamps `since` with its own clock: clamp a small skew to 0.
-                    inside = max(0.0, now - progress.since) if progress.in_collective else 0.0
-                    in_collective.add_metric(labels, inside)
-            elif (
-                job.state is JobState.FAILED
-                and job.failed_rank is not None
-                # `ended` stays 0 while stopped peers are still leaving: that failure is recent.
-                and (not job.ended or now - job.ended < FAILED_RANK_RETENTION_S)
-            ):
-                up.add_metric([job.name, str(job.failed_rank)], 0)
+        for job_name, rank, op, waited in snap.blocking:
+            blocking.add_metric([job_name, rank, op], waited)
+        for job_name, rank, inside in snap.live_ranks:
+            up.add_metric([job_name, rank], 1)
+            in_collective.add_metric([job_name, rank], inside)
+        for job_name, rank in snap.failed_ranks:
+            up.add_metric([job_name, rank], 0)
+        yield jobs
+        yield members
         yield up
         yield in_collective
         yield blocking
@@ -113,8 +143,10 @@ class CoordinatorMetrics:
     """Every metric the coordinator exports, on a registry of its own."""
 
     def __init__(self, membership: Membership, wall: Callable[[], float] = time.time) -> None:
+        self._membership = membership
+        self._wall = wall
+        # Instrumented metrics only; the state families come from a snapshot per scrape (render).
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(membership, wall))
         self.joins = Counter("sar_coordinator_joins", "Members that joined a job.", registry=self.registry)
         self.rendezvous_duration = Histogram(
             "sar_coordinator_rendezvous_duration_seconds",
@@ -144,6 +176,13 @@ class CoordinatorMetrics:
             ["method", "code"],
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            "sar_coordinator_event_loop_lag_seconds",
+            "How late a timer due every 50 ms fired: the time anything ready (a heartbeat to ack, a "
+            "scrape, a join) waited for the one event loop that serves them all.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "sar_coordinator_rpc_duration_seconds",
             "gRPC call handling time by method.",
@@ -151,6 +190,14 @@ class CoordinatorMetrics:
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
+
+    def snapshot(self) -> StateSnapshot:
+        """The membership's state for one scrape; call on the event loop (it reads live objects)."""
+        return snapshot_state(self._membership, self._wall())
+
+    def render(self, snapshot: StateSnapshot) -> bytes:
+        """The exposition text of every metric; thread-safe, so a scrape can format off the loop."""
+        return generate_latest(self.registry) + generate_latest(_StateFamilies(snapshot))
 
 
 def failure_reason_label(reason: str) -> str:

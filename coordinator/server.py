@@ -28,6 +28,7 @@ from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
 from sarcomm.coordinator.membership import EventKind, JobEvent, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics, failure_reason_label
+from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.service import CoordinatorService
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.coordinator.tls import server_credentials, server_ssl_context
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 HANDSHAKE_TIMEOUT_MS = 10_000
+# How often the loop-lag watcher checks that the event loop keeps up (20 cheap wake-ups a second).
+LOOP_LAG_PERIOD_S = 0.05
 
 
 @contextlib.contextmanager
@@ -74,8 +77,10 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.store = SqliteStore(config.state)
+        self.writes = WriteBehind(self.store)
         self.membership = Membership(
             self.store,
+            persist=self.writes.mark,
             liveness_timeout=config.liveness_timeout,
             max_jobs=config.limits.max_jobs,
             max_ended_jobs=config.limits.max_ended_jobs,
@@ -107,6 +112,7 @@ class Coordinator:
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._lag_watcher: asyncio.Task[None] | None = None
 
     def _count_event(self, event: JobEvent) -> None:
         if event.kind is EventKind.MEMBER_FAILED:
@@ -138,7 +144,8 @@ class Coordinator:
             ],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorService(self.membership, self.events, self.metrics, self.config), server
+            CoordinatorService(self.membership, self.events, self.metrics, self.config, self.writes.durable),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -168,6 +175,7 @@ class Coordinator:
         self._runner = runner
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
+        self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()
         log.info(
@@ -194,20 +202,31 @@ class Coordinator:
             except Exception:  # the sweeper must outlive any one bad sweep
                 log.exception("liveness sweep failed")
 
+    async def _watch_loop_lag(self) -> None:
+        # Everything the coordinator does shares one loop: a step that holds it (a large scrape, a
+        # big state write) delays every heartbeat ack. This measures that delay from the inside.
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - began - LOOP_LAG_PERIOD_S))
+
     async def stop(self) -> None:
         log.info(
             "shutting down: health NOT_SERVING, %g s grace for in-flight calls", self.config.shutdown_grace
         )
         self.http.serving = False
         await self.health.enter_graceful_shutdown()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._lag_watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace)
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.writes.close()
         self.store.close()
         log.info("coordinator stopped")
 

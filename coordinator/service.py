@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -25,7 +25,7 @@ from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.interfaces import parse_peer
 from sarcomm.coordinator.membership import EventKind, JobEvent, JobState, Membership, Progress
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.views import event_message, job_status
+from sarcomm.coordinator.views import event_message, jobs_message
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -46,8 +46,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         events: EventHub,
         metrics: CoordinatorMetrics,
         config: CoordinatorConfig,
+        durable: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._membership = membership
+        # Awaited before an answer that reports a change (a formed world, a leave): what a client
+        # was told must survive a crash (see persistence.WriteBehind.durable).
+        self._durable = durable or _nothing_to_wait_for
         self._events = events
         self._metrics = metrics
         self._config = config
@@ -85,6 +89,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._join_waiters -= 1
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
+        await self._durable()
         first = ticket.members[0]
         return pb.JoinResponse(
             job=job.name,
@@ -245,6 +250,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         exit_code = validation.exit_code(request.exit_code)
         reason = validation.reason(request.reason)
         job = self._membership.leave(member_id, secret, exit_code, reason)
+        await self._durable()
         return pb.LeaveResponse(job_state=job.state.value)
 
     async def Watch(
@@ -274,9 +280,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if request.job:
             name = validation.job_name(request.job)
             job = self._membership.job(name)
-            return pb.ListJobsResponse(jobs=[job_status(job, self._membership.stall(job))] if job else [])
-        membership = self._membership
-        return pb.ListJobsResponse(jobs=[job_status(j, membership.stall(j)) for j in membership.jobs()])
+            return jobs_message([job] if job else [], self._membership.stall)
+        return jobs_message(self._membership.jobs(), self._membership.stall)
+
+
+async def _nothing_to_wait_for() -> None:
+    return None
 
 
 def _rank(rank: int | None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +39,13 @@ class StateStore(Protocol):
         """Insert or replace one generation of a job; durable when it returns."""
         ...
 
+    def save_jobs(self, records: list[dict[str, Any]]) -> None:
+        """:meth:`save_job` for several records in one transaction: all or none are written.
+
+        Called from the writer thread (see :mod:`persistence`) while the loop may read.
+        """
+        ...
+
     def last_generation(self, name: str) -> int:
         """The highest generation ever stored for ``name`` (0 when none)."""
         ...
@@ -50,28 +58,46 @@ class SqliteStore:
         self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", isolation_level=None)
+        # One connection shared by the event loop (reads at start and when a generation begins)
+        # and the writer thread (see persistence.WriteBehind), one of them at a time.
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            str(path) if path is not None else ":memory:", isolation_level=None, check_same_thread=False
+        )
         if path is not None:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 
     def load_jobs(self) -> list[dict[str, Any]]:
-        rows = self._db.execute(
-            "SELECT record FROM jobs AS j WHERE generation = "
-            "(SELECT MAX(generation) FROM jobs WHERE name = j.name) ORDER BY name"
-        ).fetchall()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM jobs AS j WHERE generation = "
+                "(SELECT MAX(generation) FROM jobs WHERE name = j.name) ORDER BY name"
+            ).fetchall()
         return [json.loads(row[0]) for row in rows]
 
     def save_job(self, record: dict[str, Any]) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO jobs (name, generation, state, record) VALUES (?, ?, ?, ?)",
-            (record["name"], record["generation"], record["state"], json.dumps(record)),
-        )
+        self.save_jobs([record])
+
+    def save_jobs(self, records: list[dict[str, Any]]) -> None:
+        rows = [(r["name"], r["generation"], r["state"], json.dumps(r)) for r in records]
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO jobs (name, generation, state, record) VALUES (?, ?, ?, ?)", rows
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def last_generation(self, name: str) -> int:
-        row = self._db.execute("SELECT MAX(generation) FROM jobs WHERE name = ?", (name,)).fetchone()
+        with self._lock:
+            row = self._db.execute("SELECT MAX(generation) FROM jobs WHERE name = ?", (name,)).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._db.close()

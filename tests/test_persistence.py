@@ -1,0 +1,122 @@
+"""WriteBehind: coalesced job writes off the loop, durable before the answers that need it.
+
+A real SQLite file throughout; the only stand-in is a store wrapper that counts the batches (and,
+in one test, fails the way a full disk does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sarcomm.coordinator.errors import CoordinatorUnavailableError
+from sarcomm.coordinator.membership import Membership
+from sarcomm.coordinator.persistence import WriteBehind
+from sarcomm.coordinator.store import SqliteStore
+from tests.test_membership import FakeClock, spec
+
+
+class CountingStore(SqliteStore):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.batches: list[list[str]] = []
+        self.fail_next = 0
+
+    def save_jobs(self, records: list[dict[str, Any]]) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        self.batches.append([f"{r['name']}#{r['generation']}:{len(r['members'])}" for r in records])
+        super().save_jobs(records)
+
+
+def stored(path: Path) -> dict[str, dict[str, Any]]:
+    reader = SqliteStore(path)
+    try:
+        return {r["name"]: r for r in reader.load_jobs()}
+    finally:
+        reader.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CountingStore:
+    return CountingStore(tmp_path / "state.sqlite")
+
+
+async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it(
+    store: CountingStore,
+) -> None:
+    writes = WriteBehind(store)
+    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    tickets = [membership.join(spec(f"h{i}", job="big", world_size=64)) for i in range(64)]
+    assert tickets[0].job.formed
+    # Every member leaves, each a change of the job's record, all before the flush runs.
+    for ticket in tickets:
+        membership.leave(ticket.members[0].member_id, ticket.secrets[0], 0)
+    assert not store.batches  # nothing written on the caller's path
+    await writes.durable()
+    assert store.batches == [["big#1:64"]]
+    record = stored(store.path)["big"]  # type: ignore[arg-type]
+    assert record["state"] == "FINISHED"
+    assert {m["state"] for m in record["members"]} == {"LEFT"}
+    await writes.close()
+    store.close()
+
+
+async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingStore) -> None:
+    writes = WriteBehind(store)
+    await asyncio.wait_for(writes.durable(), 1)
+    assert store.batches == []
+    await writes.close()
+
+
+async def test_changes_marked_while_a_batch_is_written_go_into_the_next_one(store: CountingStore) -> None:
+    writes = WriteBehind(store)
+    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    a = membership.join(spec("a", job="one", world_size=1))
+    waiting_for_one = asyncio.ensure_future(writes.durable())
+    await asyncio.sleep(0.05)  # the first batch is taken and written
+    b = membership.join(spec("b", job="two", world_size=1))
+    await writes.durable()
+    await waiting_for_one
+    assert store.batches == [["one#1:1"], ["two#1:1"]]
+    assert set(stored(store.path)) == {"one", "two"}  # type: ignore[arg-type]
+    assert a.job.formed
+    assert b.job.formed
+    await writes.close()
+
+
+async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
+    store: CountingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sarcomm.coordinator.persistence.RETRY_DELAY_S", 0.05)
+    writes = WriteBehind(store)
+    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    store.fail_next = 1
+    membership.join(spec("a", job="j", world_size=1))
+    with pytest.raises(CoordinatorUnavailableError, match=r"could not write its state.*disk is full"):
+        await writes.durable()
+    # Nothing was lost: the job is written by the retry, without any new change.
+    for _ in range(100):
+        if store.batches:
+            break
+        await asyncio.sleep(0.02)
+    assert store.batches == [["j#1:1"]]
+    assert stored(store.path)["j"]["state"] == "RUNNING"  # type: ignore[arg-type]
+    await writes.close()
+
+
+async def test_close_writes_what_is_still_marked_and_later_marks_write_at_once(store: CountingStore) -> None:
+    writes = WriteBehind(store, delay=60.0)  # a flush that would not come on its own
+    clock = FakeClock()
+    membership = Membership(store, liveness_timeout=3.0, persist=writes.mark, clock=clock, wall=clock)
+    membership.join(spec("a", job="j", world_size=1))
+    await writes.close()
+    assert store.batches == [["j#1:1"]]
+    clock.now += 10  # the member goes silent: the sweep fails it after close, written at once
+    assert membership.sweep()
+    assert stored(store.path)["j"]["state"] == "FAILED"  # type: ignore[arg-type]
