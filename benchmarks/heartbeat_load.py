@@ -127,10 +127,12 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
             while not stop.is_set():
                 seq += 1
                 now = time.time()
+                # As sar-worker's reports: every one names its rank's /metrics endpoint.
                 reports = [
                     pb.MemberReport(
                         member_id=a.member_id, secret=a.secret,
                         progress=pb.Progress(seq=seq, op="all_reduce", in_collective=seq % 2 == 1, since=now),
+                        metrics_address=f"127.0.0.1:{20000 + a.rank % 40000}",
                     )
                     for a in joined.assignments
                 ]  # fmt: skip
@@ -144,6 +146,9 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
             await call.write(pb.HeartbeatRequest(closing=True))
             await call.done_writing()
             await asyncio.wait_for(reading, 10)
+            # Then its ranks exit 0, as at the end of training: one Leave per member.
+            for a in joined.assignments:
+                await stubs[i].Leave(pb.LeaveRequest(member_id=a.member_id, secret=a.secret), timeout=60)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             errors.append(repr(exc)[:200])
         finally:
@@ -206,15 +211,23 @@ def _counter(metrics: str, name: str) -> float:
     return 0.0
 
 
-def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    agents, members = SHAPES[shape]
+def measure(
+    shape: str, args: argparse.Namespace, work: Path, agents: int | None = None, interval: float | None = None
+) -> dict[str, Any]:
+    """One shape, by default at its 4096 members and ``--interval``; ``agents`` and ``interval``
+    change its size and rate (the scaling sweep)."""
+    agents = agents or SHAPES[shape][0]
+    members = SHAPES[shape][1]
+    interval = interval or args.interval
+    work = work / f"{shape}-{agents * members}-{interval:g}"
+    work.mkdir(parents=True, exist_ok=True)
     world = agents * members
     grpc_port, http_port = _free_port(), _free_port()
     log = (work / f"coordinator-{shape}.log").open("ab")
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
          "--http", f"127.0.0.1:{http_port}", "--state", str(work / f"state-{shape}.sqlite"),
-         "--heartbeat-interval", str(args.interval), "--heartbeat-misses", str(args.misses),
+         "--heartbeat-interval", str(interval), "--heartbeat-misses", str(args.misses),
          "--log-level", "WARNING", "--shutdown-grace", "1"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -237,16 +250,21 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # Clients stream until the stop file appears; end_at only bounds a run that went wrong.
         end_at = started + 2 * args.join_budget + args.warmup + args.duration
         stop_file = work / f"{shape}.stop"
-        share = [agents // args.procs + (1 if p < agents % args.procs else 0) for p in range(args.procs)]
+        # The last client process is the probe: a few of the streams, in a process with nothing else
+        # to do, so its acks time the coordinator rather than a load client's busy loop.
+        probes = min(args.probes, agents - args.procs) if args.probes else 0
+        load = agents - probes
+        share = [load // args.procs + (1 if p < load % args.procs else 0) for p in range(args.procs)]
+        share += [probes] if probes else []
         for p, count in enumerate(share):
             config = {
                 "target": f"127.0.0.1:{grpc_port}", "job": job, "world": world, "agents": count,
-                "members": members, "interval": args.interval, "end_at": end_at, "proc": p,
+                "members": members, "interval": interval, "end_at": end_at, "proc": p,
                 "ready": str(work / f"{shape}-{p}.ready"), "out": str(work / f"{shape}-{p}.json"),
                 "channels": args.channels, "stop": str(stop_file),
             }  # fmt: skip
             clients.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(config)]))
-        while not all((work / f"{shape}-{p}.ready").exists() for p in range(args.procs)):
+        while not all((work / f"{shape}-{p}.ready").exists() for p in range(len(share))):
             if time.monotonic() > started + args.join_budget:
                 raise RuntimeError(f"{shape}: the world did not form within {args.join_budget} s")
             if any(c.poll() not in (None, 0) for c in clients):
@@ -264,6 +282,15 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 raise RuntimeError(f"{shape}: not every member reported within {args.join_budget} s")
             time.sleep(0.5)
         time.sleep(args.warmup)
+        profiler = None
+        if args.profile_coordinator:
+            # py-spy's on-CPU samples of the coordinator over exactly the measured window.
+            profiler = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(coordinator.pid), "--rate", "200", "--format", "raw",
+                 "--nonblocking", "--duration", str(int(args.duration)),
+                 "--output", str(args.profile_coordinator.with_suffix(f".{shape}.raw"))],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         cpu0, wall0 = _cpu_seconds(coordinator.pid), time.monotonic()
         metrics0 = _get(f"{http}/metrics")
         beats0 = _counter(metrics0, "sar_coordinator_heartbeats_total")
@@ -282,6 +309,10 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(max(0.0, min(1.0, wall0 + args.duration - time.monotonic())))
             peak_rss = max(peak_rss, _memory_kib(coordinator.pid)["VmRSS"])
         cpu1, wall1 = _cpu_seconds(coordinator.pid), time.monotonic()
+        profile: list[dict[str, Any]] = []
+        if profiler is not None:
+            profiler.wait(30)
+            profile = hottest_frames(args.profile_coordinator.with_suffix(f".{shape}.raw"))
         metrics = _get(f"{http}/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
         lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
@@ -291,9 +322,18 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # How stale the stalest member was at the end: what the liveness rule saw.
         stalest_s = time.time() - min(m["last_heartbeat"] for m in status["members"])
         stop_file.write_text("stop")
+        # Every member then leaves with exit code 0: the job must reach FINISHED, each leave
+        # answered only once it is on disk.
+        stopped = time.monotonic()
+        while status["state"] != "FINISHED":
+            if time.monotonic() > stopped + args.join_budget:
+                raise RuntimeError(f"{shape}: the job did not finish {args.join_budget} s after the leaves")
+            time.sleep(0.25)
+            status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+        all_left_s = time.monotonic() - stopped
         for client in clients:
             client.wait(60)
-        results = [json.loads((work / f"{shape}-{p}.json").read_text()) for p in range(args.procs)]
+        results = [json.loads((work / f"{shape}-{p}.json").read_text()) for p in range(len(share))]
     finally:
         for client in clients:
             if client.poll() is None:
@@ -303,15 +343,21 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             coordinator.wait(15)
         except subprocess.TimeoutExpired:
             coordinator.kill()
+
     # Acks of the requests written inside the measured window: not the burst of first beats that
     # follows the world's join answers, nor the closing ones.
-    latencies = sorted(lat for r in results for at, lat in r["samples"] if wall0 <= at < wall1)
+    def window(part: list[dict[str, Any]]) -> list[float]:
+        return sorted(lat for r in part for at, lat in r["samples"] if wall0 <= at < wall1)
+
+    latencies = window(results[: args.procs])
+    probed = window(results[args.procs :])
     errors = [e for r in results for e in r["errors"]]
     return {
         "shape": shape,
         "streams": agents,
         "members": world,
         "members_per_stream": members,
+        "interval_s": interval,
         "coordinator_cpu_percent": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 1),
         "reports_per_s": round((beats1 - beats0) / (wall1 - wall0)),
         "rss_idle_mib": round(idle["VmRSS"] / 1024, 1),
@@ -322,6 +368,11 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "ack_p999_ms": _percentile_ms(latencies, 0.999),
         "ack_max_ms": round(1000 * latencies[-1], 2) if latencies else None,
         "acks_measured": len(latencies),
+        "probe_streams": probes,
+        "probe_ack_p50_ms": _percentile_ms(probed, 0.5),
+        "probe_ack_p99_ms": _percentile_ms(probed, 0.99),
+        "probe_ack_max_ms": round(1000 * probed[-1], 2) if probed else None,
+        "probe_acks_measured": len(probed),
         **lag,
         "scrapes": len(scrapes),
         "scrape_max_ms": round(1000 * max(scrapes), 1) if scrapes else None,
@@ -330,6 +381,8 @@ def measure(shape: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "job_state": status["state"],
         "world_formed_s": round(formed_s, 2),
         "all_reporting_s": round(first_reports_s, 2),
+        "all_left_s": round(all_left_s, 2),
+        "profile_hottest": profile,
         "client_errors": len(errors),
         "client_error_examples": errors[:3],
     }
@@ -357,6 +410,26 @@ def _bucket_delta(before: str, after: str, name: str) -> dict[str, Any]:
         "loop_lag_over_5ms": int(total - delta.get(0.005, 0.0)),
         "loop_lag_over_20ms": int(total - delta.get(0.02, 0.0)),
     }
+
+
+def hottest_frames(raw: Path, top: int = 12) -> list[dict[str, Any]]:
+    """The frames most samples of a py-spy raw (collapsed) profile were in, with their share.
+
+    Inclusive: a frame counts for every sample it is on the stack of (once per sample).
+    """
+    counts: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        for frame in set(stack.split(";")):
+            counts[frame] = counts.get(frame, 0) + int(n)
+    # Frames of the loop and interpreter themselves are on every stack: they say nothing.
+    skip = ("runpy", "Runner.run", "uvloop/__init__", "cli.py", "loop.py", "threading.py")
+    ranked = sorted(((n, f) for f, n in counts.items() if not any(k in f for k in skip)), reverse=True)
+    return [{"frame": f, "share": round(n / total, 3)} for n, f in ranked[:top]] if total else []
 
 
 def _percentile_ms(ordered: list[float], q: float) -> float | None:
@@ -401,17 +474,44 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Command: `{doc['command']}`",
         "",
         "| shape | streams | members | coordinator CPU (% of a core) | reports/s | RSS idle / end / peak "
-        "(MiB) | ack p50 / p99 (ms) | stalest member | members failed | world formed / all reporting |",
-        "|---|---:|---:|---:|---:|---|---|---:|---:|---|",
+        "(MiB) | probe ack p50 / p99 / max (ms) | load-client ack p50 / p99 (ms) | loop lags > 20 ms | "
+        "scrape max (ms) | members failed | world formed / all reporting / all left |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---|",
     ]
     for r in doc["summary"]:
         lines.append(
             f"| {r['shape']} | {r['streams']} | {r['members']} | {r['coordinator_cpu_percent']} | "
             f"{r['reports_per_s']} | {r['rss_idle_mib']} / {r['rss_mib']} / {r['rss_peak_mib']} | "
-            f"{r['ack_p50_ms']} / {r['ack_p99_ms']} | {r['stalest_member_s']} s | {r['members_failed']} | "
-            f"{r['world_formed_s']} s / {r['all_reporting_s']} s |"
+            f"{r['probe_ack_p50_ms']} / {r['probe_ack_p99_ms']} / {r['probe_ack_max_ms']} | "
+            f"{r['ack_p50_ms']} / {r['ack_p99_ms']} | {r['loop_lag_over_20ms']} of {r['loop_lag_samples']} | "
+            f"{r['scrape_max_ms']} | {r['members_failed']} | "
+            f"{r['world_formed_s']} s / {r['all_reporting_s']} s / {r['all_left_s']} s |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "Probe acks: the streams of one extra client process that does nothing else (they time the "
+        "coordinator); load-client acks: the other streams, whose processes share the 2 cores with the "
+        "coordinator and delay reading their own acks. Loop lags: the coordinator's "
+        "`sar_coordinator_event_loop_lag_seconds` samples (every 50 ms) over the window. Scrapes: "
+        "`/metrics` and `/sd` fetched during the window at the scrape interval.",
+        "",
+    ]
+    if doc.get("scaling"):
+        lines += [
+            "How the cost grows (8 s windows, no scrapes):",
+            "",
+            "| shape | members | interval s | reports/s | coordinator CPU (% of a core) | "
+            "CPU us per report | RSS peak (MiB) | probe ack p99 (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in doc["scaling"]:
+            per_report = 1e4 * r["coordinator_cpu_percent"] / r["reports_per_s"] if r["reports_per_s"] else 0
+            lines.append(
+                f"| {r['shape']} | {r['members']} | {r['interval_s']:g} | {r['reports_per_s']} | "
+                f"{r['coordinator_cpu_percent']} | {per_report:.1f} | {r['rss_peak_mib']} | "
+                f"{r['probe_ack_p99_ms']} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -438,11 +538,30 @@ def main(argv: list[str] | None = None) -> int:
         help="channels (TCP connections) per client process; 0 (default): one per simulated agent",
     )
     parser.add_argument(
+        "--probes",
+        type=int,
+        default=32,
+        help="streams kept by one extra, otherwise idle client process whose acks time the "
+        "coordinator (default 32; 0: none)",
+    )
+    parser.add_argument(
         "--scrape-interval",
         type=float,
         default=15.0,
         help="GET /metrics and /sd this often while measuring, as Prometheus does (default 15 s, "
         "deploy/prometheus's interval; 0: never)",
+    )
+    parser.add_argument(
+        "--profile-coordinator",
+        type=Path,
+        help="record py-spy samples of the coordinator over each measured window to PATH.SHAPE.raw "
+        "(collapsed stacks; needs py-spy) and list its hottest frames in the JSON",
+    )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also measure each shape at a quarter and half of its members, and batched at 2x and 4x "
+        "the rate (8 s each, no scrapes): how the cost grows",
     )
     parser.add_argument("--join-budget", type=float, default=60.0, help="bound of forming the world, s")
     parser.add_argument("--quick", action="store_true", help="measure 5 s after 2 s of warm-up")
@@ -464,6 +583,21 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(shape, args, work)
         print(json.dumps(result), flush=True)
         summary.append(result)
+    scaling = []
+    if args.scaling:
+        # How the coordinator's cost grows with members (at the interval) and with the rate (at the
+        # most members): the same measurement, shorter.
+        shorter = {"warmup": 2.0, "duration": 8.0, "scrape_interval": 0.0, "profile_coordinator": None}
+        sweep = argparse.Namespace(**{**vars(args), **shorter})
+        for shape in shapes:
+            streams = SHAPES[shape][0]
+            points = [(streams // 4, args.interval), (streams // 2, args.interval), (streams, args.interval)]
+            if shape == "batched":
+                points += [(streams, args.interval / 2), (streams, args.interval / 4)]
+            for agents, interval in points:
+                result = measure(shape, sweep, work, agents=agents, interval=interval)
+                print(json.dumps(result), flush=True)
+                scaling.append(result)
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     headline = [
         f"{r['shape']}: {r['members']} members on {r['streams']} streams cost the coordinator "
@@ -477,9 +611,11 @@ def main(argv: list[str] | None = None) -> int:
         "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
         "headline": headline,
         "summary": summary,
+        "scaling": scaling,
         "command": "python benchmarks/heartbeat_load.py " + " ".join(given),
         "settings": {
             "procs": args.procs,
+            "probe_streams": args.probes,
             "interval_s": args.interval,
             "misses": args.misses,
             "warmup_s": args.warmup,

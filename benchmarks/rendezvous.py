@@ -1,6 +1,6 @@
 """Rendezvous benchmark: how long N concurrent members take to form a world, sarcomm against torch.
 
-What is measured, for each world size N (default 64, 256, 1024), in one run and on one machine:
+What is measured, for each world size N (default 64, 256, 1024, 4096), in one run and on one machine:
 
 - ``sarcomm``: a real ``sar-coordinator`` process (started here, on loopback, with a SQLite state
   file). The N members are spread over ``--procs`` client processes; each process runs one asyncio
@@ -39,8 +39,8 @@ at N=256)::
     python benchmarks/rendezvous.py --methods sarcomm --sizes 1024 --repeats 10 \\
         --profile-coordinator coordinator.raw        # py-spy samples; see benchmarks/README.md
 
-Targets this benchmark checks sarcomm against: 1024 members form a world in under 1 s, and no member
-waits more than 3x the median member. Only 127.0.0.1 is ever contacted.
+Targets this benchmark checks sarcomm against: 1024 members form a world in under 1 s, 4096 in under
+4 s, and no member waits more than 3x the median member. Only 127.0.0.1 is ever contacted.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ STORE_PORT = 29500
 START_MARGIN_S = 0.3
 # How long to keep listening for other client processes' errors after the first one.
 ERROR_GRACE_S = 2.0
-TARGET_SECONDS = 1.0
-TARGET_SIZE = 1024
+#: World size -> the time sarcomm must form it in (the performance issue's targets on 2 cores).
+TARGETS = {1024: 1.0, 4096: 4.0}
 TARGET_SPREAD = 3.0
 
 
@@ -850,18 +850,25 @@ def render_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
 
 
 def verdict(outcomes: Sequence[Outcome]) -> str:
-    """Whether sarcomm met the targets at TARGET_SIZE, in one sentence."""
-    s = next((o for o in outcomes if o.method == "sarcomm" and o.size == TARGET_SIZE), None)
-    if s is None or s.typical is None:
-        return f"sarcomm target not checked: no successful round at N={TARGET_SIZE}."
-    r = s.typical
-    spread = r.formation_s / r.p50_s
-    ok = r.formation_s < TARGET_SECONDS and spread <= TARGET_SPREAD and not s.failures
-    failed = f", {len(s.failures)} of {len(s.failures) + len(s.rounds)} rounds failed" if s.failures else ""
-    return (
-        f"sarcomm at N={TARGET_SIZE}: {r.formation_s:.3f} s (target < {TARGET_SECONDS:g} s), "
-        f"max/p50 {spread:.2f} (target <= {TARGET_SPREAD:g}){failed}: {'MET' if ok else 'MISSED'}."
-    )
+    """Whether sarcomm met the targets (TARGETS) at the sizes measured, a sentence for each."""
+    sentences = []
+    for size, seconds in TARGETS.items():
+        s = next((o for o in outcomes if o.method == "sarcomm" and o.size == size), None)
+        if s is None:
+            continue
+        if s.typical is None:
+            sentences.append(f"sarcomm target not checked: no successful round at N={size}.")
+            continue
+        r = s.typical
+        spread = r.formation_s / r.p50_s
+        ok = r.formation_s < seconds and spread <= TARGET_SPREAD and not s.failures
+        rounds = len(s.failures) + len(s.rounds)
+        failed = f", {len(s.failures)} of {rounds} rounds failed" if s.failures else ""
+        sentences.append(
+            f"sarcomm at N={size}: {r.formation_s:.3f} s (target < {seconds:g} s), "
+            f"max/p50 {spread:.2f} (target <= {TARGET_SPREAD:g}){failed}: {'MET' if ok else 'MISSED'}."
+        )
+    return " ".join(sentences) or f"sarcomm targets not checked: no size of {sorted(TARGETS)} was measured."
 
 
 def machine() -> dict[str, Any]:
@@ -994,7 +1001,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sizes",
         type=_sizes,
-        default="64,256,1024",
+        default="64,256,1024,4096",
         help="world sizes, comma-separated (e.g. 64,256,1024,2048,4096)",
     )
     parser.add_argument(

@@ -728,6 +728,14 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
             + (f" ({ratio(cpu_s / cpu_b)})" if cpu_b > 0 else "")
             + f"; peak RSS {b['rss_peak_mib']:g} against {s['rss_peak_mib']:g} MiB"
         )
+    probed = [r for r in summary if r.get("probe_ack_p99_ms") is not None]
+    if probed:
+        headline.append(
+            "heartbeat ack p99 (probe streams, target under 20 ms): "
+            + ", ".join(
+                f"{r['shape']} {r['probe_ack_p99_ms']:g} ms (max {r['probe_ack_max_ms']:g})" for r in probed
+            )
+        )
     failed = sum(int(r.get("members_failed") or 0) for r in summary)
     headline.append(f"members wrongly judged failed during the runs: {failed}")
     headline += _their_headline(doc)
@@ -740,10 +748,16 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         ("rss_idle_mib", "RSS idle MiB", "{:g}"),
         ("rss_mib", "RSS end MiB", "{:g}"),
         ("rss_peak_mib", "RSS peak MiB", "{:g}"),
-        ("ack_p50_ms", "ack p50 ms", "{:g}"),
-        ("ack_p99_ms", "ack p99 ms", "{:g}"),
+        ("probe_ack_p50_ms", "probe ack p50 ms", "{:g}"),
+        ("probe_ack_p99_ms", "probe ack p99 ms", "{:g}"),
+        ("probe_ack_max_ms", "probe ack max ms", "{:g}"),
+        ("ack_p50_ms", "load-client ack p50 ms", "{:g}"),
+        ("ack_p99_ms", "load-client ack p99 ms", "{:g}"),
+        ("loop_lag_over_20ms", "loop lags > 20 ms", "{}"),
+        ("scrape_max_ms", "scrape max ms", "{:g}"),
         ("members_failed", "failed", "{}"),
         ("world_formed_s", "formed s", "{:g}"),
+        ("all_left_s", "all left s", "{:g}"),
     ]
     present = [c for c in columns if any(c[0] in r for r in summary)]
     rows = [
@@ -754,7 +768,13 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
     body += (
         f"\n\nHeartbeat interval {settings.get('interval_s', '?')} s; measured for "
         f"{settings.get('duration_s', '?')} s after {settings.get('warmup_s', '?')} s of warm-up, the "
-        f"members simulated by {settings.get('procs', '?')} client processes on the same machine."
+        f"members simulated by {settings.get('procs', '?')} client processes on the same machine. Probe "
+        "acks come from a few streams kept by one extra, otherwise idle client process: they time the "
+        "coordinator. Load-client acks also include the delay of the busy client processes, which share "
+        "the 2 cores with it, in reading their own acks. Loop lags: samples of the coordinator's "
+        "`sar_coordinator_event_loop_lag_seconds` (one each 50 ms) over the window; scrapes: `/metrics` and "
+        "`/sd` fetched during the window at the scrape interval. All left: every member's Leave, each "
+        "answered once on disk, until the job is FINISHED."
     )
     plot = ""
     metrics = [
@@ -762,14 +782,51 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         for key, label in (
             ("coordinator_cpu_percent", "coordinator CPU (% of a core)"),
             ("rss_peak_mib", "coordinator peak RSS (MiB)"),
-            ("ack_p99_ms", "heartbeat ack p99 (ms)"),
+            ("probe_ack_p99_ms", "heartbeat ack p99, probe streams (ms)"),
         )
         if all(isinstance(r.get(key), int | float) for r in summary)
     ]
+    scaling = [r for r in doc.get("scaling") or [] if r.get("reports_per_s")]
+    if scaling:
+        body += "\n\nHow the cost grows (8 s windows, no scrapes):\n\n" + md_table(
+            [
+                "shape",
+                "members",
+                "interval s",
+                "reports/s",
+                "CPU % of a core",
+                "CPU us per report",
+                "RSS peak MiB",
+            ],
+            [
+                [
+                    r["shape"],
+                    r["members"],
+                    f"{r['interval_s']:g}",
+                    r["reports_per_s"],
+                    f"{r['coordinator_cpu_percent']:g}",
+                    f"{1e4 * r['coordinator_cpu_percent'] / r['reports_per_s']:.1f}",
+                    f"{r['rss_peak_mib']:g}",
+                ]
+                for r in scaling
+            ],
+            align="lrrrrrr",
+        )
     if ctx.plt is not None and metrics:
-        fig, axes = _new_figure(ctx, len(metrics), 3.6)
+        fig, axes = _new_figure(ctx, len(metrics) + (1 if scaling else 0), 3.6)
+        if scaling:
+            ax = axes[-1]
+            for shape in dict.fromkeys(r["shape"] for r in scaling):
+                points = sorted(
+                    (r["reports_per_s"], r["coordinator_cpu_percent"]) for r in scaling if r["shape"] == shape
+                )
+                ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=shape, markersize=4)
+            ax.set(xlabel="reports/s", ylabel="% of a core")
+            ax.set_title("coordinator CPU against report rate", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
         shapes = [f"{r['shape']}\n{r.get('streams', '?')} streams" for r in summary]
-        for ax, (key, label) in zip(axes, metrics, strict=True):
+        for ax, (key, label) in zip(axes, metrics, strict=False):
             ax.bar(
                 shapes,
                 [r[key] for r in summary],
@@ -786,6 +843,68 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         headline,
         body,
         _command(doc, "heartbeat_load"),
+        machine_line(doc),
+        plot,
+        quick=bool(doc.get("quick")),
+    )
+
+
+def state_writes_section(doc: dict[str, Any], ctx: Context) -> Section:
+    summary = doc["summary"]
+    headline = list(_their_headline(doc))
+    rows = [
+        [
+            r["members"],
+            r["phase"],
+            f"{r['immediate_loop_cpu_s']:g}" + (" (scaled)" if r["immediate_scaled_by"] != 1 else ""),
+            f"{r['write_behind_loop_cpu_s']:g}",
+            ratio(r["loop_cpu_ratio"]) if r.get("loop_cpu_ratio") else "-",
+            f"{r['immediate_longest_hold_ms']:g}",
+            f"{r['write_behind_longest_hold_ms']:g}",
+            r["write_behind_batches"],
+        ]
+        for r in summary
+    ]
+    body = md_table(
+        [
+            "members",
+            "phase",
+            "immediate: loop CPU s",
+            "write-behind: loop CPU s",
+            "ratio",
+            "immediate: longest hold ms",
+            "write-behind: longest hold ms",
+            "write-behind batches",
+        ],
+        rows,
+        align="rlrrrrrr",
+    )
+    body += (
+        "\n\nOne job of N single-rank members forms, each member's first report names its metrics "
+        "endpoint, and every member leaves: each change rewrites the job's record. Immediate: written on "
+        "the event loop at each change (the coordinator before); write-behind: coalesced and written by a "
+        "thread, Join and Leave answers waiting for the write. Scaled: the baseline ran a sample of the "
+        "changes and is scaled to N (each of its changes costs the same)."
+    )
+    plot = ""
+    leaves = [r for r in summary if r["phase"] == "leaves"]
+    if ctx.plt is not None and len(leaves) > 1:
+        fig, (ax,) = _new_figure(ctx)
+        sizes = [r["members"] for r in leaves]
+        ax.plot(sizes, [r["immediate_loop_cpu_s"] for r in leaves], "o-", label="immediate (baseline)")
+        ax.plot(sizes, [r["write_behind_loop_cpu_s"] for r in leaves], "o-", label="write-behind")
+        ax.set(xscale="log", yscale="log", xlabel="members", ylabel="event-loop CPU s for all leaves")
+        ax.set_title("Every member leaving: the event loop's cost")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        _machine_caption(ax, machine_line(doc))
+        plot = ctx.save(fig, "state_writes")
+    return Section(
+        "state_writes",
+        str(doc.get("title") or "State writes"),
+        headline,
+        body,
+        _command(doc, "state_writes"),
         machine_line(doc),
         plot,
         quick=bool(doc.get("quick")),
@@ -931,6 +1050,7 @@ RENDERERS: dict[str, Renderer] = {
     "all_to_all": all_to_all_section,
     "overhead": overhead_section,
     "bench_sweep": bench_sweep_section,
+    "state_writes": state_writes_section,
 }
 #: Written by other scripts; shown when their JSON is there, with no line when it is not.
 OPTIONAL_RENDERERS: dict[str, Renderer] = {

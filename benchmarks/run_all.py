@@ -107,6 +107,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark("overhead", _flags("overhead"), _flags("overhead", "--quick")),
     Benchmark(
+        "state_writes",
+        _flags("state_writes", markdown=True),
+        _flags("state_writes", "--sizes 64,256", markdown=True),
+    ),
+    Benchmark(
         "bench_sweep",
         _flags("bench_sweep"),
         _flags("bench_sweep", "--sizes 1K:1M --factor 32 --iters 5 --warmup 1"),

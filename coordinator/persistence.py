@@ -3,9 +3,9 @@
 Every change to a job (a world formed, a member left or failed, a rank's metrics endpoint became
 known) rewrites that job's record. Written at once, on the loop, a 4096-member job costs ~25 ms per
 change (building the record, JSON, SQLite), and the 4096 first reports or 4096 leaves of such a job
-would hold the loop for minutes. So a change only marks its job; a flush a moment later builds each
-marked job's record once, however many changes it took, and a single writer thread serialises and
-writes them all in one transaction while the loop goes on serving.
+would hold the loop for minutes. So a change only marks its job; a flush a moment later builds and
+encodes each marked job's record once, however many changes it took, and a single writer thread
+writes them all in one SQLite transaction while the loop goes on serving.
 
 Durability is kept where an answer depends on it: a Join or Leave handler awaits :meth:`durable`
 before it answers, so nothing a client was told is lost with a SIGKILL (the write is in the OS, as
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sarcomm.coordinator.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Job
-from sarcomm.coordinator.store import StateStore
+from sarcomm.coordinator.store import StateStore, encode_job
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,12 @@ class WriteBehind:
         done, jobs = self._next, list(self._dirty.values())
         self._next, self._dirty = None, {}
         assert done is not None
-        # Records are built here, on the loop, so that each is one consistent state of its job;
-        # the expensive part (JSON and SQLite) runs in the writer thread.
-        records = [job.to_record() for job in jobs]
+        # Records are built and encoded here, on the loop, so that each is one consistent state of
+        # its job (see store.encode_job for why the JSON is not left to the writer thread); SQLite's
+        # part, the transaction, runs in the writer thread.
+        rows = [encode_job(job.to_record()) for job in jobs]
         self._in_flight = done
-        written = asyncio.get_running_loop().run_in_executor(self._writer, self._store.save_jobs, records)
+        written = asyncio.get_running_loop().run_in_executor(self._writer, self._store.write_rows, rows)
         written.add_done_callback(lambda f: self._written(f, done, jobs))
 
     def _written(self, written: asyncio.Future[None], done: asyncio.Future[None], jobs: list[Job]) -> None:

@@ -7,6 +7,7 @@ in one test, fails the way a full disk does).
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from sarcomm.coordinator.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.persistence import WriteBehind
-from sarcomm.coordinator.store import SqliteStore
+from sarcomm.coordinator.store import JobRow, SqliteStore
 from tests.test_membership import FakeClock, spec
 
 
@@ -26,12 +27,14 @@ class CountingStore(SqliteStore):
         self.batches: list[list[str]] = []
         self.fail_next = 0
 
-    def save_jobs(self, records: list[dict[str, Any]]) -> None:
+    def write_rows(self, rows: list[JobRow]) -> None:
         if self.fail_next:
             self.fail_next -= 1
             raise sqlite3.OperationalError("database or disk is full")
-        self.batches.append([f"{r['name']}#{r['generation']}:{len(r['members'])}" for r in records])
-        super().save_jobs(records)
+        self.batches.append(
+            [f"{name}#{generation}:{len(json.loads(raw)['members'])}" for name, generation, _, raw in rows]
+        )
+        super().write_rows(rows)
 
 
 def stored(path: Path) -> dict[str, dict[str, Any]]:
