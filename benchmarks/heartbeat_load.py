@@ -154,14 +154,27 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
         finally:
             reading.cancel()
 
+    lags: list[tuple[float, float]] = []
+
+    async def watch_lag() -> None:
+        # This client's own event-loop lag: an ack read late because this loop was busy (or not
+        # scheduled) is this process's delay, not the coordinator's.
+        while not stop.is_set():
+            began = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append((began, time.monotonic() - began - 0.01))
+
     watcher = asyncio.ensure_future(watch_stop())
+    lag_watcher = asyncio.ensure_future(watch_lag())
     await asyncio.gather(*(agent(i) for i in range(agents)))
     await watcher
+    await lag_watcher
     for channel in channels:
         await channel.close()
     return {
         "acks": acks,
         "samples": [(round(at, 6), round(latency, 6)) for at, latency in samples],
+        "loop_lags": [(round(at, 4), round(lag, 5)) for at, lag in lags if lag > 0.005],
         "errors": errors[:5],
     }
 
@@ -212,24 +225,36 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def measure(
-    shape: str, args: argparse.Namespace, work: Path, agents: int | None = None, interval: float | None = None
+    shape: str,
+    args: argparse.Namespace,
+    work: Path,
+    agents: int | None = None,
+    interval: float | None = None,
+    scaling: bool = False,
 ) -> dict[str, Any]:
     """One shape, by default at its 4096 members and ``--interval``; ``agents`` and ``interval``
     change its size and rate (the scaling sweep)."""
     agents = agents or SHAPES[shape][0]
     members = SHAPES[shape][1]
     interval = interval or args.interval
-    work = work / f"{shape}-{agents * members}-{interval:g}"
+    # Each measurement in a folder of its own: its ready, stop and result files must not meet another's.
+    work = work / ("scaling" if scaling else "main") / f"{shape}-{agents * members}-{interval:g}"
     work.mkdir(parents=True, exist_ok=True)
     world = agents * members
     grpc_port, http_port = _free_port(), _free_port()
     log = (work / f"coordinator-{shape}.log").open("ab")
+    cpus = sorted(os.sched_getaffinity(0))
+    # --pin: the coordinator gets the first CPU to itself, as on a head node whose cores are its
+    # own; the clients share the rest. Otherwise everything shares every CPU.
+    coordinator_cpus = {cpus[0]} if args.pin and len(cpus) > 1 else set(cpus)
+    client_cpus = set(cpus[1:]) if args.pin and len(cpus) > 1 else set(cpus)
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
          "--http", f"127.0.0.1:{http_port}", "--state", str(work / f"state-{shape}.sqlite"),
          "--heartbeat-interval", str(interval), "--heartbeat-misses", str(args.misses),
          "--log-level", "WARNING", "--shutdown-grace", "1"],
         stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, coordinator_cpus),
     )  # fmt: skip
     http = f"http://127.0.0.1:{http_port}"
     clients: list[subprocess.Popen[bytes]] = []
@@ -263,7 +288,12 @@ def measure(
                 "ready": str(work / f"{shape}-{p}.ready"), "out": str(work / f"{shape}-{p}.json"),
                 "channels": args.channels, "stop": str(stop_file),
             }  # fmt: skip
-            clients.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(config)]))
+            clients.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "_client", json.dumps(config)],
+                    preexec_fn=lambda: os.sched_setaffinity(0, client_cpus),
+                )
+            )
         while not all((work / f"{shape}-{p}.ready").exists() for p in range(len(share))):
             if time.monotonic() > started + args.join_budget:
                 raise RuntimeError(f"{shape}: the world did not form within {args.join_budget} s")
@@ -316,6 +346,13 @@ def measure(
         metrics = _get(f"{http}/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
         lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
+        full_gc = 'sar_coordinator_gc_pause_seconds_{}{{generation="2"}}'
+        lag["full_collections"] = int(
+            _counter(metrics, full_gc.format("count")) - _counter(metrics0, full_gc.format("count"))
+        )
+        lag["full_collections_ms"] = round(
+            1000 * (_counter(metrics, full_gc.format("sum")) - _counter(metrics0, full_gc.format("sum"))), 1
+        )
         memory = _memory_kib(coordinator.pid)
         status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
         failed = sum(1 for m in status["members"] if m["state"] == "FAILED")
@@ -351,6 +388,9 @@ def measure(
 
     latencies = window(results[: args.procs])
     probed = window(results[args.procs :])
+    probe_lags = sorted(
+        lag for r in results[args.procs :] for at, lag in r["loop_lags"] if wall0 <= at < wall1
+    )
     errors = [e for r in results for e in r["errors"]]
     return {
         "shape": shape,
@@ -373,6 +413,9 @@ def measure(
         "probe_ack_p99_ms": _percentile_ms(probed, 0.99),
         "probe_ack_max_ms": round(1000 * probed[-1], 2) if probed else None,
         "probe_acks_measured": len(probed),
+        # The probe process's own loop lag in the window (samples every 10 ms late by over 5 ms).
+        "probe_loop_lag_max_ms": round(1000 * probe_lags[-1], 1) if probe_lags else 0.0,
+        "probe_loop_lags_over_20ms": sum(1 for lag in probe_lags if lag > 0.02),
         **lag,
         "scrapes": len(scrapes),
         "scrape_max_ms": round(1000 * max(scrapes), 1) if scrapes else None,
@@ -558,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         "(collapsed stacks; needs py-spy) and list its hottest frames in the JSON",
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="run the coordinator on the first CPU alone and the clients on the others (as on a head "
+        "node with cores of its own); default: all share all CPUs",
+    )
+    parser.add_argument(
         "--scaling",
         action="store_true",
         help="also measure each shape at a quarter and half of its members, and batched at 2x and 4x "
@@ -595,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             if shape == "batched":
                 points += [(streams, args.interval / 2), (streams, args.interval / 4)]
             for agents, interval in points:
-                result = measure(shape, sweep, work, agents=agents, interval=interval)
+                result = measure(shape, sweep, work, agents=agents, interval=interval, scaling=True)
                 print(json.dumps(result), flush=True)
                 scaling.append(result)
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
@@ -616,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "procs": args.procs,
             "probe_streams": args.probes,
+            "pinned": args.pin,
             "interval_s": args.interval,
             "misses": args.misses,
             "warmup_s": args.warmup,
