@@ -242,6 +242,17 @@ def test_leave_raises_unauthenticated_if_secret_wrong(membership: Membership) ->
     assert a.job.state is JobState.RUNNING
 
 
+def test_a_member_that_proved_its_secret_still_refuses_any_other(membership: Membership) -> None:
+    a, b = form(membership, spec("a", None, None), spec("b", None, None))
+    member_id, secret = a.members[0].member_id, a.secrets[0]
+    membership.heartbeat(member_id, secret, None, "")  # proved once: the check is cached from now on
+    membership.heartbeat(member_id, secret, None, "")
+    for wrong in (b.secrets[0], secret[:-1], secret + "x", "", "sécrèt ✓"):
+        with pytest.raises(UnauthenticatedError):
+            membership.heartbeat(member_id, wrong, None, "")
+    membership.heartbeat(member_id, secret, None, "")
+
+
 def test_heartbeat_raises_not_found_if_member_of_old_generation(membership: Membership) -> None:
     tickets = form(membership, spec("a", None, None), spec("b", None, None))
     old_id, old_secret = tickets[0].members[0].member_id, tickets[0].secrets[0]
