@@ -572,8 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the coordinator's --heartbeat-misses (default 10: the clients, simulated on the "
         "coordinator's own machine, answer the join burst of a 4096-member world slowly)",
     )
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring (default 5)")
-    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring (default 10)")
+    parser.add_argument("--duration", type=float, default=30.0, help="measured seconds (default 30)")
     parser.add_argument(
         "--channels",
         type=int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,9 +18,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sarcomm.coordinator.interceptor import bearer_matches
-from sarcomm.coordinator.membership import Member, Membership
+from sarcomm.coordinator.interfaces import parse_address
+from sarcomm.coordinator.membership import Job, Member, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.views import jobs_document, jobs_message
+from sarcomm.coordinator.views import jobs_json, jobs_message
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ COORDINATOR_JOB_LABEL = "sar-coordinator"
 #: ``/sd`` and ``/v1/jobs`` above all, needs it (an allowlist, so that a path added later is
 #: protected by default, and so that a caller without the token cannot tell which paths exist).
 PUBLIC_PATHS = frozenset({"/metrics", "/healthz"})
+#: Ranks turned into /sd target groups between two turns of the event loop.
+SD_GROUPS_PER_STEP = 512
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -125,36 +127,43 @@ class HttpApi:
             jobs = [j for j in jobs if j.name == name]
         with collector_paused():
             message = jobs_message(jobs, self._membership.stall)
-            document = await jobs_document(message, pause=_let_others_run)
-            body = json.dumps(document).encode()
+            body = (await jobs_json(message, pause=_let_others_run)).encode()
         return web.Response(body=body, content_type="application/json")
 
     async def service_discovery(self, request: web.Request) -> web.Response:
         """Prometheus HTTP SD: the full target list on every call, one group per live rank."""
         with collector_paused():
-            body = json.dumps(self._groups()).encode()
+            groups: list[dict[str, object]] = [
+                {"targets": [self._advertised_address], "labels": {"job": COORDINATOR_JOB_LABEL}}
+            ]
+            # Text across the pauses, not dicts: see views.jobs_json.
+            pieces = [json.dumps(groups)[1:-1]]
+            live = list(self._membership.live_members())
+            for start in range(0, len(live), SD_GROUPS_PER_STEP):
+                pieces.append(json.dumps(_groups(live[start : start + SD_GROUPS_PER_STEP]))[1:-1])
+                await _let_others_run()
+            body = ("[" + ", ".join(p for p in pieces if p) + "]").encode()
         return web.Response(body=body, content_type="application/json")
 
-    def _groups(self) -> list[dict[str, object]]:
-        groups: list[dict[str, object]] = [
-            {"targets": [self._advertised_address], "labels": {"job": COORDINATOR_JOB_LABEL}}
-        ]
-        for job, member in self._membership.live_members():
-            target = metrics_target(member)
-            if target is None:
-                continue
-            groups.append(
-                {
-                    "targets": [target],
-                    "labels": {
-                        "job": job.name,
-                        "rank": str(member.rank),
-                        "host": member.host,
-                        "generation": str(job.generation),
-                    },
-                }
-            )
-        return groups
+
+def _groups(members: list[tuple[Job, Member]]) -> list[dict[str, object]]:
+    groups: list[dict[str, object]] = []
+    for job, member in members:
+        target = metrics_target(member)
+        if target is None:
+            continue
+        groups.append(
+            {
+                "targets": [target],
+                "labels": {
+                    "job": job.name,
+                    "rank": str(member.rank),
+                    "host": member.host,
+                    "generation": str(job.generation),
+                },
+            }
+        )
+    return groups
 
 
 @contextlib.contextmanager
@@ -194,10 +203,7 @@ def metrics_target(member: Member) -> str | None:
         return None
     host, _, port = member.metrics_address.rpartition(":")
     host = host.strip("[]")
-    try:
-        unspecified = ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        unspecified = False
-    if unspecified and member.address:
+    parsed = parse_address(host)
+    if parsed is not None and parsed.is_unspecified and member.address:
         host = member.address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
