@@ -121,7 +121,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "failure_detection", *_discovered("failure_detection", quick="--quick --loopback"), optional=True
     ),
-    Benchmark("heartbeat_load", *_discovered("heartbeat_load"), optional=True),
+    # --pin: the coordinator on a core of its own, as on a head node; its clients on the other.
+    Benchmark("heartbeat_load", *_discovered("heartbeat_load", "--pin --scaling"), optional=True),
     Benchmark(
         "soak",
         *_discovered("soak", "--duration 300", "--duration 30 --members 200 --jobs 4 --per-host 10"),

@@ -123,3 +123,34 @@ async def test_close_writes_what_is_still_marked_and_later_marks_write_at_once(s
     clock.now += 10  # the member goes silent: the sweep fails it after close, written at once
     assert membership.sweep()
     assert stored(store.path)["j"]["state"] == "FAILED"  # type: ignore[arg-type]
+
+
+async def test_large_answers_pause_the_collector_only_while_they_compute() -> None:
+    """/metrics, /sd and /v1/jobs build 4096-rank answers with the collector off in between
+    pauses (see http.collector_paused); it must be back on whatever happens to the handler."""
+    import gc
+
+    from sarcomm.coordinator import http
+
+    assert gc.isenabled()
+    seen: list[bool] = []
+
+    async def handler() -> None:
+        with http.collector_paused():
+            seen.append(gc.isenabled())
+            await http._let_others_run()  # other tasks run with the collector on
+            seen.append(gc.isenabled())
+            await asyncio.sleep(60)
+
+    async def other() -> None:
+        seen.append(gc.isenabled())
+
+    task = asyncio.ensure_future(handler())
+    await asyncio.sleep(0)
+    await other()
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [False, True, False]
+    assert gc.isenabled()
