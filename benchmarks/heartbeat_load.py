@@ -342,7 +342,11 @@ def measure(
         profile: list[dict[str, Any]] = []
         if profiler is not None:
             profiler.wait(30)
-            profile = hottest_frames(args.profile_coordinator.with_suffix(f".{shape}.raw"))
+            raw = args.profile_coordinator.with_suffix(f".{shape}.raw")
+            if raw.exists():
+                profile = hottest_frames(raw)
+            else:
+                print(f"py-spy wrote no profile to {raw} (see {log.name})", file=sys.stderr)
         metrics = _get(f"{http}/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
         lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
@@ -624,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         parser.error(f"--shapes {','.join(bad)!r}: each must be one of {', '.join(SHAPES)}")
+    if args.profile_coordinator:
+        args.profile_coordinator.parent.mkdir(parents=True, exist_ok=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sar-heartbeat-load-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
