@@ -513,7 +513,12 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Recorded {m['date']} on {m['affinity_cpus']} CPUs ({m['cpu_model'] or 'unknown model'}), "
         f"Python {m['python']}, grpcio {m['grpcio']}, load average {m['loadavg_1m_at_start']} to "
-        f"{m.get('loadavg_1m_at_end', '?')}; the {s['procs']} client processes share those CPUs.",
+        f"{m.get('loadavg_1m_at_end', '?')}; "
+        + (
+            "the coordinator on a CPU of its own (--pin), the client processes (load and probe) on the other."
+            if s.get("pinned")
+            else f"the {s['procs']} client processes (and the probe) share those CPUs with the coordinator."
+        ),
         f"Coordinator at --heartbeat-interval {s['interval_s']:g} (one report per member per interval) "
         f"and --heartbeat-misses {s['misses']}; CPU over {s['duration_s']:g} s after every member "
         f"reported and {s['warmup_s']:g} s of warm-up.",

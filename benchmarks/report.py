@@ -768,7 +768,13 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
     body += (
         f"\n\nHeartbeat interval {settings.get('interval_s', '?')} s; measured for "
         f"{settings.get('duration_s', '?')} s after {settings.get('warmup_s', '?')} s of warm-up, the "
-        f"members simulated by {settings.get('procs', '?')} client processes on the same machine. Probe "
+        f"members simulated by {settings.get('procs', '?')} client processes on the same machine"
+        + (
+            " (the coordinator on a CPU of its own, `--pin`, the clients on the other)"
+            if settings.get("pinned")
+            else ""
+        )
+        + ". Probe "
         "acks come from a few streams kept by one extra, otherwise idle client process: they time the "
         "coordinator. Load-client acks also include the delay of the busy client processes, which share "
         "the 2 cores with it, in reading their own acks. Loop lags: samples of the coordinator's "
