@@ -727,6 +727,11 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
             f"coordinator {cpu_b:g}% of a core against {cpu_s:g}% for {s['streams']} one-member streams"
             + (f" ({ratio(cpu_s / cpu_b)})" if cpu_b > 0 else "")
             + f"; peak RSS {b['rss_peak_mib']:g} against {s['rss_peak_mib']:g} MiB"
+            + (
+                f"; heartbeat ack p99 {b['probe_ack_p99_ms']:g} against {s['probe_ack_p99_ms']:g} ms"
+                if b.get("probe_ack_p99_ms") is not None and s.get("probe_ack_p99_ms") is not None
+                else ""
+            )
         )
     probed = [r for r in summary if r.get("probe_ack_p99_ms") is not None]
     if probed:
