@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import socket
 import subprocess
@@ -28,10 +27,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from machine_info import describe
 
 LOOPBACK = "127.0.0.1"
 
@@ -57,34 +56,8 @@ def wait_healthy(proc: subprocess.Popen[bytes], http_port: int, timeout: float =
 
 
 def machine() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions: dict[str, str | None] = {}
-    for dist in ("torch", "grpcio"):
-        # The installed distributions' versions, without importing torch into this process.
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu or platform.processor(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": versions["torch"],
-        "grpcio": versions["grpcio"],
-        "platform": platform.platform(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        # 4 ranks on few cores are at the scheduler's mercy; the load says how much else ran.
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
-    }
+    """What the numbers were measured on (see machine_info)."""
+    return describe("torch", "grpcio", load_at="end")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -60,6 +59,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from machine_info import describe
 
 SCENARIOS = ("kill", "hang", "partition")
 MODES = ("agent", "library", "gloo")
@@ -425,26 +426,8 @@ def _show(stat: dict[str, Any], deadline: float | None = None) -> str:
 
 
 def machine() -> dict[str, Any]:
-    import torch
-
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
-    }
+    """What the numbers were measured on (see machine_info)."""
+    return describe("torch")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import resource
 import signal
@@ -54,6 +53,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from machine_info import describe
 
 SHAPES = {"batched": (512, 8), "single": (4096, 1)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -484,26 +485,8 @@ def _percentile_ms(ordered: list[float], q: float) -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import grpc
-
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
-    }
+    """What the numbers were measured on (see machine_info)."""
+    return describe("grpcio")
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -33,16 +33,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from machine_info import describe
 
 MIB = 1024**2
 COPY_SIZES_MIB = (1, 16, 64, 256)
@@ -166,28 +166,8 @@ def stream_bandwidth(kind: str, total: int, repeats: int) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu or platform.processor(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        # Other work on the machine lowers every figure here; the load says how much there was.
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
-    }
+    """What the numbers were measured on (see machine_info)."""
+    return describe("torch", load_at="end")
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -50,7 +50,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -64,10 +63,11 @@ import traceback
 import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+
+from machine_info import describe
 
 Method = Literal["sarcomm", "tcpstore", "c10d"]
 METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d")
@@ -872,33 +872,8 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    import grpc
-    import torch
-
-    cpu = ""
-    with contextlib.suppress(OSError):
-        cpu = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            "",
-        )
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu or platform.processor(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-        "platform": platform.platform(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        # Other work on the machine skews every number here; the 1-minute load says how much.
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
-    }
+    """What the numbers were measured on (see machine_info)."""
+    return describe("torch", "grpcio", load_at="end")
 
 
 def render_cpu_table(outcomes: Sequence[Outcome]) -> str:

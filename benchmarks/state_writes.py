@@ -29,14 +29,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from machine_info import describe
 
 from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Membership, Progress
@@ -127,15 +127,10 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
 
 
 def machine() -> dict[str, Any]:
+    """What the numbers were measured on (see machine_info)."""
     import sqlite3
 
-    return {
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "sqlite": sqlite3.sqlite_version,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    return describe(sqlite=sqlite3.sqlite_version)
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -1,0 +1,46 @@
+"""What a benchmark ran on, described the same way in every script's JSON (``report.py`` reads it).
+
+Absolute figures belong to a machine: each result carries its CPUs, memory, platform, versions,
+date and the load average, since other work on a small machine skews every figure.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+
+def describe(*packages: str, load_at: Literal["start", "end"] = "start", **extra: Any) -> dict[str, Any]:
+    """The machine, the versions of ``packages`` (installed distributions, read without importing
+    them: torch takes seconds), the 1-minute load average labelled ``load_at``, and ``extra``."""
+    described: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model() or platform.processor(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    for package in packages:
+        try:
+            described[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            described[package] = None
+    described["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    described[f"loadavg_1m_at_{load_at}"] = round(os.getloadavg()[0], 2)
+    described.update(extra)
+    return described
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
