@@ -1,35 +1,42 @@
-"""Coordinator CPU and memory with 4096 heartbeating members, batched by agents or one stream each.
+"""Coordinator CPU, memory and heartbeat latency with 4096 heartbeating members, batched by agents
+or one stream each.
 
 Two shapes of the same 4096-member job (one job, world size 4096):
 
 - ``batched``: 512 simulated agents of 8 ranks each. Each agent joins once with its 8 members and
-  keeps one ``Heartbeat`` stream, sending one request with 8 reports (each with its progress:
-  a sequence number that grows, an op, in or out of a collective) every interval. 512 streams,
-  4096 reports a second at the default interval.
+  keeps one ``Heartbeat`` stream, sending one request with 8 reports (each with its progress: a
+  sequence number that grows, an op, in or out of a collective; and its metrics endpoint, as
+  ``sar-worker`` sends them) every interval. 512 streams, 4096 reports a second.
 - ``single``: 4096 single-rank members (processes that registered themselves), each with its own
   channel (its own TCP connection), one join and one stream with one report per interval. 4096
   streams, 4096 reports a second.
 
-The members are simulated with ``grpc.aio`` in ``--procs`` client processes (4 by default), each
-one asyncio loop with one channel per simulated agent or member; their first beats are spread
-evenly over one interval. A fresh ``sar-coordinator`` (defaults: ``--heartbeat-interval 1``,
-``--heartbeat-misses 3``, a SQLite ``--state`` file) serves each shape.
+The members are simulated with ``grpc.aio`` in ``--procs`` load-client processes (4), each one
+asyncio loop with one channel per simulated agent or member, their beats spread over one interval;
+plus one probe process that keeps ``--probes`` (32) of the streams and does nothing else, so that
+its acks time the coordinator rather than a busy client's loop (its own loop lag is recorded too).
+A fresh ``sar-coordinator`` (``--heartbeat-interval 1``, a SQLite ``--state`` file) serves each
+shape; ``--pin`` gives it the first CPU alone and the clients the others, as on a head node.
 
-Measured, per shape, once every member streams and after ``--warmup`` seconds (5):
+Measured, per shape, once every member reports and after ``--warmup`` seconds (10), over
+``--duration`` seconds (30), with ``/metrics`` and ``/sd`` fetched every ``--scrape-interval`` (15 s)
+as Prometheus would:
 
-- the coordinator's CPU over ``--duration`` seconds (20): user + system time from /proc, as a
-  share of one core;
-- its memory: resident set size when idle (before any join), at the end, and its peak (VmHWM);
+- the coordinator's CPU (user + system time from /proc, as a share of one core) and memory (RSS
+  when idle, at the end, and its peak);
 - the reports it counted (``sar_coordinator_heartbeats_total``) per second;
-- the clients' ack latency (a request written to its ack read), median and 99th percentile;
-- members the coordinator judged failed during the run (must be 0), and the time the world took
-  to form.
+- ack latency (a request written to its ack read) of the requests written in the window: probe
+  streams p50/p99/max (the headline) and load clients p50/p99;
+- the coordinator's own event-loop lag and full garbage collections over the window (its metrics
+  ``sar_coordinator_event_loop_lag_seconds`` and ``sar_coordinator_gc_pause_seconds``);
+- members the coordinator judged failed (must be 0), the time the world took to form, and, after
+  the window, the time from every member's Leave (each answered once on disk) to FINISHED.
 
-The clients share the machine with the coordinator: on a 2-core machine they take most of the
-other core, so the coordinator's share is what it needs at this load, not a limit of it. Run::
+``--scaling`` adds 8 s windows at a quarter and half the members and, for ``batched``, at 2x and
+4x the rate. ``--profile-coordinator PATH`` records py-spy samples of each window. Run::
 
-    python benchmarks/heartbeat_load.py --json benchmarks/results/heartbeat_load.json \\
-        --markdown benchmarks/results/heartbeat_load.md        # about 2 minutes
+    python benchmarks/heartbeat_load.py --pin --scaling --json benchmarks/results/heartbeat_load.json \\
+        --markdown benchmarks/results/heartbeat_load.md        # about 4 minutes
 
 A client process is this same file (``heartbeat_load.py _client ...``).
 """
