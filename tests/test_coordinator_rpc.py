@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -189,3 +191,69 @@ async def test_restart_with_same_state_keeps_job(start_coordinator: Any) -> None
             pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=0), timeout=5
         )
     assert left.job_state == "RUNNING"
+
+
+# A member on host "a" that joins, streams reports until it is killed, and says when it streams.
+_STREAMING_MEMBER = """
+import asyncio, sys
+import grpc
+from sarcomm.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
+
+async def main(target):
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        lo = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+        joined = await stub.Join(pb.JoinRequest(job="blame", world_size=2, host="a", interfaces=[lo],
+            store_port=29500, members=[pb.MemberSpec(local_rank=0)]), timeout=20)
+        member = joined.assignments[0]
+        async def beats():
+            while True:
+                report = pb.MemberReport(member_id=member.member_id, secret=member.secret)
+                yield pb.HeartbeatRequest(reports=[report])
+                await asyncio.sleep(0.2)
+        call = stub.Heartbeat(beats(), timeout=60)
+        await call.read()
+        print(member.rank, flush=True)
+        async for _ in call:
+            pass
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_a_peer_failing_right_after_a_host_is_killed_does_not_take_the_blame(
+    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+) -> None:
+    # A killed host closes its connections at once: the peer's collective fails and its non-zero
+    # exit races the dead host's broken stream to the coordinator. The dead host must be blamed.
+    killed = subprocess.Popen(  # noqa: ASYNC220 (started once, before anything is awaited)
+        [sys.executable, "-c", _STREAMING_MEMBER, coordinator.grpc_target], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        joined = await stub.Join(join_request("b", 1, "blame", world_size=2), timeout=20)
+        peer = joined.assignments[0]
+        call = stub.Heartbeat(
+            iter(
+                [pb.HeartbeatRequest(reports=[pb.MemberReport(member_id=peer.member_id, secret=peer.secret)])]
+            ),
+            timeout=30,
+        )
+        await asyncio.wait_for(call.read(), 5)
+        assert killed.stdout is not None
+        killed_rank = int(await asyncio.wait_for(asyncio.to_thread(killed.stdout.readline), 20))
+        killed.kill()
+        killed.wait(10)
+        await asyncio.sleep(0)  # the peer fails at once: its Leave may race the broken stream
+        await stub.Leave(
+            pb.LeaveRequest(member_id=peer.member_id, secret=peer.secret, exit_code=1), timeout=10
+        )
+        job = coordinator.get_json("/v1/jobs?job=blame")["jobs"][0]  # type: ignore[index]
+        assert job["state"] == "FAILED"
+        assert job["reason"].startswith(f"rank {killed_rank} on host a failed: connection lost"), job[
+            "reason"
+        ]
+        assert f"rank {peer.rank} on host b exited with code 1" in job["reason"]
+        call.cancel()
+    finally:
+        killed.kill()
+        killed.wait(10)
