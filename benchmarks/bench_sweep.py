@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from machine_info import describe
+from recording import describe
 
 LOOPBACK = "127.0.0.1"
 
@@ -56,7 +56,7 @@ def wait_healthy(proc: subprocess.Popen[bytes], http_port: int, timeout: float =
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     return describe("torch", "grpcio", load_at="end")
 
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from machine_info import describe
+from recording import describe, write_results
 
 SCENARIOS = ("kill", "hang", "partition")
 MODES = ("agent", "library", "gloo")
@@ -426,7 +426,7 @@ def _show(stat: dict[str, Any], deadline: float | None = None) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     return describe("torch")
 
 
@@ -532,12 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "runs": runs,
     }
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    table = markdown(doc)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table)
+    write_results(doc, markdown(doc), args.json, args.markdown)
     return 0
 
 

@@ -61,7 +61,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from machine_info import describe
+from recording import describe, write_results
 
 SHAPES = {"batched": (512, 8), "single": (4096, 1)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -492,7 +492,7 @@ def _percentile_ms(ordered: list[float], q: float) -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     return describe("grpcio")
 
 
@@ -677,12 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "quick": args.quick,
     }
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    table = markdown(doc)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table)
+    write_results(doc, markdown(doc), args.json, args.markdown)
     return 0
 
 

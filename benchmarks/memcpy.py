@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from machine_info import describe
+from recording import describe
 
 MIB = 1024**2
 COPY_SIZES_MIB = (1, 16, 64, 256)
@@ -166,7 +166,7 @@ def stream_bandwidth(kind: str, total: int, repeats: int) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     return describe("torch", load_at="end")
 
 

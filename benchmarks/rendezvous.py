@@ -67,7 +67,7 @@ from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from machine_info import describe
+from recording import describe
 
 Method = Literal["sarcomm", "tcpstore", "c10d"]
 METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d")
@@ -872,7 +872,7 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     return describe("torch", "grpcio", load_at="end")
 
 

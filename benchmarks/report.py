@@ -148,6 +148,15 @@ class Section:
     plot: str = ""
     quick: bool = False
 
+    @classmethod
+    def of(
+        cls, doc: dict[str, Any], name: str, title: str, headline: list[str], body: str, plot: str = ""
+    ) -> Section:
+        """A section for ``doc``: the command, machine and quick mark come from the document."""
+        return cls(
+            name, title, headline, body, _command(doc, name), machine_line(doc), plot, bool(doc.get("quick"))
+        )
+
     @property
     def machine_short(self) -> str:
         """CPUs and date only: the summary table's column (each section names the whole machine)."""
@@ -211,9 +220,7 @@ def memcpy_section(doc: dict[str, Any], ctx: Context) -> Section:
     body = md_table(["measurement", "size", "GB/s (median)", "min", "max"], rows, "lrrrr")
     body += "\n\nGB/s = 1e9 bytes per second, the unit of the bench's busbw; a copy moves each byte twice "
     body += "through memory (one read, one write)."
-    return Section(
-        "memcpy", "Memory-copy ceiling", headline, body, _command(doc, "memcpy"), machine_line(doc)
-    )
+    return Section.of(doc, "memcpy", "Memory-copy ceiling", headline, body)
 
 
 def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -316,9 +323,7 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
         ax.legend(loc="upper right", fontsize=9)
         _machine_caption(ax, machine_line(doc))
         plot = ctx.save(fig, "rendezvous")
-    return Section(
-        "rendezvous", "Rendezvous", headline, body, _command(doc, "rendezvous"), machine_line(doc), plot
-    )
+    return Section.of(doc, "rendezvous", "Rendezvous", headline, body, plot)
 
 
 def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -381,15 +386,7 @@ def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
             ax.legend(fontsize=8)
         _machine_caption(left, machine_line(doc))
         plot = ctx.save(fig, "all_to_all")
-    return Section(
-        "all_to_all",
-        "all_to_all with unequal sizes (gloo)",
-        headline,
-        body,
-        _command(doc, "all_to_all"),
-        machine_line(doc),
-        plot,
-    )
+    return Section.of(doc, "all_to_all", "all_to_all with unequal sizes (gloo)", headline, body, plot)
 
 
 def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -481,16 +478,7 @@ def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
             ax.grid(True, axis="y", alpha=0.3)
         _machine_caption(left, machine_line(doc))
         plot = ctx.save(fig, "overhead")
-    return Section(
-        "overhead",
-        "Wrapper overhead",
-        headline,
-        body,
-        _command(doc, "overhead"),
-        machine_line(doc),
-        plot,
-        quick=bool(doc.get("quick")),
-    )
+    return Section.of(doc, "overhead", "Wrapper overhead", headline, body, plot)
 
 
 def bench_sweep_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -581,14 +569,8 @@ def bench_sweep_section(doc: dict[str, Any], ctx: Context) -> Section:
         ax.legend(fontsize=8, loc="lower right")
         _machine_caption(ax, machine_line(doc))
         plot = ctx.save(fig, "bench_sweep")
-    return Section(
-        "bench_sweep",
-        "Collective bench sweep (`sar-worker ... bench`)",
-        headline,
-        body,
-        _command(doc, "bench_sweep"),
-        machine_line(doc),
-        plot,
+    return Section.of(
+        doc, "bench_sweep", "Collective bench sweep (`sar-worker ... bench`)", headline, body, plot
     )
 
 
@@ -703,16 +685,7 @@ def failure_detection_section(doc: dict[str, Any], ctx: Context) -> Section:
         _machine_caption(ax, machine_line(doc))
         plot = ctx.save(fig, "failure_detection")
     title = "Failure detection"
-    return Section(
-        "failure_detection",
-        title,
-        headline,
-        body,
-        _command(doc, "failure_detection"),
-        machine_line(doc),
-        plot,
-        quick=bool(doc.get("quick")),
-    )
+    return Section.of(doc, "failure_detection", title, headline, body, plot)
 
 
 def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -848,16 +821,7 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         _machine_caption(axes[0], machine_line(doc))
         plot = ctx.save(fig, "heartbeat_load")
     title = "Heartbeat load on the coordinator"
-    return Section(
-        "heartbeat_load",
-        title,
-        headline,
-        body,
-        _command(doc, "heartbeat_load"),
-        machine_line(doc),
-        plot,
-        quick=bool(doc.get("quick")),
-    )
+    return Section.of(doc, "heartbeat_load", title, headline, body, plot)
 
 
 def state_writes_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -910,16 +874,7 @@ def state_writes_section(doc: dict[str, Any], ctx: Context) -> Section:
         ax.legend(fontsize=8)
         _machine_caption(ax, machine_line(doc))
         plot = ctx.save(fig, "state_writes")
-    return Section(
-        "state_writes",
-        str(doc.get("title") or "State writes"),
-        headline,
-        body,
-        _command(doc, "state_writes"),
-        machine_line(doc),
-        plot,
-        quick=bool(doc.get("quick")),
-    )
+    return Section.of(doc, "state_writes", str(doc.get("title") or "State writes"), headline, body, plot)
 
 
 def soak_section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -971,15 +926,7 @@ def soak_section(doc: dict[str, Any], ctx: Context) -> Section:
             ax.grid(True, alpha=0.3)
         _machine_caption(left, machine_line(doc))
         plot = ctx.save(fig, "soak")
-    return Section(
-        "soak",
-        "Soak: coordinator memory over waves of jobs",
-        headline,
-        body,
-        _command(doc, "soak"),
-        machine_line(doc),
-        plot,
-    )
+    return Section.of(doc, "soak", "Soak: coordinator memory over waves of jobs", headline, body, plot)
 
 
 # -- benchmarks whose format this report does not know (written elsewhere, or newer) ---------------
@@ -1039,16 +986,7 @@ def generic_section(name: str, doc: dict[str, Any], ctx: Context) -> Section:
             _machine_caption(ax, machine_line(doc))
             plot = ctx.save(fig, name)
     title = str(doc.get("title") or name.replace("_", " ").capitalize())
-    return Section(
-        name,
-        title,
-        headline,
-        body,
-        _command(doc, name),
-        machine_line(doc),
-        plot,
-        quick=bool(doc.get("quick")),
-    )
+    return Section.of(doc, name, title, headline, body, plot)
 
 
 # -- the report ----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine_info import describe
+from recording import describe, write_results
 
 from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Membership, Progress
@@ -100,7 +100,6 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
         }  # fmt: skip
 
     results = []
-    tickets.clear()
     results.append(
         await phase(
             "form", [lambda i=i: tickets.append(membership.join(join_spec(i, world))) for i in range(world)]
@@ -127,7 +126,7 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (see machine_info)."""
+    """What the numbers were measured on (see recording.describe)."""
     import sqlite3
 
     return describe(sqlite=sqlite3.sqlite_version)
@@ -226,12 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"sizes": sizes, "full_baseline_max": args.full_baseline_max, "sample": args.sample},
         "machine": machine(),
     }
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    table = markdown(doc)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table)
+    write_results(doc, markdown(doc), args.json, args.markdown)
     return 0
 
 

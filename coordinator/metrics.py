@@ -18,8 +18,9 @@ scrapes the coordinator with ``honor_labels: true`` and they join the ranks' ser
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -99,22 +100,21 @@ class _Families(Collector):
         return iter(self._families)
 
 
-def _job_counts(snap: StateSnapshot) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(
-        "sar_coordinator_jobs", "Jobs by state (latest generation of each name).", labels=["state"]
-    )
-    for job_state, count in snap.job_counts.items():
-        family.add_metric([job_state.value], count)
+def _by_state(name: str, documentation: str, counts: Mapping[Any, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["state"])
+    for state, count in counts.items():
+        family.add_metric([state.value], count)
     return family
+
+
+def _job_counts(snap: StateSnapshot) -> GaugeMetricFamily:
+    return _by_state(
+        "sar_coordinator_jobs", "Jobs by state (latest generation of each name).", snap.job_counts
+    )
 
 
 def _member_counts(snap: StateSnapshot) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(
-        "sar_coordinator_members", "Members of latest generations by state.", labels=["state"]
-    )
-    for member_state, count in snap.member_counts.items():
-        family.add_metric([member_state.value], count)
-    return family
+    return _by_state("sar_coordinator_members", "Members of latest generations by state.", snap.member_counts)
 
 
 def _rank_up(snap: StateSnapshot) -> GaugeMetricFamily:

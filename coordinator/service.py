@@ -46,12 +46,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         events: EventHub,
         metrics: CoordinatorMetrics,
         config: CoordinatorConfig,
-        durable: Callable[[], Awaitable[None]] | None = None,
+        durable: Callable[[], Awaitable[None]],
     ) -> None:
         self._membership = membership
         # Awaited before an answer that reports a change (a formed world, a leave): what a client
         # was told must survive a crash (see persistence.WriteBehind.durable).
-        self._durable = durable or _nothing_to_wait_for
+        self._durable = durable
         self._events = events
         self._metrics = metrics
         self._config = config
@@ -282,10 +282,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             job = self._membership.job(name)
             return jobs_message([job] if job else [], self._membership.stall)
         return jobs_message(self._membership.jobs(), self._membership.stall)
-
-
-async def _nothing_to_wait_for() -> None:
-    return None
 
 
 def _rank(rank: int | None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -16,6 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+
+def netns_unavailable() -> str:
+    """Why tests that build hosts from network namespaces cannot run here, or "" when they can."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs the ip command (iproute2)"
+    return ""
 
 
 def free_port() -> int:

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from sarcomm.coordinator.membership import (
 )
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.worker.client import CoordinatorClient, Event, EventKind
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess, free_port, netns_unavailable
 from tests.test_membership import LO, FakeClock
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -470,16 +469,6 @@ def test_a_job_survives_a_coordinator_sigkill_and_a_later_failure_is_still_told(
 # -- partition (network namespaces) ------------------------------------------------------------
 
 
-def _netns_unavailable() -> str:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs the ip command (iproute2)"
-    return ""
-
-
 def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if result.returncode != 0:
@@ -490,7 +479,7 @@ def _ip(*args: str) -> None:
 def hosts() -> Iterator[tuple[str, list[str]]]:
     """Three hosts (namespaces with eth0 at 10.79.0.11-13) and the root namespace at 10.79.0.1, on
     one bridge that lives in a switch namespace of its own. Yields (coordinator address, hosts)."""
-    reason = _netns_unavailable()
+    reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
     tag = f"{os.getpid() % 100000}"

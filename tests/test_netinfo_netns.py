@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import pytest
 from sarcomm.coordinator.errors import InvalidArgumentError
 from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.worker import netinfo
+from tests.conftest import netns_unavailable
 
 K = InterfaceKind
 _TIMEOUT_S = 30
@@ -45,24 +45,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _netns_unavailable() -> str:
-    """Why the netns tests cannot run here, or "" when they can."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs the ip command (iproute2)"
-    return ""
-
-
 @pytest.fixture
 def namespaces() -> Iterator[tuple[str, str]]:
     """Two fresh namespaces, a host under test and its neighbour, deleted afterwards.
 
     Names carry the pid and a counter so parallel runs and reruns after a crash do not collide.
     """
-    reason = _netns_unavailable()
+    reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
     serial = next(_counter)

@@ -1,4 +1,5 @@
-"""What a benchmark ran on, described the same way in every script's JSON (``report.py`` reads it).
+"""How a benchmark records its results: the machine it ran on, described the same way in every
+script's JSON (``report.py`` reads it), and the files it writes.
 
 Absolute figures belong to a machine: each result carries its CPUs, memory, platform, versions,
 date and the load average, since other work on a small machine skews every figure.
@@ -6,6 +7,7 @@ date and the load average, since other work on a small machine skews every figur
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from datetime import datetime, timezone
@@ -44,3 +46,14 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return ""
+
+
+def write_results(
+    doc: dict[str, Any], table: str, json_path: Path | None, markdown_path: Path | None
+) -> None:
+    """Print ``table``; write ``doc`` as JSON and ``table`` as Markdown where asked."""
+    if json_path:
+        json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(table)
+    if markdown_path:
+        markdown_path.write_text(table)
