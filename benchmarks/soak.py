@@ -51,8 +51,9 @@ from typing import Any
 
 import psutil
 
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.worker.client import CoordinatorClient, JoinResult, MemberReport
+from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.messages import JoinResult, MemberReport
 
 LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 # Waves whose lowest RSS makes the baseline (after the warm-up) and the final value.

@@ -38,7 +38,7 @@ from typing import Any
 
 from recording import describe, write_results
 
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Membership, Progress
 from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.store import JobRow, SqliteStore

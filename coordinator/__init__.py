@@ -1,5 +1,4 @@
 """The sarcomm coordinator: membership, liveness and discovery for SAR-style jobs.
 
-Kept import-light on purpose: the worker side imports ``sarcomm.coordinator.errors`` and
-``sarcomm.coordinator.interfaces`` without pulling in the server.
+Imports only the shared layer (``sarcomm.common``) and the generated code, never the worker side.
 """

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from sarcomm import __version__
+from sarcomm.common.errors import SarcommError
+from sarcomm.common.tls import ClientTls
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
-from sarcomm.coordinator.errors import SarcommError
-from sarcomm.coordinator.tls import ClientTls
 
 log = logging.getLogger("sarcomm.coordinator")
 

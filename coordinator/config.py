@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.common.errors import InvalidArgumentError
 
 
 def parse_host_port(field: str, value: str) -> tuple[str, int]:

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from sarcomm.coordinator.errors import (
+from sarcomm.common.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     SarcommError,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sarcomm.coordinator.errors import (
+from sarcomm.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -48,7 +48,7 @@ from sarcomm.coordinator.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo, address_on, choose_interface, parse_address
+from sarcomm.common.interfaces import InterfaceInfo, address_on, choose_interface, parse_address
 from sarcomm.coordinator.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class Member:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Member:
-        from sarcomm.coordinator.interfaces import InterfaceKind
+        from sarcomm.common.interfaces import InterfaceKind
 
         interfaces = tuple(
             InterfaceInfo(i["name"], tuple(i["addresses"]), InterfaceKind(i["kind"]), i["default_route"])

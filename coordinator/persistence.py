@@ -23,7 +23,7 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sarcomm.coordinator.errors import CoordinatorUnavailableError
+from sarcomm.common.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Job
 from sarcomm.coordinator.store import StateStore, encode_job
 

@@ -22,8 +22,9 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.tls import server_credentials, server_ssl_context
 from sarcomm.coordinator.config import CoordinatorConfig, parse_host_port
-from sarcomm.coordinator.errors import InvalidArgumentError
 from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
@@ -32,7 +33,6 @@ from sarcomm.coordinator.metrics import CoordinatorMetrics, failure_reason_label
 from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.service import CoordinatorService
 from sarcomm.coordinator.store import SqliteStore
-from sarcomm.coordinator.tls import server_credentials, server_ssl_context
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -13,16 +13,16 @@ from typing import Any
 
 import grpc
 
-from sarcomm.coordinator import validation
-from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.errors import (
+from sarcomm.common.errors import (
     FailedPreconditionError,
     JoinTimeoutError,
     ResourceExhaustedError,
     SarcommError,
 )
+from sarcomm.common.interfaces import parse_peer
+from sarcomm.coordinator import validation
+from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub
-from sarcomm.coordinator.interfaces import parse_peer
 from sarcomm.coordinator.membership import EventKind, JobEvent, JobState, Membership, Progress
 from sarcomm.coordinator.metrics import CoordinatorMetrics
 from sarcomm.coordinator.views import event_message, jobs_message

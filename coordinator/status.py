@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
-from sarcomm.coordinator.errors import from_rpc_error
-from sarcomm.coordinator.tls import ClientTls
+from sarcomm.common.errors import from_rpc_error
+from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 

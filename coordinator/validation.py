@@ -12,9 +12,9 @@ import ipaddress
 import math
 import re
 
+from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.errors import InvalidArgumentError, ResourceExhaustedError, shorten
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
 

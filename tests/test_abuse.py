@@ -24,10 +24,11 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.messages import MemberReport
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from sarcomm.worker.client import CoordinatorClient, MemberReport
 from tests.conftest import CoordinatorProcess
 
 LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.worker import cli
 from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
-from sarcomm.worker.client import Assignment, JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, free_port
 

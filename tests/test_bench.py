@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker import bench, cli
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo

@@ -12,7 +12,9 @@ from typing import TypeVar
 
 import pytest
 
-from sarcomm.coordinator.errors import (
+from sarcomm.common.client import CoordinatorClient, validate_target
+from sarcomm.common.constants import EventKind
+from sarcomm.common.errors import (
     AlreadyExistsError,
     CoordinatorUnavailableError,
     FailedPreconditionError,
@@ -20,15 +22,8 @@ from sarcomm.coordinator.errors import (
     JoinTimeoutError,
     UnauthenticatedError,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.worker.client import (
-    Assignment,
-    CoordinatorClient,
-    Event,
-    EventKind,
-    MemberReport,
-    validate_target,
-)
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.messages import Assignment, Event, MemberReport
 from tests.conftest import CoordinatorProcess, free_port
 
 T = TypeVar("T")

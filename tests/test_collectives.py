@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from sarcomm.coordinator.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
+from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
 from sarcomm.worker import collectives, comm, metrics
 from sarcomm.worker.comm import BackendProbe
 from tests.conftest import CoordinatorProcess

@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from sarcomm.common.errors import SarcommError
+from sarcomm.common.interfaces import parse_address
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.errors import SarcommError
-from sarcomm.coordinator.interfaces import parse_address
 from sarcomm.coordinator.membership import JobState, Membership
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.coordinator.errors import SarcommError
+from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.constants import EventKind
+from sarcomm.common.errors import SarcommError
+from sarcomm.common.messages import Event
 from sarcomm.coordinator.membership import (
     JobState,
     JoinSpec,
@@ -37,7 +40,6 @@ from sarcomm.coordinator.membership import (
     Progress,
 )
 from sarcomm.coordinator.store import SqliteStore
-from sarcomm.worker.client import CoordinatorClient, Event, EventKind
 from tests.conftest import CoordinatorProcess, free_port, netns_unavailable
 from tests.test_membership import LO, FakeClock
 
@@ -687,9 +689,9 @@ def test_history_keeps_each_ended_generation_and_survives_an_abandoned_rejoin() 
 
 
 def test_the_new_settings_name_field_value_and_rule() -> None:
+    from sarcomm.common.errors import InvalidArgumentError
     from sarcomm.coordinator import cli, validation
     from sarcomm.coordinator.config import CoordinatorConfig
-    from sarcomm.coordinator.errors import InvalidArgumentError
 
     with pytest.raises(
         InvalidArgumentError, match=r"^stall_threshold 0 must be a positive number of seconds"

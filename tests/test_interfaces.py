@@ -1,4 +1,4 @@
-"""Unit tests of the coordinator's interface choice (``sarcomm.coordinator.interfaces``).
+"""Unit tests of the coordinator's interface choice (``sarcomm.common.interfaces``).
 
 The hosts are made up: a "workstation" with loopback, a docker bridge, a container veth, a docker
 user network bridge and two NICs (eth0 with the default route, eth1 on a second network), and the
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sarcomm.coordinator.errors import InvalidArgumentError
-from sarcomm.coordinator.interfaces import (
+from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.interfaces import (
     InterfaceInfo,
     InterfaceKind,
     address_on,

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.coordinator.errors import (
+from sarcomm.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import (
     EventKind,
     JobEvent,

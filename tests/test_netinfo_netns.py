@@ -1,4 +1,4 @@
-"""Tests of the worker's interface report (``sarcomm.worker.netinfo``).
+"""Tests of the worker's interface report (``sarcomm.common.netinfo``).
 
 The ``netns`` tests build a host inside a network namespace (veths named eth0/eth1 as a container
 has them, a bridge, a dummy or tap device, a bridge that is down) and run ``local_interfaces()``
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.coordinator.errors import InvalidArgumentError
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.worker import netinfo
+from sarcomm.common import netinfo
+from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from tests.conftest import netns_unavailable
 
 K = InterfaceKind
@@ -90,9 +90,9 @@ def _run_in(namespace: str, script: str) -> object:
 
 _REPORT_SCRIPT = """
     import json
-    from sarcomm.coordinator.errors import InvalidArgumentError
-    from sarcomm.coordinator.interfaces import address_on, choose_interface
-    from sarcomm.worker.netinfo import check_socket_name, local_interfaces
+    from sarcomm.common.errors import InvalidArgumentError
+    from sarcomm.common.interfaces import address_on, choose_interface
+    from sarcomm.common.netinfo import check_socket_name, local_interfaces
 
     interfaces = local_interfaces()
 
@@ -224,7 +224,7 @@ def test_local_interfaces_reports_only_loopback_in_fresh_netns(namespaces: tuple
         host,
         """
         import json
-        from sarcomm.worker.netinfo import local_interfaces
+        from sarcomm.common.netinfo import local_interfaces
         report = [[i.name, list(i.addresses), i.kind.name, i.default_route] for i in local_interfaces()]
         print(json.dumps(report))
         """,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sarcomm.coordinator.errors import CoordinatorUnavailableError
+from sarcomm.common.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.store import JobRow, SqliteStore

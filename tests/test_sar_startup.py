@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker import startup
 from sarcomm.worker.startup import LaunchEnv, WorkerInfo, detect_launcher, parse_launch_env
 from tests.conftest import CoordinatorProcess

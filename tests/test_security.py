@@ -25,13 +25,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
+from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.errors import CoordinatorUnavailableError, UnauthenticatedError
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.messages import MemberReport
+from sarcomm.common.tls import ClientTls
 from sarcomm.coordinator import cli as coordinator_cli
-from sarcomm.coordinator.errors import CoordinatorUnavailableError, UnauthenticatedError
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from sarcomm.worker.client import CoordinatorClient, MemberReport
 from tests.conftest import CoordinatorProcess
 from tests.tls_files import TlsFiles, make_tls_files
 

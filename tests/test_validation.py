@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from sarcomm.coordinator import validation
-from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.errors import (
+from sarcomm.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.coordinator import validation
+from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trustme
 
-from sarcomm.coordinator.tls import ClientTls
+from sarcomm.common.tls import ClientTls
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# name -> submodule that defines it
+# name -> module that defines it (a bare name is a submodule of this package)
 _EXPORTS: dict[str, str] = {
     # start-up
     "coord_ip_init": "startup",
@@ -45,12 +45,12 @@ _EXPORTS: dict[str, str] = {
     "recv": "collectives",
     "barrier": "collectives",
     # coordinator client
-    "CoordinatorClient": "client",
-    "Assignment": "client",
-    "ClientTls": "client",
+    "CoordinatorClient": "sarcomm.common.client",
+    "Assignment": "sarcomm.common.messages",
+    "ClientTls": "sarcomm.common.tls",
     # errors
-    "PeerFailedError": "errors",
-    "SarcommError": "errors",
+    "PeerFailedError": "sarcomm.common.errors",
+    "SarcommError": "sarcomm.common.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -60,10 +60,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'sarcomm.worker' has no attribute {name!r}")
-    if module == "errors":
-        value = getattr(importlib.import_module("sarcomm.coordinator.errors"), name)
-    else:
-        value = getattr(importlib.import_module(f"sarcomm.worker.{module}"), name)
+    qualified = module if "." in module else f"sarcomm.worker.{module}"
+    value = getattr(importlib.import_module(qualified), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -73,11 +71,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these on first use
-    from sarcomm.coordinator.errors import PeerFailedError as PeerFailedError
-    from sarcomm.coordinator.errors import SarcommError as SarcommError
-    from sarcomm.worker.client import Assignment as Assignment
-    from sarcomm.worker.client import ClientTls as ClientTls
-    from sarcomm.worker.client import CoordinatorClient as CoordinatorClient
+    from sarcomm.common.client import CoordinatorClient as CoordinatorClient
+    from sarcomm.common.errors import PeerFailedError as PeerFailedError
+    from sarcomm.common.errors import SarcommError as SarcommError
+    from sarcomm.common.messages import Assignment as Assignment
+    from sarcomm.common.tls import ClientTls as ClientTls
     from sarcomm.worker.collectives import all_gather as all_gather
     from sarcomm.worker.collectives import all_reduce as all_reduce
     from sarcomm.worker.collectives import all_to_all as all_to_all

@@ -31,19 +31,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
-from sarcomm.coordinator.tls import ClientTls
-from sarcomm.worker import netinfo
-from sarcomm.worker.client import (
-    CoordinatorClient,
-    Event,
-    EventKind,
-    JoinResult,
-    MemberReport,
-    Progress,
-    paced_interval,
-    validate_target,
-)
+from sarcomm.common import netinfo
+from sarcomm.common.client import CoordinatorClient, validate_target
+from sarcomm.common.constants import EventKind
+from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.common.messages import Event, JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.tls import ClientTls
 from sarcomm.worker.progress import ProgressReader
 from sarcomm.worker.startup import AGENT_PID_VARIABLE, BACKENDS, PROGRESS_FILE_VARIABLE
 

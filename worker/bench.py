@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import sarcomm.worker as sar
-from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.worker.agent import AgentConfig
 from sarcomm.worker.cli import EXIT_USAGE, run_agent
 
@@ -608,7 +608,7 @@ def _run_sweep(settings: BenchSettings, env: _Env, progress: _Progress | None) -
 
 def _report(rows: list[Row], settings: BenchSettings, info: WorkerInfo, backend: str) -> int:
     """Rank 0: print the table, write the JSON; 0, or 1 when the JSON could not be written."""
-    from sarcomm.worker import netinfo
+    from sarcomm.common import netinfo
 
     host = netinfo.host_name()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sarcomm.coordinator.errors import InvalidArgumentError, SarcommError, shorten
-from sarcomm.coordinator.tls import ClientTls
+from sarcomm.common.client import validate_target
+from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.common.tls import ClientTls
 from sarcomm.worker.agent import Agent, AgentConfig
-from sarcomm.worker.client import validate_target
 from sarcomm.worker.startup import BACKENDS
 
 __all__ = [

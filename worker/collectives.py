@@ -56,7 +56,7 @@ from typing import Any, Final, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from sarcomm.coordinator.errors import FailedPreconditionError, InvalidArgumentError, shorten
+from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, shorten
 from sarcomm.worker import comm
 from sarcomm.worker.metrics import CollectiveStats
 

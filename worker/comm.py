@@ -43,7 +43,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-from sarcomm.coordinator.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
+from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
 from sarcomm.worker import metrics
 
 __all__ = [

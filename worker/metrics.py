@@ -40,7 +40,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
     "DURATION_BUCKETS_SECONDS",

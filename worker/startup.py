@@ -14,7 +14,7 @@ stream running on a private event-loop thread, carrying the progress its collect
 reports ``Leave`` when the interpreter exits (exit code 1 after an uncaught exception, else 0). A
 failure of another rank that the heartbeats report is logged, kept for :func:`peer_failure` and
 handed to :func:`sarcomm.worker.comm.mark_peer_failed`, so that the next collective, and one already
-waiting, raises :class:`~sarcomm.coordinator.errors.PeerFailedError` instead of waiting for a peer
+waiting, raises :class:`~sarcomm.common.errors.PeerFailedError` instead of waiting for a peer
 that is gone.
 
 Under ``sar-worker``, :func:`init` keeps the progress record the agent reads
@@ -41,19 +41,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from sarcomm.coordinator.errors import InvalidArgumentError, PeerFailedError, SarcommError, shorten
-from sarcomm.coordinator.tls import ClientTls
-from sarcomm.worker.client import (
-    DEFAULT_JOIN_TIMEOUT,
-    CoordinatorClient,
-    EventKind,
-    HeartbeatStream,
-    JoinResult,
-    MemberReport,
-    Progress,
-    paced_interval,
-    validate_target,
-)
+from sarcomm.common.client import CoordinatorClient, HeartbeatStream, validate_target
+from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, EventKind
+from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError, shorten
+from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.tls import ClientTls
 from sarcomm.worker.progress import ProgressWriter
 
 __all__ = [
@@ -689,7 +681,7 @@ def _register(
 ) -> JoinResult:
     """Join at ``coord``, start heartbeats, export the variables; shared by both entry points."""
     global _registration
-    from sarcomm.worker import netinfo  # local: only self-registration needs it
+    from sarcomm.common import netinfo  # local: only self-registration needs it
 
     validate_target(coord)
     interval = _heartbeat_interval(environ, heartbeat_interval)

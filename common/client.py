@@ -9,7 +9,7 @@ from hand-written loops:
   exponential backoff and jitter (gRPC's built-in transparent retries);
 - keepalive pings notice a dead connection during long blocking calls such as ``Join``.
 
-Failed calls raise the :mod:`sarcomm.coordinator.errors` class their status maps to. The client's
+Failed calls raise the :mod:`sarcomm.common.errors` class their status maps to. The client's
 own deadline becomes :class:`CoordinatorUnavailableError` (never reached the coordinator) or, for
 ``Join``, :class:`JoinTimeoutError`, with a message naming the target and the deadline.
 
@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from sarcomm.coordinator.errors import (
+from sarcomm.common import netinfo
+from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT
+from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     InvalidArgumentError,
     JoinTimeoutError,
@@ -48,32 +48,23 @@ from sarcomm.coordinator.errors import (
     from_rpc_error,
     shorten,
 )
-from sarcomm.coordinator.interfaces import InterfaceInfo
-from sarcomm.coordinator.tls import ClientTls, Diagnosis, Rejection, diagnose
+from sarcomm.common.interfaces import InterfaceInfo
+from sarcomm.common.messages import (
+    Assignment,
+    Event,
+    HeartbeatReply,
+    JoinResult,
+    MemberReport,
+    interface_to_proto,
+)
+from sarcomm.common.tls import ClientTls, Diagnosis, Rejection, diagnose
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = [
-    "DEFAULT_JOIN_TIMEOUT",
-    "Assignment",
-    "ClientTls",
-    "CoordinatorClient",
-    "Event",
-    "EventKind",
-    "HeartbeatReply",
-    "HeartbeatStream",
-    "JoinResult",
-    "MemberReport",
-    "Progress",
-    "paced_interval",
-    "validate_target",
-]
+__all__ = ["CoordinatorClient", "HeartbeatStream", "validate_target"]
 
 log = logging.getLogger(__name__)
 
-#: The coordinator's documented ``--join-timeout`` default (seconds). A join that leaves its own
-#: timeout to the coordinator gets a client deadline of this plus the client's ``timeout``.
-DEFAULT_JOIN_TIMEOUT = 600.0
 
 _SERVICE = "sarcomm.v1.Coordinator"
 
@@ -139,163 +130,6 @@ def validate_target(target: str) -> str:
     return target
 
 
-class EventKind(enum.IntEnum):
-    """What a :class:`Event` reports; the numbers are those of ``sarcomm.v1.JobEvent.Kind``."""
-
-    UNSPECIFIED = 0
-    WORLD_FORMED = 1
-    MEMBER_FAILED = 2
-    JOB_FINISHED = 3
-    JOB_FAILED = 4
-    JOB_RESTARTING = 5
-
-
-@dataclass(frozen=True)
-class Event:
-    """One job event. ``rank``, ``host`` and ``reason`` describe the failed member for
-    ``MEMBER_FAILED`` (and the cause for ``JOB_FAILED``); ``time`` is Unix time in seconds."""
-
-    kind: EventKind
-    job: str
-    generation: int
-    rank: int = 0
-    host: str = ""
-    reason: str = ""
-    time: float = 0.0
-
-    @classmethod
-    def from_proto(cls, msg: pb.JobEvent) -> Event:
-        try:
-            kind = EventKind(msg.kind)
-        except ValueError:  # a newer coordinator may send kinds this client does not know
-            kind = EventKind.UNSPECIFIED
-        return cls(kind, msg.job, msg.generation, msg.rank, msg.host, msg.reason, msg.time)
-
-    def describe(self) -> str:
-        """One human sentence, e.g. ``rank 2 on host n1 failed: exited with code 3``."""
-        if self.kind is EventKind.MEMBER_FAILED:
-            who = f"rank {self.rank}" if self.rank >= 0 else "a rank"  # the coordinator sends -1 if unknown
-            where = f" on host {self.host}" if self.host else ""
-            return f"{who}{where} failed: {self.reason or 'no reason given'}"
-        return f"{self.kind.name.lower().replace('_', ' ')}" + (f": {self.reason}" if self.reason else "")
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What one member (one local rank) got from ``Join``.
-
-    ``master_addr``/``master_port`` are the torch.distributed rendezvous (rank 0's store);
-    ``interface``/``address`` are this host's network interface and its address on it.
-    ``member_id`` and ``secret`` identify the member on ``Heartbeat`` and ``Leave``.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    interface: str
-    address: str
-    generation: int
-    member_id: str
-    secret: str = field(repr=False)
-    job: str
-    restart_count: int
-
-
-def paced_interval(configured: float, coordinator: float) -> float:
-    """Seconds between heartbeats: ``configured``, or the coordinator's interval when that is
-    shorter (0: not told). The coordinator judges silence by its own interval, so a member that
-    beats slower than it expects would be taken for dead while healthy."""
-    return min(configured, coordinator) if coordinator > 0 else configured
-
-
-@dataclass(frozen=True)
-class JoinResult:
-    """The answer to one ``Join`` for the K members of one host; ``assignments`` follow the
-    order of the request's members (local rank 0 first when the agent builds it)."""
-
-    job: str
-    generation: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    interface: str
-    address: str
-    restart_count: int
-    assignments: tuple[Assignment, ...]
-    #: The coordinator's expected seconds between reports (0: not told); see :func:`paced_interval`.
-    heartbeat_interval: float = 0.0
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """Global ranks of the members, in request order."""
-        return tuple(a.rank for a in self.assignments)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a rank is in its sequence of collectives (``since`` is Unix time in seconds)."""
-
-    seq: int = 0
-    op: str = ""
-    in_collective: bool = False
-    since: float = 0.0
-
-
-@dataclass(frozen=True)
-class MemberReport:
-    """One member's liveness report; ``metrics_address`` is ``host:port`` of its /metrics.
-
-    ``age`` is how many seconds ago the member itself last showed a sign of life (0: now). An agent
-    reports each rank's own alive stamp, so a rank that is stopped or wedged ages although the
-    agent reporting for it is fine, and the coordinator judges it by its own silence.
-    """
-
-    member_id: str
-    secret: str = field(repr=False)
-    progress: Progress | None = None
-    metrics_address: str = ""
-    age: float = 0.0
-
-    def to_proto(self) -> pb.MemberReport:
-        msg = pb.MemberReport(
-            member_id=self.member_id,
-            secret=self.secret,
-            metrics_address=self.metrics_address,
-            age_seconds=self.age,
-        )
-        if self.progress is not None:
-            p = self.progress
-            msg.progress.CopyFrom(
-                pb.Progress(seq=p.seq, op=p.op, in_collective=p.in_collective, since=p.since)
-            )
-        return msg
-
-
-@dataclass(frozen=True)
-class HeartbeatReply:
-    """The coordinator's answer to one heartbeat: members it no longer knows, and job events
-    (a ``MEMBER_FAILED`` here means the reporters should stop)."""
-
-    unknown_members: tuple[str, ...] = ()
-    events: tuple[Event, ...] = ()
-
-    @classmethod
-    def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
-        return cls(tuple(msg.unknown_members), tuple(Event.from_proto(e) for e in msg.events))
-
-
-def _interface_to_proto(info: InterfaceInfo) -> pb.NetworkInterface:
-    return pb.NetworkInterface(
-        name=info.name,
-        addresses=list(info.addresses),
-        kind=pb.InterfaceKind.ValueType(int(info.kind)),
-        default_route=info.default_route,
-    )
-
-
 class CoordinatorClient:
     """Async client of one coordinator; use as ``async with CoordinatorClient(target) as c``.
 
@@ -305,7 +139,7 @@ class CoordinatorClient:
             none.
         timeout: deadline in seconds for each call (default 30), including the time spent waiting
             for a coordinator that is not up yet. ``join`` adds its join timeout on top.
-        tls: TLS settings (:class:`~sarcomm.coordinator.tls.ClientTls`: the CA that signed the
+        tls: TLS settings (:class:`~sarcomm.common.tls.ClientTls`: the CA that signed the
             coordinator's certificate, and this client's certificate and key for mutual TLS);
             None (and no ``credentials``) makes a plaintext channel. When the coordinator
             refuses the connection at the TLS layer, calls fail with a message naming which side
@@ -426,7 +260,7 @@ class CoordinatorClient:
     # -- TLS diagnosis ---------------------------------------------------------------------------
 
     async def _diagnose(self) -> Diagnosis | None:
-        """Why the connection fails at the TLS layer (see :func:`~sarcomm.coordinator.tls.diagnose`),
+        """Why the connection fails at the TLS layer (see :func:`~sarcomm.common.tls.diagnose`),
         or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
         match = _TARGET_RE.match(self.target)
         if match is None or (self._credentials is not None and self.tls is None):
@@ -558,13 +392,13 @@ class CoordinatorClient:
             local_ranks: local rank of each member on this host, for the answer (default
                 ``0..nproc-1``); a process registering alone passes its launcher's local rank.
             local_world_size: members on this host (default ``nproc``).
-            host: host name (default :func:`sarcomm.worker.netinfo.host_name`).
+            host: host name (default :func:`sarcomm.common.netinfo.host_name`).
             interfaces: this host's interfaces (default
-                :func:`sarcomm.worker.netinfo.local_interfaces`).
+                :func:`sarcomm.common.netinfo.local_interfaces`).
             socket_name: interface to force ("" lets the coordinator choose).
             store_port: TCP port reserved on this host for the torch.distributed store, used when a
                 member here gets rank 0 (0: a port that is free now, see
-                :func:`sarcomm.worker.netinfo.free_port`).
+                :func:`sarcomm.common.netinfo.free_port`).
             generation: generation this host last belonged to (0 = none); a stale one is refused.
             join_timeout: seconds to wait for the world to form; None uses the coordinator's
                 ``--join-timeout`` (assumed to be at most :data:`DEFAULT_JOIN_TIMEOUT` for the
@@ -584,8 +418,6 @@ class CoordinatorClient:
             CoordinatorUnavailableError: the coordinator could not be reached before the deadline.
             UnauthenticatedError: the token was missing or wrong.
         """
-        from sarcomm.worker import netinfo  # local: netinfo pulls in ifaddr/psutil
-
         if ranks is not None and len(ranks) != nproc:
             raise InvalidArgumentError(
                 f"ranks={list(ranks)!r} must have nproc={nproc} entries, one per member."
@@ -613,7 +445,7 @@ class CoordinatorClient:
                 world_size=world_size,
                 host=host if host is not None else netinfo.host_name(),
                 interfaces=[
-                    _interface_to_proto(i)
+                    interface_to_proto(i)
                     for i in (interfaces if interfaces is not None else netinfo.local_interfaces())
                 ],
                 members=members,
@@ -802,7 +634,7 @@ class HeartbeatStream:
     coordinator like any call (gRPC reconnects with exponential backoff and jitter). Ranks keep
     running meanwhile: collectives never depend on the coordinator being up. Any other failure
     (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
-    (gRPC statuses as their :mod:`sarcomm.coordinator.errors` class).
+    (gRPC statuses as their :mod:`sarcomm.common.errors` class).
 
     ``connected`` says whether the current stream has had an answer. Use as an async context
     manager; leaving it ends the stream in order (a half-close), which the coordinator tells apart

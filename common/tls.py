@@ -8,7 +8,7 @@ missing certificate fails with a sentence a person can act on instead of a timeo
 
 This module is shared by the coordinator (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``) and
 by its clients (``sar-worker --tls-ca/--tls-cert/--tls-key``, ``sar-coordinator status``); like
-:mod:`~sarcomm.coordinator.interfaces` it imports nothing of the server.
+:mod:`~sarcomm.common.interfaces` it imports nothing of the server.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from sarcomm.coordinator.errors import InvalidArgumentError
+from sarcomm.common.errors import InvalidArgumentError
 
 __all__ = [
     "ENV_CA",

@@ -6,7 +6,7 @@ Names and addresses come from ``ifaddr`` (getifaddrs); what an interface *is* co
 ``ip netns exec`` sees its own namespace. No subprocesses: ``ip`` or ``ethtool`` may be missing in
 a slim container, and the files say everything needed.
 
-The coordinator makes the choice (``sarcomm.coordinator.interfaces.choose_interface``); this
+The coordinator makes the choice (``sarcomm.common.interfaces.choose_interface``); this
 module only reports, plus the two things an agent needs before it joins: checking a forced
 ``--socket-name`` early and holding a port for the torch.distributed store.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import ifaddr
 
-from sarcomm.coordinator.errors import InvalidArgumentError, shorten
-from sarcomm.coordinator.interfaces import (
+from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.interfaces import (
     InterfaceInfo,
     InterfaceKind,
     unknown_interface_error,
@@ -376,7 +376,7 @@ def free_port(host: str = "") -> int:
 
 
 def _debug_summary() -> str:
-    """One line per interface, for ``python -m sarcomm.worker.netinfo`` when debugging a host."""
+    """One line per interface, for ``python -m sarcomm.common.netinfo`` when debugging a host."""
     return os.linesep.join(
         f"{i.name}\t{i.kind.name}\t{'default' if i.default_route else '-'}\t{' '.join(i.addresses)}"
         for i in local_interfaces()

@@ -3,12 +3,12 @@
 Workers report their interfaces (name, addresses, what sysfs says they are, whether the default
 route leaves through them); the coordinator picks one per host with :func:`choose_interface` and
 advertises :func:`address_on` it. Nothing here does I/O, so every rule is testable with made-up
-hosts, and the worker side (``sarcomm.worker.netinfo``) imports it without pulling in the server.
+hosts, and the worker side (``sarcomm.common.netinfo``) imports it without pulling in the server.
 
 The rules, in the order :func:`choose_interface` applies them:
 
 1. ``socket_name`` (``--socket-name`` / ``SAR_SOCKET_NAME``) is the user's explicit choice: that
-   interface, or :class:`~sarcomm.coordinator.errors.InvalidArgumentError` naming the ones that exist.
+   interface, or :class:`~sarcomm.common.errors.InvalidArgumentError` naming the ones that exist.
 2. ``single_host``: when every member of the world reached the coordinator over loopback, the
    whole job runs on one machine and loopback is the right interface.
 3. The interface that carries the address the coordinator saw the member connect from: that path
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from sarcomm.coordinator.errors import InvalidArgumentError, shorten
+from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
     "IPAddress",

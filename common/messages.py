@@ -1,0 +1,171 @@
+"""The messages the coordinator client and its callers exchange, with their proto conversion.
+
+These are the shared layer's types: the client returns them, the agent and the library read them,
+and the coordinator's views build the same protos. Field meanings follow ``coordinator.proto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sarcomm.common.constants import EventKind
+from sarcomm.common.interfaces import InterfaceInfo
+from sarcomm.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "Assignment",
+    "Event",
+    "EventKind",
+    "HeartbeatReply",
+    "JoinResult",
+    "MemberReport",
+    "Progress",
+    "interface_to_proto",
+    "paced_interval",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One job event. ``rank``, ``host`` and ``reason`` describe the failed member for
+    ``MEMBER_FAILED`` (and the cause for ``JOB_FAILED``); ``time`` is Unix time in seconds."""
+
+    kind: EventKind
+    job: str
+    generation: int
+    rank: int = 0
+    host: str = ""
+    reason: str = ""
+    time: float = 0.0
+
+    @classmethod
+    def from_proto(cls, msg: pb.JobEvent) -> Event:
+        try:
+            kind = EventKind(msg.kind)
+        except ValueError:  # a newer coordinator may send kinds this client does not know
+            kind = EventKind.UNSPECIFIED
+        return cls(kind, msg.job, msg.generation, msg.rank, msg.host, msg.reason, msg.time)
+
+    def describe(self) -> str:
+        """One human sentence, e.g. ``rank 2 on host n1 failed: exited with code 3``."""
+        if self.kind is EventKind.MEMBER_FAILED:
+            who = f"rank {self.rank}" if self.rank >= 0 else "a rank"  # the coordinator sends -1 if unknown
+            where = f" on host {self.host}" if self.host else ""
+            return f"{who}{where} failed: {self.reason or 'no reason given'}"
+        return f"{self.kind.name.lower().replace('_', ' ')}" + (f": {self.reason}" if self.reason else "")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What one member (one local rank) got from ``Join``.
+
+    ``master_addr``/``master_port`` are the torch.distributed rendezvous (rank 0's store);
+    ``interface``/``address`` are this host's network interface and its address on it.
+    ``member_id`` and ``secret`` identify the member on ``Heartbeat`` and ``Leave``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    interface: str
+    address: str
+    generation: int
+    member_id: str
+    secret: str = field(repr=False)
+    job: str
+    restart_count: int
+
+
+def paced_interval(configured: float, coordinator: float) -> float:
+    """Seconds between heartbeats: ``configured``, or the coordinator's interval when that is
+    shorter (0: not told). The coordinator judges silence by its own interval, so a member that
+    beats slower than it expects would be taken for dead while healthy."""
+    return min(configured, coordinator) if coordinator > 0 else configured
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """The answer to one ``Join`` for the K members of one host; ``assignments`` follow the
+    order of the request's members (local rank 0 first when the agent builds it)."""
+
+    job: str
+    generation: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    interface: str
+    address: str
+    restart_count: int
+    assignments: tuple[Assignment, ...]
+    #: The coordinator's expected seconds between reports (0: not told); see :func:`paced_interval`.
+    heartbeat_interval: float = 0.0
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the members, in request order."""
+        return tuple(a.rank for a in self.assignments)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a rank is in its sequence of collectives (``since`` is Unix time in seconds)."""
+
+    seq: int = 0
+    op: str = ""
+    in_collective: bool = False
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """One member's liveness report; ``metrics_address`` is ``host:port`` of its /metrics.
+
+    ``age`` is how many seconds ago the member itself last showed a sign of life (0: now). An agent
+    reports each rank's own alive stamp, so a rank that is stopped or wedged ages although the
+    agent reporting for it is fine, and the coordinator judges it by its own silence.
+    """
+
+    member_id: str
+    secret: str = field(repr=False)
+    progress: Progress | None = None
+    metrics_address: str = ""
+    age: float = 0.0
+
+    def to_proto(self) -> pb.MemberReport:
+        msg = pb.MemberReport(
+            member_id=self.member_id,
+            secret=self.secret,
+            metrics_address=self.metrics_address,
+            age_seconds=self.age,
+        )
+        if self.progress is not None:
+            p = self.progress
+            msg.progress.CopyFrom(
+                pb.Progress(seq=p.seq, op=p.op, in_collective=p.in_collective, since=p.since)
+            )
+        return msg
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """The coordinator's answer to one heartbeat: members it no longer knows, and job events
+    (a ``MEMBER_FAILED`` here means the reporters should stop)."""
+
+    unknown_members: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
+        return cls(tuple(msg.unknown_members), tuple(Event.from_proto(e) for e in msg.events))
+
+
+def interface_to_proto(info: InterfaceInfo) -> pb.NetworkInterface:
+    return pb.NetworkInterface(
+        name=info.name,
+        addresses=list(info.addresses),
+        kind=pb.InterfaceKind.ValueType(int(info.kind)),
+        default_route=info.default_route,
+    )
