@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
@@ -38,6 +37,7 @@ import grpc
 import grpc.aio
 
 from sarcomm.common import netinfo
+from sarcomm.common.addresses import split_target, validate_target
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
@@ -46,7 +46,6 @@ from sarcomm.common.errors import (
     SarcommError,
     UnauthenticatedError,
     from_rpc_error,
-    shorten,
 )
 from sarcomm.common.interfaces import InterfaceInfo
 from sarcomm.common.messages import (
@@ -61,7 +60,7 @@ from sarcomm.common.tls import ClientTls, Diagnosis, Rejection, diagnose
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorClient", "HeartbeatStream", "validate_target"]
+__all__ = ["CoordinatorClient", "HeartbeatStream"]
 
 log = logging.getLogger(__name__)
 
@@ -106,28 +105,6 @@ _Response = TypeVar("_Response")
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
-
-_TARGET_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.%a-zA-Z]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-
-
-def validate_target(target: str) -> str:
-    """Check a coordinator address and return it unchanged.
-
-    Accepts ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) with a port in 1..65535, or any gRPC URI
-    with a scheme (``dns:///head:50051``, ``unix:/run/sar.sock``), which gRPC checks itself.
-
-    Raises:
-        InvalidArgumentError: when the address has neither form.
-    """
-    if "://" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "dns:")):
-        return target
-    match = _TARGET_RE.match(target)
-    if match is None or not 1 <= int(match.group(1)) <= 65535:
-        raise InvalidArgumentError(
-            f"The coordinator address {shorten(target)} must have the form HOST:PORT "
-            "(e.g. head:50051 or [fd00::1]:50051) with a port in 1..65535."
-        )
-    return target
 
 
 class CoordinatorClient:
@@ -262,13 +239,13 @@ class CoordinatorClient:
     async def _diagnose(self) -> Diagnosis | None:
         """Why the connection fails at the TLS layer (see :func:`~sarcomm.common.tls.diagnose`),
         or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
-        match = _TARGET_RE.match(self.target)
-        if match is None or (self._credentials is not None and self.tls is None):
+        split = split_target(self.target)
+        if split is None or (self._credentials is not None and self.tls is None):
             return None
-        host = self.target[: match.start(1) - 1].strip("[]")
+        host, port = split
         try:
             return await asyncio.wait_for(
-                asyncio.to_thread(diagnose, host, int(match.group(1)), self.tls, _PROBE_TIMEOUT_S),
+                asyncio.to_thread(diagnose, host, port, self.tls, _PROBE_TIMEOUT_S),
                 _PROBE_TIMEOUT_S * 3,
             )
         except (TimeoutError, OSError):

@@ -22,18 +22,15 @@ The rules, in the order :func:`choose_interface` applies them:
 from __future__ import annotations
 
 import enum
-import functools
-import ipaddress
 import re
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
 
+from sarcomm.common.addresses import IPAddress, parse_address
 from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
-    "IPAddress",
     "InterfaceInfo",
     "InterfaceKind",
     "address_on",
@@ -44,13 +41,10 @@ __all__ = [
     "is_routable",
     "is_routable_address",
     "name_looks_virtual",
-    "parse_address",
     "parse_peer",
     "unknown_interface_error",
     "usable_addresses",
 ]
-
-IPAddress: TypeAlias = "ipaddress.IPv4Address | ipaddress.IPv6Address"
 
 
 class InterfaceKind(enum.IntEnum):
@@ -99,29 +93,6 @@ class InterfaceInfo:
 
 
 # --- addresses --------------------------------------------------------------------------------
-
-
-# Cached: forming a world parses every member's addresses several times (4096 members: ~25,000
-# parses, most of the formation's time before); the results are immutable.
-@functools.lru_cache(maxsize=16384)
-def parse_address(text: str) -> IPAddress | None:
-    """``text`` as an IP address, or None when it is not one.
-
-    The IPv6 zone (``fe80::1%eth0``) is dropped: a zone names an interface of the host that wrote
-    it, so it means nothing when comparing addresses across hosts. An IPv4-mapped IPv6 address
-    (``::ffff:10.0.0.1``, what a dual-stack listener sees for an IPv4 client) becomes the IPv4
-    address, so that it matches the IPv4 address the interface reports.
-    """
-    host = text.strip().split("%", 1)[0]
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
 
 
 def is_routable_address(address: str | IPAddress) -> bool:

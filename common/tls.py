@@ -32,6 +32,7 @@ __all__ = [
     "Diagnosis",
     "Rejection",
     "diagnose",
+    "read_token_file",
     "server_credentials",
     "server_ssl_context",
 ]
@@ -59,6 +60,51 @@ def _read(field: str, path: Path) -> bytes:
     if b"-----BEGIN " not in data:
         raise InvalidArgumentError(f"{field} {str(path)!r} must be a PEM file (no '-----BEGIN' line in it)")
     return data
+
+
+# -- the shared token ------------------------------------------------------------------------------
+
+#: The longest token file read; a token is a line of text, not a document.
+MAX_TOKEN_BYTES = 4096
+
+
+def read_token_file(path: Path | str, field: str = "--token-file") -> str:
+    """The shared token in ``path``: one line of printable ASCII, surrounding whitespace ignored.
+
+    Both sides read tokens with this one rule. The token travels as gRPC metadata and an HTTP
+    header, which carry printable ASCII only: a token with an inner newline or a non-ASCII byte
+    would start a coordinator that no client can authenticate to, and an empty one would mean "no
+    token" on one side and "everyone" on the other.
+
+    Raises:
+        InvalidArgumentError: naming ``field`` and the file, when it cannot be read, is empty, is
+            longer than :data:`MAX_TOKEN_BYTES`, or holds anything but one line of printable ASCII.
+    """
+    shown = str(path)
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_TOKEN_BYTES + 1)
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"{field} {shown!r} must be a readable file: {error.strerror or error}"
+        ) from None
+    if len(data) > MAX_TOKEN_BYTES:
+        raise InvalidArgumentError(
+            f"{field} {shown!r} must hold one token of at most {MAX_TOKEN_BYTES} bytes; this file is longer."
+        )
+    token = data.strip()
+    if not token:
+        raise InvalidArgumentError(
+            f"{field} {shown!r} is empty: it must hold a non-empty token (an empty token would "
+            "let everyone in); write one, e.g. `openssl rand -hex 32 > FILE`."
+        )
+    if not all(0x21 <= byte <= 0x7E for byte in token):
+        raise InvalidArgumentError(
+            f"{field} {shown!r} must hold one line of printable ASCII without spaces (gRPC metadata "
+            "and HTTP headers carry nothing else); it has a newline, a space, a control character "
+            "or a non-ASCII byte inside the token."
+        )
+    return token.decode("ascii")
 
 
 # -- the coordinator's side ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 
 from sarcomm import __version__
 from sarcomm.common.errors import SarcommError
-from sarcomm.common.tls import ClientTls
+from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
 
@@ -221,9 +221,7 @@ def _raise_open_file_limit() -> None:
 
 
 async def _status(args: argparse.Namespace) -> None:
-    from sarcomm.coordinator.server import read_token
-
-    token = read_token(args.token_file) if args.token_file else None
+    token = read_token_file(args.token_file) if args.token_file else None
     tls = _client_tls(args)
     while True:
         response = await status.fetch_jobs(args.coord, args.job, token=token, tls=tls)

@@ -10,22 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from sarcomm.common.addresses import parse_host_port
 from sarcomm.common.errors import InvalidArgumentError
-
-
-def parse_host_port(field: str, value: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6); port 0 means "any free port".
-
-    Raises:
-        InvalidArgumentError: naming ``field`` when the value is not of that form.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise InvalidArgumentError(
-            f"{field} {value!r} must be HOST:PORT with a port in 0..65535, e.g. 0.0.0.0:50051"
-        )
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port_text)
 
 
 @dataclass(frozen=True)

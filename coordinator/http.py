@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sarcomm.common.interfaces import parse_address
+from sarcomm.common.addresses import parse_address
 from sarcomm.coordinator.interceptor import bearer_matches
 from sarcomm.coordinator.membership import Job, Member, Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics

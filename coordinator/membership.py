@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -48,7 +49,7 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.common.interfaces import InterfaceInfo, address_on, choose_interface, parse_address
+from sarcomm.common.interfaces import InterfaceInfo, address_on, choose_interface
 from sarcomm.coordinator.store import StateStore
 
 log = logging.getLogger(__name__)

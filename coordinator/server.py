@@ -15,16 +15,15 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.common.tls import server_credentials, server_ssl_context
-from sarcomm.coordinator.config import CoordinatorConfig, parse_host_port
+from sarcomm.common.addresses import parse_host_port
+from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
+from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
@@ -62,18 +61,6 @@ def _stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> It
             loop.remove_signal_handler(sig)
 
 
-def read_token(path: Path) -> str:
-    """The shared token in ``path`` (surrounding whitespace ignored).
-
-    Raises:
-        InvalidArgumentError: the file is empty; an empty token would let everyone in.
-    """
-    token = path.read_text().strip()
-    if not token:
-        raise InvalidArgumentError(f"token_file {str(path)!r} must hold a non-empty token")
-    return token
-
-
 class Coordinator:
     """One running coordinator; ``grpc_port``/``http_port`` are the bound ports once started."""
 
@@ -101,7 +88,7 @@ class Coordinator:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         http_host, http_port = parse_host_port("http", config.http)
         advertised = f"{socket.gethostname() if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
-        self.token = read_token(config.token_file) if config.token_file else None
+        self.token = read_token_file(config.token_file) if config.token_file else None
         # Built here, before anything listens, so that unusable TLS files stop the start with a
         # message naming the file instead of a listener that fails every handshake.
         self.tls_context: ssl.SSLContext | None = None

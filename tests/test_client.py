@@ -12,7 +12,8 @@ from typing import TypeVar
 
 import pytest
 
-from sarcomm.common.client import CoordinatorClient, validate_target
+from sarcomm.common.addresses import validate_target
+from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import (
     AlreadyExistsError,

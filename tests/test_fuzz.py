@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import SarcommError
-from sarcomm.common.interfaces import parse_address
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, Membership

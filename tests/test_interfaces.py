@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.interfaces import (
     InterfaceInfo,
@@ -23,7 +24,6 @@ from sarcomm.common.interfaces import (
     is_avoided,
     is_routable,
     is_routable_address,
-    parse_address,
     parse_peer,
     usable_addresses,
 )

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sarcomm.common import netinfo
-from sarcomm.common.client import CoordinatorClient, validate_target
+from sarcomm.common.addresses import host_port, validate_target
+from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
 from sarcomm.common.messages import Event, JoinResult, MemberReport, Progress, paced_interval
@@ -301,7 +302,7 @@ class _Rank:
             log.info("%s: rank %d stamps its progress again", label, self.rank)
         progress = Progress(record.seq, record.op, record.in_collective, record.since)
         # The rank binds its metrics port itself (possibly any free one) and notes it in the record.
-        metrics_address = _host_port(self.address, record.metrics_port) if record.metrics_port else ""
+        metrics_address = host_port(self.address, record.metrics_port) if record.metrics_port else ""
         return MemberReport(self.member_id, self.secret, progress, metrics_address, age)
 
 
@@ -651,10 +652,6 @@ class Agent:
             await asyncio.wait(pending, timeout=10.0)
             for task in pending:
                 task.cancel()
-
-
-def _host_port(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 async def _wait_exit(r: _Rank, happenings: asyncio.Queue[_Happening]) -> None:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sarcomm.common.client import validate_target
+from sarcomm.common.addresses import validate_target
 from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
-from sarcomm.common.tls import ClientTls
+from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.agent import Agent, AgentConfig
 from sarcomm.worker.startup import BACKENDS
 
@@ -246,14 +246,7 @@ def parse(
     log_level: str = values.pop("log_level")
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InvalidArgumentError(f"--log-level {shorten(log_level)} must be DEBUG, INFO, WARNING or ERROR.")
-    token = None
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise InvalidArgumentError(
-                f"--token-file {str(token_file)!r} must be a readable file: {exc}"
-            ) from None
+    token = read_token_file(token_file) if token_file is not None else None
     subcommand = _SUBCOMMANDS.get(getattr(args, "subcommand", None) or "")
     if subcommand is not None and command:
         raise InvalidArgumentError(f"the {subcommand.name} subcommand takes no COMMAND after '--'.")

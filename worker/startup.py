@@ -41,11 +41,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from sarcomm.common.client import CoordinatorClient, HeartbeatStream, validate_target
+from sarcomm.common.addresses import host_port, validate_target
+from sarcomm.common.client import CoordinatorClient, HeartbeatStream
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, EventKind
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError, shorten
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
-from sarcomm.common.tls import ClientTls
+from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.progress import ProgressWriter
 
 __all__ = [
@@ -384,7 +385,7 @@ class _Registration:
         def reports() -> list[MemberReport]:
             seq, op, in_collective, since = progress.current  # one tuple, swapped whole by the writer
             port = progress.metrics_port
-            metrics_address = _host_port(member.address, port) if port else ""
+            metrics_address = host_port(member.address, port) if port else ""
             return [
                 MemberReport(
                     member.member_id, member.secret, Progress(seq, op, in_collective, since), metrics_address
@@ -554,10 +555,6 @@ def _agent_pid(env: Mapping[str, str]) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _host_port(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None:
     """The port this rank serves ``/metrics`` on (0: any free port), or None for no endpoint.
 
@@ -656,15 +653,6 @@ def _heartbeat_interval(env: Mapping[str, str], value: float | None) -> float:
     return value
 
 
-def _token_from_file(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise InvalidArgumentError(
-            f"SARCOMM_TOKEN_FILE={shorten(path)} must be a readable file: {exc.strerror}"
-        ) from None
-
-
 def _register(
     coord: str,
     *,
@@ -699,7 +687,7 @@ def _register(
         # SARCOMM_TLS_CA/_CERT/_KEY mean here what they mean to sar-worker.
         tls = ClientTls.from_env(environ)
         if token is None and environ.get("SARCOMM_TOKEN_FILE"):
-            token = _token_from_file(environ["SARCOMM_TOKEN_FILE"])
+            token = read_token_file(environ["SARCOMM_TOKEN_FILE"], "SARCOMM_TOKEN_FILE")
         registration = _Registration(coord, token, interval, tls)
         reservation = netinfo.reserve_port("")
         try:
