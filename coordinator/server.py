@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sarcomm.common.addresses import parse_host_port
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
+from sarcomm.coordinator import systemd
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub
 from sarcomm.coordinator.http import HttpApi
@@ -248,7 +249,10 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     coordinator = Coordinator(config)
     with _stop_on_signals(asyncio.get_running_loop(), stop):
         await coordinator.start()
+        ports = f"gRPC on port {coordinator.grpc_port}, HTTP on port {coordinator.http_port}"
+        systemd.notify(f"READY=1\nSTATUS=serving {ports}")
         try:
             await stop.wait()
         finally:
+            systemd.notify("STOPPING=1\nSTATUS=shutting down")
             await coordinator.stop()
