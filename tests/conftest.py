@@ -49,6 +49,8 @@ class CoordinatorProcess:
     env: dict[str, str] = field(default_factory=dict)
     # Set for a coordinator started with --tls-cert: its HTTP side then speaks HTTPS only.
     http_ssl: ssl.SSLContext | None = None
+    # How to start it; the default is this checkout's module under this interpreter.
+    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sarcomm.coordinator.cli"])
 
     @property
     def grpc_target(self) -> str:
@@ -60,9 +62,7 @@ class CoordinatorProcess:
 
     def start(self, timeout: float = 20.0) -> None:
         cmd = [
-            sys.executable,
-            "-m",
-            "sarcomm.coordinator.cli",
+            *self.command,
             "--listen",
             self.grpc_target,
             "--http",
