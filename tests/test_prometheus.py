@@ -51,6 +51,11 @@ RANKS = ("0", "1", "2", "3")
 OPS = ("all_reduce", "all_to_all")
 STRAGGLER = "1"  # sleeps before each all_reduce in the latency test
 STOPPED = "2"  # SIGSTOPped, then SIGKILLed
+HELD = "3"  # stays out of a collective in the blocking test: a stall
+# The coordinator's --stall-threshold in the test (shipped 30 s): above the straggler's 1.5 s.
+STALL_THRESHOLD_S = 3
+# Panels that show data only while a job stalls; the blocking test queries them.
+STALL_ONLY = "sar_coordinator_rank_blocking_seconds"
 # Every wait below has a deadline; these bound the slow ones (torch start-up on 2 cores).
 WORLD_DEADLINE_S = 90.0
 ALERT_DEADLINE_S = 30.0
@@ -401,7 +406,8 @@ def monitoring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]
     # stuck and unreachable alerts fire; the test then kills it, which is detected at once.
     coord = CoordinatorProcess(
         grpc_port=free_port(), http_port=free_port(), state_path=directory / "state.sqlite",
-        args=["--heartbeat-interval", "0.5", "--heartbeat-misses", "60", "--join-timeout", "60"],
+        args=["--heartbeat-interval", "0.5", "--heartbeat-misses", "60", "--join-timeout", "60",
+              "--stall-threshold", str(STALL_THRESHOLD_S)],
         log_path=directory / "coordinator.log",
     )  # fmt: skip
     coord.start()
@@ -581,6 +587,8 @@ def test_the_dashboards_are_grafana_json_with_job_op_and_rank_variables() -> Non
 def test_every_dashboard_query_and_variable_returns_data(monitoring: Monitoring) -> None:
     prom = monitoring.prom
     for dashboard, title, expr in dashboard_queries():
+        if STALL_ONLY in expr:
+            continue  # no stall yet: test_blocking_alert_and_panel_name_the_rank_the_others_wait_for
         query = substitute(expr)
 
         def answered(q: str = query) -> bool:
@@ -631,6 +639,28 @@ def test_latency_alert_fires_when_one_rank_straggles_and_the_straggler_stands_ou
         wait_for(f"rank {STRAGGLER} to spend the least time in collectives", straggler_least, 15)
     finally:
         slow.unlink()
+
+
+@pytest.mark.prometheus
+@needs_prometheus
+def test_blocking_alert_and_panel_name_the_rank_the_others_wait_for(monitoring: Monitoring) -> None:
+    hold = monitoring.world.control / "hold"
+    hold.write_text(HELD)
+    try:
+        # The held rank is alive and reporting, but stays out of the next collective: its peers
+        # wait in it, and past the stall threshold the coordinator names the held rank.
+        labels = monitoring.wait_firing("SarRankBlocking", lambda a: a["job"] == JOB)
+        assert (labels["rank"], labels["severity"]) == (HELD, "warning")
+        assert labels["op"] in OPS
+        assert {a["rank"] for a in firing_in_job(monitoring, "SarRankBlocking")} == {HELD}
+        (expr,) = [e for _, _, e in dashboard_queries() if STALL_ONLY in e]
+        shown = monitoring.prom.query(substitute(expr))
+        assert [(r["metric"]["rank"], r["metric"]["op"]) for r in shown] == [(HELD, labels["op"])]
+        assert float(shown[0]["value"][1]) > STALL_THRESHOLD_S
+    finally:
+        hold.unlink()
+    # Released, the rank joins its peers and the stall is over.
+    wait_for("the stall to end", lambda: not monitoring.prom.query(f"{STALL_ONLY}{{job={JOB!r}}}"), 20)
 
 
 @pytest.mark.prometheus

@@ -7,6 +7,8 @@ then moves the p99 of a one-minute window). The test steers it through files in 
     rank<R>.pid   written by each rank at start, so the test can SIGSTOP or SIGKILL it.
     slow          holds a rank number: that rank sleeps SLOW_S before each all_reduce (a
                   straggler), so its peers' all_reduce latency jumps.
+    hold          holds a rank number: while the file exists, that rank stays out of the next
+                  collective (alive, busy in Python), so its peers wait for it there: a stall.
     stop          every rank leaves the loop at the same iteration and exits 0.
 
 Stopping is agreed through the loop's own ``all_reduce``, so no rank leaves a peer waiting in a
@@ -25,6 +27,14 @@ SLOW_S = 1.5
 DEADLINE_S = 240.0
 
 
+def names(control_file: Path, rank: int) -> bool:
+    """Whether ``control_file`` exists and holds ``rank``."""
+    try:
+        return control_file.read_text().strip() == str(rank)
+    except FileNotFoundError:
+        return False
+
+
 def main(control: Path) -> int:
     import torch
 
@@ -34,9 +44,13 @@ def main(control: Path) -> int:
     rank, world = info.rank, info.world_size
     (control / f"rank{rank}.pid").write_text(str(os.getpid()))
     deadline = time.monotonic() + DEADLINE_S
-    slow_file, stop_file = control / "slow", control / "stop"
+    slow_file, hold_file, stop_file = control / "slow", control / "hold", control / "stop"
     while True:
-        if slow_file.exists() and slow_file.read_text().strip() == str(rank):
+        while (
+            hold_file.exists() and hold_file.read_text().strip() == str(rank) and time.monotonic() < deadline
+        ):
+            time.sleep(PACE_S)
+        if names(slow_file, rank):
             time.sleep(SLOW_S)
         # Element 0 carries "I want to stop"; the sum tells every rank whether anyone does.
         flags = torch.ones(256)
