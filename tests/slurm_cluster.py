@@ -134,7 +134,7 @@ class SlurmCluster:
         )
 
     def stop(self) -> None:
-        for name, pid_file in reversed(self._daemons):
+        for _name, pid_file in reversed(self._daemons):
             try:
                 pid = int(pid_file.read_text())
             except (OSError, ValueError):
