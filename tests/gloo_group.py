@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.multiprocessing as mp
+
+from tests.helpers import free_port
 
 T = TypeVar("T")
 
@@ -31,13 +32,6 @@ RANK_COLLECTIVE_TIMEOUT_S = 30
 
 class GlooRunError(AssertionError):
     """Raised when a rank raised, died or missed the deadline; the message says which and why."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(

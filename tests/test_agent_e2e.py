@@ -10,11 +10,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progre
 from sarcomm.worker import cli
 from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import free_port_run
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "agent_rank.py")
@@ -86,26 +86,6 @@ def agents(coordinator: CoordinatorProcess) -> Iterator[Agents]:
     started = Agents(coordinator)
     yield started
     started.kill()
-
-
-def free_port_run(count: int) -> int:
-    """A port P such that P..P+count-1 were all free a moment ago (a fixed --metrics-port gives
-    local rank i the port P+i: a busy P+1 would leave that rank without an endpoint)."""
-    for _ in range(100):
-        first = free_port()
-        socks: list[socket.socket] = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no run of {count} free ports found")
 
 
 def job_state(coord: CoordinatorProcess, job: str) -> dict[str, object]:
@@ -252,7 +232,7 @@ def test_a_wedged_rank_is_detected_through_its_stale_progress_stamp(
 
 
 def test_ranks_keep_running_while_the_coordinator_restarts(
-    start_coordinator: Callable[..., CoordinatorProcess], tmp_path: Path
+    start_coordinator: StartCoordinator, tmp_path: Path
 ) -> None:
     # Generous misses: the restarted coordinator gives restored members that long to reconnect.
     coord = start_coordinator(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 import re
 import time
@@ -32,6 +31,7 @@ from sarcomm.worker import collectives, comm, metrics
 from sarcomm.worker.comm import BackendProbe
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
+from tests.helpers import wait_for_sd
 
 WORLD_SIZES = (2, 3, 4)
 #: float32 elements per all_to_all row: 1 KiB, so that 300 rows (300 KiB) is above the
@@ -311,7 +311,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         out["scrape"] = response.read().decode()
     out["metrics_port"] = port
-    out["sd"] = _wait_for_sd(world)
+    out["sd"] = wait_for_sd(os.environ["TEST_COORD_HTTP"], os.environ["SAR_JOB"], world)
     collectives.barrier()  # every rank stays registered until all have seen the full /sd
     out["stats"] = {
         s.op: [s.count, s.bytes_sent, s.errors] for s in metrics.all_stats() if s.backend == "gloo"
@@ -326,19 +326,6 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     except PeerFailedError as exc:
         out["peer_failed"] = [str(exc), exc.rank]
     return out
-
-
-def _wait_for_sd(world: int, deadline_s: float = 20.0) -> list[dict[str, Any]]:
-    """The coordinator's /sd groups of this job, once it lists every rank (each rank's bound port
-    reaches it with that rank's next heartbeat)."""
-    url, job = os.environ["TEST_COORD_HTTP"], os.environ["SAR_JOB"]
-    deadline = time.monotonic() + deadline_s
-    while True:
-        with urllib.request.urlopen(f"{url}/sd", timeout=5) as response:
-            groups = [g for g in json.loads(response.read()) if g["labels"].get("job") == job]
-        if len(groups) == world or time.monotonic() > deadline:
-            return groups
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"world{w}" for w in WORLD_SIZES])

@@ -20,9 +20,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
-
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO_PB as LO
 
 
 def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, **kw: Any) -> pb.JoinRequest:
@@ -176,7 +175,7 @@ async def test_sigterm_sets_not_serving_then_exits_cleanly(coordinator: Coordina
     assert "coordinator stopped" in coordinator.log()
 
 
-async def test_restart_with_same_state_keeps_job(start_coordinator: Any) -> None:
+async def test_restart_with_same_state_keeps_job(start_coordinator: StartCoordinator) -> None:
     first: CoordinatorProcess = start_coordinator("--heartbeat-interval", "5")
     async with grpc.aio.insecure_channel(first.grpc_target) as channel:
         responses = await form(pb_grpc.CoordinatorStub(channel), job="keep")

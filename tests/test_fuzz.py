@@ -31,7 +31,8 @@ from sarcomm.coordinator.membership import JobState, Membership
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess
+from tests.helpers import free_port
 
 #: Every status a request may get: those of sarcomm's error hierarchy (errors.py), and OK.
 DOCUMENTED = {

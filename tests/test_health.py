@@ -40,8 +40,8 @@ from sarcomm.coordinator.membership import (
     Progress,
 )
 from sarcomm.coordinator.store import SqliteStore
-from tests.conftest import CoordinatorProcess, free_port, netns_unavailable
-from tests.test_membership import LO, FakeClock
+from tests.conftest import CoordinatorProcess, StartCoordinator, netns_unavailable
+from tests.helpers import LO, FakeClock, free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "health_rank.py")
@@ -208,7 +208,7 @@ def _status(coord: CoordinatorProcess, job: str) -> str:
 
 
 @pytest.fixture
-def coord(start_coordinator: Callable[..., CoordinatorProcess]) -> CoordinatorProcess:
+def coord(start_coordinator: StartCoordinator) -> CoordinatorProcess:
     return start_coordinator(
         "--heartbeat-interval", str(INTERVAL_S), "--heartbeat-misses", str(MISSES), "--join-timeout", "90",
         "--stall-threshold", "0.5", "--shutdown-grace", "1",
@@ -531,7 +531,7 @@ def hosts() -> Iterator[tuple[str, list[str]]]:
 
 @pytest.mark.netns
 def test_a_host_cut_off_by_taking_its_link_down_is_detected_and_the_others_stopped(
-    start_coordinator: Callable[..., CoordinatorProcess],
+    start_coordinator: StartCoordinator,
     hosts: tuple[str, list[str]],
     world_factory: Callable[[CoordinatorProcess, str], World],
 ) -> None:

@@ -14,56 +14,17 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import (
     EventKind,
     JobEvent,
     JobState,
     JoinSpec,
-    MemberRequest,
     Membership,
     MemberState,
     Ticket,
 )
 from sarcomm.coordinator.store import SqliteStore
-
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
-
-
-def nic(address: str) -> InterfaceInfo:
-    return InterfaceInfo("eth0", (address,), InterfaceKind.PHYSICAL, default_route=True)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def spec(
-    host: str,
-    *ranks: int | None,
-    job: str = "gnn",
-    world_size: int = 4,
-    peer: str = "127.0.0.1",
-    generation: int = 0,
-    address: str | None = None,
-    port: int = 29500,
-) -> JoinSpec:
-    members = tuple(MemberRequest(local_rank=i, rank=r) for i, r in enumerate(ranks or (None,)))
-    interfaces = (LO, nic(address)) if address else (LO,)
-    return JoinSpec(
-        job=job,
-        world_size=world_size,
-        host=host,
-        interfaces=interfaces,
-        members=members,
-        store_port=port,
-        generation=generation,
-        peer_address=peer,
-    )
+from tests.helpers import FakeClock, spec
 
 
 @pytest.fixture

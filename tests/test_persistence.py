@@ -18,7 +18,7 @@ from sarcomm.common.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.store import JobRow, SqliteStore
-from tests.test_membership import FakeClock, spec
+from tests.helpers import FakeClock, spec
 
 
 class CountingStore(SqliteStore):

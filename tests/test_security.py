@@ -27,20 +27,16 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.errors import CoordinatorUnavailableError, UnauthenticatedError
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.common.tls import ClientTls
 from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO, LO_PB, wait_for_async
 from tests.tls_files import TlsFiles, make_tls_files
 
-StartCoordinator = Callable[..., CoordinatorProcess]
-
 TOKEN = "tok-7f3a9c1e5b2d4f60-secret"
-LO_PB = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 # A TLS refusal must be reported within seconds, not at the join's deadline.
 TLS_VERDICT_S = 15.0
 # A long heartbeat interval: members of these tests never report unless a test says so.
@@ -406,12 +402,12 @@ async def test_limits_answer_resource_exhausted_naming_the_limit_and_free_up(
     await refused(stub.Join(join_request("x" * 70_000, "h"), timeout=5), "")  # gRPC's own message size
     # Two joins wait for their worlds; a third would be one waiter too many.
     waiting = [asyncio.ensure_future(stub.Join(join_request(f"w{i}", "h"), timeout=30)) for i in range(2)]
-    await _until(lambda: _forming(stub, 2))
+    await wait_for_async(lambda: _forming(stub, 2), 10, what="two jobs forming")
     await refused(stub.Join(join_request("w2", "h"), timeout=5), "max_join_waiters")
     for call in waiting:
         call.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    await _until(lambda: _forming(stub, 0))
+    await wait_for_async(lambda: _forming(stub, 0), 10, what="no job forming")
     # Two streams open; a third of any kind is refused until one closes.
     watches = [stub.Watch(pb.WatchRequest(job=f"s{i}"), timeout=30) for i in range(2)]
     await asyncio.sleep(0.5)
@@ -480,13 +476,6 @@ async def _sar_worker(args: list[str], env: dict[str, str]) -> subprocess.Comple
 async def _forming(stub: pb_grpc.CoordinatorStub, count: int) -> bool:
     jobs = (await stub.ListJobs(pb.ListJobsRequest(), timeout=5)).jobs
     return sum(1 for j in jobs if j.state == "FORMING") == count
-
-
-async def _until(predicate: Callable[[], Any], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)

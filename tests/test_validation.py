@@ -17,8 +17,7 @@ from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
 from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
-
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+from tests.helpers import LO_PB as LO
 
 
 def join(**fields: Any) -> pb.JoinRequest:
