@@ -4,6 +4,7 @@
   condition until it holds; :func:`stays_false` and :func:`stays_false_async` are the bounded wait
   for "nothing happens for N seconds". Each fails naming what it waited for, and never waits
   longer than its timeout: no test waits with a fixed sleep.
+- gRPC streams: :func:`read_message` (the next message, with a deadline).
 - Ports: :func:`free_port` and :func:`free_port_run` (consecutive ports).
 - The coordinator's views as plain JSON: :func:`sd_groups`, :func:`wait_for_sd`.
 - Test doubles shared by several files: :class:`FakeClock`, :func:`spec` (a membership Join),
@@ -21,13 +22,16 @@ import socket
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeAlias, TypeVar, overload
+
+import grpc
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.membership import JoinSpec, MemberRequest
+from sarcomm.coordinator.membership import JoinSpec, Member, MemberRequest
 from sarcomm.v1 import coordinator_pb2 as pb
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 #: How long a test waits on a coordinator or a process unless it says otherwise, in seconds.
 DEFAULT_TIMEOUT_S = 15.0
@@ -47,20 +51,30 @@ class WaitTimeout(AssertionError):
     """
 
 
-def _timed_out(what: str, timeout: float, last: object) -> WaitTimeout:
-    return WaitTimeout(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+#: What a wait waits for: a description, or a function that gives one (called only when the
+#: wait fails, so it can include a log or the state at that moment).
+What: TypeAlias = str | Callable[[], str]
+
+
+def _describe(what: What) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def _timed_out(what: What, timeout: float, last: object) -> WaitTimeout:
+    return WaitTimeout(f"timed out after {timeout:g} s waiting for {_describe(what)}; last: {last!r}")
 
 
 def wait_for(
     predicate: Callable[[], T | None],
     timeout: float = DEFAULT_TIMEOUT_S,
     *,
-    what: str,
+    what: What,
     interval: float = POLL_S,
 ) -> T:
     """The first truthy value of ``predicate()``, called every ``interval`` seconds.
 
-    Blocks. Raises :class:`WaitTimeout` naming ``what`` and the last value when ``timeout``
+    Blocks. Raises :class:`WaitTimeout` naming ``what`` (a string, or a function called then) and
+    the last value when ``timeout``
     seconds pass first. ``predicate`` is always called at least once, and once more at the
     deadline. Falsy values (``None``, ``False``, ``0``, ``[]``) mean "not yet".
     """
@@ -75,13 +89,33 @@ def wait_for(
         time.sleep(min(interval, left))
 
 
+@overload
 async def wait_for_async(
-    predicate: Callable[[], Awaitable[T | None]] | Callable[[], T | None],
+    predicate: Callable[[], Awaitable[T | None]],
+    timeout: float = ...,
+    *,
+    what: What,
+    interval: float = ...,
+) -> T: ...
+
+
+@overload
+async def wait_for_async(
+    predicate: Callable[[], T | None],
+    timeout: float = ...,
+    *,
+    what: What,
+    interval: float = ...,
+) -> T: ...
+
+
+async def wait_for_async(
+    predicate: Callable[[], Any],
     timeout: float = DEFAULT_TIMEOUT_S,
     *,
-    what: str,
+    what: What,
     interval: float = POLL_S,
-) -> T:
+) -> Any:
     """:func:`wait_for` for a test on the event loop: ``predicate`` may be a plain function or
     return an awaitable (an ``async def`` or a lambda calling one), which is awaited.
 
@@ -93,7 +127,7 @@ async def wait_for_async(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return cast(T, value)
+            return value
         left = deadline - time.monotonic()
         if left <= 0:
             raise _timed_out(what, timeout, value)
@@ -101,7 +135,7 @@ async def wait_for_async(
 
 
 def stays_false(
-    predicate: Callable[[], object], duration: float, *, what: str, interval: float = POLL_S
+    predicate: Callable[[], object], duration: float, *, what: What, interval: float = POLL_S
 ) -> None:
     """Check ``predicate()`` every ``interval`` seconds for ``duration`` seconds; it must stay
     falsy. For tests whose subject is time passing ("nobody is judged during a 1.5 s outage").
@@ -113,7 +147,7 @@ def stays_false(
     while True:
         value = predicate()
         if value:
-            raise WaitTimeout(f"{what} happened within {duration:g} s (it must not): {value!r}")
+            raise WaitTimeout(f"{_describe(what)} happened within {duration:g} s (it must not): {value!r}")
         left = deadline - time.monotonic()
         if left <= 0:
             return
@@ -121,7 +155,7 @@ def stays_false(
 
 
 async def stays_false_async(
-    predicate: Callable[[], object], duration: float, *, what: str, interval: float = POLL_S
+    predicate: Callable[[], object], duration: float, *, what: What, interval: float = POLL_S
 ) -> None:
     """:func:`stays_false` on the event loop (``predicate`` may return an awaitable)."""
     deadline = time.monotonic() + duration
@@ -130,11 +164,27 @@ async def stays_false_async(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            raise WaitTimeout(f"{what} happened within {duration:g} s (it must not): {value!r}")
+            raise WaitTimeout(f"{_describe(what)} happened within {duration:g} s (it must not): {value!r}")
         left = deadline - time.monotonic()
         if left <= 0:
             return
         await asyncio.sleep(min(interval, left))
+
+
+async def read_message(
+    call: grpc.aio.UnaryStreamCall[Any, Any] | grpc.aio.StreamStreamCall[Any, Any],
+    message_type: type[R],
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> R:
+    """The next message of a gRPC stream, a ``message_type``, within ``timeout`` seconds.
+
+    Raises ``asyncio.TimeoutError`` when none comes in time and :class:`WaitTimeout` when the
+    stream ends first (``grpc.aio.EOF``) or sends something else.
+    """
+    message = await asyncio.wait_for(call.read(), timeout)
+    if not isinstance(message, message_type):
+        raise WaitTimeout(f"expected a {message_type.__name__} from the stream, got {message!r}")
+    return message
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -193,6 +243,12 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def assigned_rank(member: Member) -> int:
+    """``member.rank``, which a member of a formed world always has (fails otherwise)."""
+    assert member.rank is not None, f"member {member.member_id} has no rank yet"
+    return member.rank
 
 
 def nic(address: str) -> InterfaceInfo:

@@ -12,6 +12,7 @@ get a documented status code. Two levels:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -81,7 +82,9 @@ MEMBERS = st.builds(
 # anything at all. A request takes the passing value for most fields and a random one for a few,
 # so examples reach every rule one at a time, and also whole valid requests.
 _LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-_ETH = pb.NetworkInterface(name="eth0", addresses=["10.0.0.7", "fd00::7"], kind=1, default_route=True)
+_ETH = pb.NetworkInterface(
+    name="eth0", addresses=["10.0.0.7", "fd00::7"], kind=pb.INTERFACE_KIND_PHYSICAL, default_route=True
+)
 JOIN_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "job": (st.sampled_from(["victim", "forming", "fresh", "fresh2"]), TEXT),
     "world_size": (st.sampled_from((1, 2, 3)), INTS),
@@ -148,10 +151,12 @@ def _world() -> tuple[Membership, list[tuple[str, str]]]:
     clock = _Clock()
     membership = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
     limits = Limits()
-    secrets = []
+    secrets: list[tuple[str, str]] = []
     for job, world, hosts in (("victim", 2, ("a", "b")), ("forming", 3, ("c",))):
         for host in hosts:
-            eth0 = pb.NetworkInterface(name="eth0", addresses=[f"10.0.0.{len(secrets) + 1}"], kind=1)
+            eth0 = pb.NetworkInterface(
+                name="eth0", addresses=[f"10.0.0.{len(secrets) + 1}"], kind=pb.INTERFACE_KIND_PHYSICAL
+            )
             request = pb.JoinRequest(
                 job=job, world_size=world, host=host, store_port=29500, interfaces=[eth0]
             )
@@ -372,7 +377,7 @@ def test_leave_over_the_wire_with_another_secret_is_refused_and_changes_nothing(
     for wrong in (members[(pick + 1) % 2][1], secret):
         before = _victim(wire)
         request = pb.LeaveRequest(member_id=target, secret=wrong, exit_code=exit_code, reason=reason)
-        code = _status(lambda r=request: wire["stub"].Leave(r, timeout=5))  # type: ignore[misc]
+        code = _status(functools.partial(wire["stub"].Leave, request, timeout=5))
         assert code in DOCUMENTED - {grpc.StatusCode.OK}
         assert _victim(wire) == before
 

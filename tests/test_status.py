@@ -28,7 +28,7 @@ HEADER = ["RANK", "HOST", "INTERFACE", "ADDRESS", "STATE", "EXIT", "HEARTBEAT", 
 @pytest.fixture
 def coord(start_coordinator: StartCoordinator) -> CoordinatorProcess:
     # Members here heartbeat once and then stay silent: a long liveness keeps a running job running.
-    return start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")  # type: ignore[no-any-return]
+    return start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
 
 
 @pytest.fixture
