@@ -13,6 +13,8 @@ get a documented status code. Two levels:
 from __future__ import annotations
 
 import functools
+import random
+import re
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -33,7 +35,7 @@ from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 #: Every status a request may get: those of sarcomm's error hierarchy (errors.py), and OK.
 DOCUMENTED = {
@@ -287,6 +289,13 @@ def wire(fuzz_coordinator: CoordinatorProcess) -> Iterator[dict[str, Any]]:
 
 def _status(call: Any) -> grpc.StatusCode:
     """The status ``call()`` ends with; recorded as a hypothesis event (--hypothesis-show-statistics)."""
+    code = _code(call)
+    event(f"status {code.name}")
+    return code
+
+
+def _code(call: Any) -> grpc.StatusCode:
+    """The status ``call()`` ends with (OK when it answered)."""
     code = grpc.StatusCode.OK
     try:
         result = call()
@@ -295,7 +304,6 @@ def _status(call: Any) -> grpc.StatusCode:
                 break
     except grpc.RpcError as error:
         code = error.code()
-    event(f"status {code.name}")
     return code
 
 
@@ -414,10 +422,37 @@ def test_random_bytes_to_every_method_get_a_documented_status(
     assert _victim(wire) == before
 
 
+def _rpcs_handled(coord: CoordinatorProcess) -> float:
+    """All gRPC calls the coordinator has counted (``sar_coordinator_rpcs_total``)."""
+    text = coord.get_text("/metrics")
+    return sum(float(v) for v in re.findall(r"^sar_coordinator_rpcs_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+#: Random payloads per method that the last test sends itself.
+OWN_FUZZ_PER_METHOD = 20
+
+
 def test_after_the_fuzzing_the_coordinator_is_serving_and_logged_no_internal_error(
     wire: dict[str, Any],
 ) -> None:
     coord: CoordinatorProcess = wire["coord"]
+    # Fuzz here too (seeded random bytes to every method): run alone, or after the other tests
+    # were deselected, this test still checks a coordinator that has just been fuzzed.
+    rng = random.Random(411)
+    handled_before = _rpcs_handled(coord)
+    for name, kind in METHODS:
+        callable_ = getattr(wire["channel"], kind)(f"/sarcomm.v1.Coordinator/{name}")
+        for _ in range(OWN_FUZZ_PER_METHOD):
+            payload = rng.randbytes(rng.randint(0, 512))
+            argument: Any = iter([payload]) if kind == "stream_stream" else payload
+            assert _code(functools.partial(callable_, argument, timeout=1)) in DOCUMENTED
+    # Every call reached the coordinator's handlers (counted there), not just the channel.
+    sent = len(METHODS) * OWN_FUZZ_PER_METHOD
+    wait_for(
+        lambda: _rpcs_handled(coord) >= handled_before + sent,
+        10,
+        what=lambda: f"the coordinator to count {sent} more calls than {handled_before}",
+    )
     health = health_pb2_grpc.HealthStub(wire["channel"])
     assert (
         health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
