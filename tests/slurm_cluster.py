@@ -7,13 +7,16 @@ job of several tasks runs on a 2-core machine; the tasks share the cores.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tests.helpers import WaitTimeout, free_port, wait_for
 
 __all__ = ["SlurmCluster", "slurm_unavailable"]
 
@@ -41,10 +44,8 @@ def slurm_unavailable() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _gone(path: Path) -> bool:
+    return not path.exists()
 
 
 class SlurmCluster:
@@ -67,8 +68,8 @@ class SlurmCluster:
                 [
                     "ClusterName=sarcomm-test",
                     f"SlurmctldHost={self.node}(127.0.0.1)",
-                    f"SlurmctldPort={_free_port()}",
-                    f"SlurmdPort={_free_port()}",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
                     "AuthType=auth/munge",
                     "CryptoType=crypto/munge",
                     "MpiDefault=none",
@@ -121,11 +122,7 @@ class SlurmCluster:
         return shown.stdout.strip() == "idle"
 
     def _wait(self, what: str, check: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not check():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {START_DEADLINE_S} s waiting for {what}: {self.logs()}")
-            time.sleep(0.2)
+        wait_for(check, START_DEADLINE_S, what=lambda: f"{what}: {self.logs()}", interval=0.2)
 
     def logs(self) -> str:
         return "\n".join(
@@ -140,9 +137,11 @@ class SlurmCluster:
             except (OSError, ValueError):
                 continue
             subprocess.run(["kill", str(pid)], check=False, timeout=10)
-            deadline = time.monotonic() + START_DEADLINE_S
-            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if Path(f"/proc/{pid}").exists():
+            proc = Path(f"/proc/{pid}")
+            with contextlib.suppress(WaitTimeout):
+                wait_for(
+                    functools.partial(_gone, proc), START_DEADLINE_S, what=f"pid {pid} to exit", interval=0.1
+                )
+            if proc.exists():
                 subprocess.run(["kill", "-9", str(pid)], check=False, timeout=10)
         self._daemons.clear()

@@ -656,7 +656,12 @@ def test_blocking_alert_and_panel_name_the_rank_the_others_wait_for(monitoring: 
     finally:
         hold.unlink()
     # Released, the rank joins its peers and the stall is over.
-    wait_for("the stall to end", lambda: not monitoring.prom.query(f"{STALL_ONLY}{{job={JOB!r}}}"), 20)
+    wait_for(
+        lambda: not monitoring.prom.query(f"{STALL_ONLY}{{job={JOB!r}}}"),
+        20,
+        what="the stall to end",
+        interval=POLL_S,
+    )
 
 
 @pytest.mark.prometheus
