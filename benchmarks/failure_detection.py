@@ -236,7 +236,8 @@ class Watcher:
         self._thread.start()
 
     async def _watch(self, target: str, job: str) -> None:
-        from sarcomm.common.client import CoordinatorClient, EventKind
+        from sarcomm.common.client import CoordinatorClient
+        from sarcomm.common.constants import EventKind
         from sarcomm.common.errors import SarcommError
 
         self._task = asyncio.current_task()
