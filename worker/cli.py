@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import validate_target
-from sarcomm.common.constants import BACKENDS
+from sarcomm.common.constants import BACKENDS, SOCKET_NAME_VARIABLE
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker import bench
@@ -148,7 +148,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--backend", _backend, f"one of {', '.join(BACKENDS)}", "torch.distributed backend",
             default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
     _Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
-            "the coordinator chooses)", default="", metavar="IFACE", also_env=("SAR_SOCKET_NAME",)),
+            "the coordinator chooses)", default="", metavar="IFACE", also_env=(SOCKET_NAME_VARIABLE,)),
     _Option("--max-restarts", *_integer(0), "times to rejoin and restart after a failure", default=0,
             metavar="M"),
     _Option("--metrics-port", *_integer(-1, 65535), "where the ranks serve /metrics: local rank i "

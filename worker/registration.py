@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from sarcomm.common import netinfo
 from sarcomm.common.addresses import host_port, validate_target
 from sarcomm.common.client import CoordinatorClient
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, EventKind
+from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, SOCKET_NAME_VARIABLE, EventKind
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
@@ -340,7 +340,7 @@ def register(
             "SAR_COORD": coord,
             "SAR_JOB": result.job,
             "SAR_GENERATION": str(result.generation),
-            "SAR_SOCKET_NAME": result.interface,
+            SOCKET_NAME_VARIABLE: result.interface,
             "SAR_MEMBER_ID": member.member_id,
             "SAR_MEMBER_SECRET": member.secret,
             "SAR_RESTART_COUNT": str(result.restart_count),
