@@ -101,7 +101,7 @@ class _Rank:
         record = self.progress.read()
         if record is None:
             return MemberReport(self.member_id, self.secret)
-        # A stamp in the future vouches for an exiting rank (see startup.EXIT_GRACE_S).
+        # A stamp in the future vouches for an exiting rank (see services.EXIT_GRACE_S).
         age = max(0.0, now - record.stamp)
         if age > stale_after:
             if not self.stale:

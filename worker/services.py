@@ -117,9 +117,10 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     """Start what a rank runs beside its training once communication is up; idempotent.
 
     ``initialize_comms`` calls this, so that SAR-style scripts that call it directly (not
-    :func:`init`) get the same: under ``sar-worker`` the progress record its agent reads
-    (``SAR_PROGRESS_FILE``), and the ``/metrics`` endpoint (:func:`metrics_port_setting`), whose
-    bound port goes to the coordinator through the agent's or this process's own heartbeats.
+    :func:`~sarcomm.worker.startup.init`) get the same: under ``sar-worker`` the progress record
+    its agent reads (``SAR_PROGRESS_FILE``), and the ``/metrics`` endpoint
+    (:func:`~sarcomm.worker.launch_env.metrics_port_setting`), whose bound port goes to the
+    coordinator through the agent's or this process's own heartbeats.
 
     A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
     a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
