@@ -45,13 +45,13 @@ def _child(
 ) -> None:
     os.environ.update(env)
     try:
-        from sarcomm.worker import comm, startup
+        from sarcomm.worker import comm, registration
 
         if coord is None:
             comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo", master_port_number=port)
         else:
             target, job = coord
-            master_ip = startup.coord_ip_init(rank, target, job=job, world_size=world_size, timeout=60)
+            master_ip = registration.coord_ip_init(rank, target, job=job, world_size=world_size, timeout=60)
             comm.initialize_comms(rank, world_size, master_ip, "gloo")
         try:
             value = fn(rank, world_size)

@@ -21,7 +21,9 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.worker import cli
-from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
+from sarcomm.worker.agent import _Rank
+from sarcomm.worker.agent_config import AgentConfig, omp_threads, rank_environment
+from sarcomm.worker.agent_decisions import exit_code_of
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import free_port_run, stays_false, wait_for
