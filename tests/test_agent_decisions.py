@@ -25,6 +25,7 @@ from sarcomm.worker.agent_decisions import (
     ReportLeave,
     Restart,
     RunState,
+    ShowTail,
     SignalRanks,
     SpawnFailed,
     StopRanks,
@@ -100,6 +101,7 @@ def test_decide_blames_the_first_failing_rank_and_stops_the_others() -> None:
     state, actions = decide(_started(), RankExited(1, 3))
     assert actions == [
         Log(logging.ERROR, f"{LABEL}: rank 3 on host h1 exited with code 3"),
+        ShowTail(1),
         StopRanks(StopReason.RANK_FAILED, signal.SIGTERM),
         ReportLeave(1, 3, "exited with code 3"),
     ]

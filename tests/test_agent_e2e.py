@@ -24,6 +24,7 @@ from sarcomm.worker import cli
 from sarcomm.worker.agent import _Rank
 from sarcomm.worker.agent_config import AgentConfig, omp_threads, rank_environment
 from sarcomm.worker.agent_decisions import exit_code_of
+from sarcomm.worker.output import RankOutput
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import free_port_run, stays_false, wait_for
@@ -422,7 +423,9 @@ def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatc
 
 def test_rank_report_carries_progress_and_the_age_of_the_ranks_own_stamp(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
-    rank = _Rank(0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path))
+    rank = _Rank(
+        0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path), RankOutput(0, 0, tag="", console=None, files=None)
+    )
     # No record yet (a program without sarcomm's library): alive while its process is.
     assert rank.report(time.time(), 1.0) == MemberReport("m0", "s0", None, "")
     writer = ProgressWriter(path)

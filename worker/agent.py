@@ -57,6 +57,7 @@ from sarcomm.worker.agent_decisions import (
     ReportLeave,
     Restart,
     RunState,
+    ShowTail,
     SignalRanks,
     SpawnFailed,
     StopRanks,
@@ -64,6 +65,7 @@ from sarcomm.worker.agent_decisions import (
     StreamBroke,
     decide,
 )
+from sarcomm.worker.output import Console, RankOutput, log_paths
 from sarcomm.worker.progress import ProgressReader
 
 __all__ = ["Agent"]
@@ -80,6 +82,7 @@ class _Rank:
     #: This rank's address on its interface: where its /metrics endpoint is reachable.
     address: str
     progress: ProgressReader
+    output: RankOutput
     proc: asyncio.subprocess.Process | None = None
     returncode: int | None = None
     stale: bool = False
@@ -134,6 +137,7 @@ class Agent:
         self.config = config
         self._environ = dict(os.environ if environ is None else environ)
         self._host = netinfo.host_name()
+        self._console: Console | None = None
 
     async def run(self) -> AgentResult:
         """Join, run the ranks, restart up to ``max_restarts`` times after a failure.
@@ -148,17 +152,22 @@ class Agent:
             netinfo.check_socket_name(config.socket_name, host=self._host)
         generation = 0
         restarts = 0
-        async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
-            while True:
-                joined = await self._join(client, generation)
-                self._follow_coordinator_interval(joined)
-                for action in await self._run_generation(client, joined, restarts):
-                    if isinstance(action, Log):
-                        log.log(action.level, "%s", action.text)
-                    elif isinstance(action, Restart):
-                        restarts, generation = action.restarts, action.generation
-                    elif isinstance(action, Exit):
-                        return action.result
+        self._console = Console() if config.tee.console else None
+        try:
+            async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
+                while True:
+                    joined = await self._join(client, generation)
+                    self._follow_coordinator_interval(joined)
+                    for action in await self._run_generation(client, joined, restarts):
+                        if isinstance(action, Log):
+                            log.log(action.level, "%s", action.text)
+                        elif isinstance(action, Restart):
+                            restarts, generation = action.restarts, action.generation
+                        elif isinstance(action, Exit):
+                            return action.result
+        finally:
+            if self._console is not None:
+                self._console.close()
 
     def _follow_coordinator_interval(self, joined: JoinResult) -> None:
         """Beat (and have the ranks stamp) as often as the coordinator expects, when it expects
@@ -183,6 +192,8 @@ class Agent:
                 config.world_size,
                 nproc=config.nproc_per_node,
                 ranks=config.ranks,
+                local_ranks=config.local_ranks,
+                local_world_size=config.node_ranks,
                 host=self._host,
                 socket_name=config.socket_name,
                 store_port=int(reservation.getsockname()[1]),
@@ -203,6 +214,9 @@ class Agent:
             return await _Run(self, client, joined, restarts, label, Path(progress_dir)).run()
 
     async def _leave(self, client: CoordinatorClient, r: _Rank, code: int, reason: str, label: str) -> None:
+        if code != 0 and r.output.files is not None:
+            # Where to read all of it: shown by `status` and in the failure line of every rank.
+            reason = f"{reason}; log: {self._host}:{r.output.files[1]}"
         try:
             state = await client.leave(r.member_id, r.secret, max(-255, min(255, code)), reason[:1024])
         except SarcommError as exc:
@@ -255,6 +269,15 @@ class _Run:
                 secret=a.secret,
                 address=a.address,
                 progress=ProgressReader(progress_dir / f"rank{a.rank}.progress"),
+                output=RankOutput(
+                    a.rank,
+                    a.local_rank,
+                    tag=config.output_tag,
+                    console=agent._console,
+                    files=log_paths(config.log_dir, joined.job, joined.generation, a.rank)
+                    if config.log_dir is not None and config.tee.files
+                    else None,
+                ),
             )
             for i, a in enumerate(joined.assignments)
         ]
@@ -295,6 +318,8 @@ class _Run:
                 )
             elif isinstance(action, SignalRanks):
                 _signal_ranks(self.ranks, action.signum)
+            elif isinstance(action, ShowTail):
+                self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[action.index])))
             elif isinstance(action, ReportLeave):
                 r = self.ranks[action.index]
                 leave = self.agent._leave(self.client, r, action.exit_code, action.reason, self.label)
@@ -313,7 +338,11 @@ class _Run:
                 )
                 try:
                     r.proc = await asyncio.create_subprocess_exec(
-                        *config.command, env=env, start_new_session=True
+                        *config.command,
+                        env=env,
+                        start_new_session=True,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
                     )
                 except OSError as exc:
                     r.returncode = 127  # never ran
@@ -326,6 +355,7 @@ class _Run:
                     r.proc.pid,
                     " ".join(config.command),
                 )
+                r.output.start(r.proc.stdout, r.proc.stderr)
                 self.apply(RankStarted(r.index))
                 self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
 
@@ -345,9 +375,25 @@ class _Run:
         for task in done:
             if not task.cancelled() and task.exception() is not None:
                 log.error("%s: agent task failed: %r", self.label, task.exception())
+        # Every line the ranks wrote is on the console and in the files before the last word.
+        await asyncio.gather(*(r.output.drained() for r in self.ranks))
         for r in self.ranks:
             r.progress.close()
+            await r.output.close()
         return self.apply(Finished())
+
+    async def _show_tail(self, r: _Rank) -> None:
+        """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
+        await r.output.drained()
+        lines = r.output.tail()
+        where = f"; all of it in {r.output.files[0]} and {r.output.files[1]}" if r.output.files else ""
+        if not lines:
+            log.error("%s: rank %d wrote no output%s", self.label, r.rank, where)
+            return
+        shown = "\n".join(f"    | {line}" for line in lines)
+        log.error(
+            "%s: last %d line(s) of rank %d's output%s:\n%s", self.label, len(lines), r.rank, where, shown
+        )
 
     async def _await_verdict(self) -> None:
         """The verdict on a peer that failed first may still be on its way: report the local exits

@@ -24,6 +24,7 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.messages import JoinResult
 from sarcomm.common.tls import ClientTls
 from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE
+from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
 
 __all__ = [
     "METRICS_ANY_PORT",
@@ -64,6 +65,13 @@ class AgentConfig:
         token: bearer token for the coordinator, or None.
         tls: TLS settings for the coordinator connection (``--tls-ca``, ``--tls-cert``,
             ``--tls-key``), or None for plaintext.
+        local_rank: the node-local rank of this agent's first rank (0; under Slurm, one agent per
+            task: its ``SLURM_LOCALID``).
+        local_world_size: ranks on this node, of all its agents (None: ``nproc_per_node``).
+        output_tag: what each console line of a rank starts with (``{rank}``, ``{local_rank}``
+            filled in; "" for none); see :mod:`sarcomm.worker.output`.
+        log_dir: folder for each rank's output files (None: no files).
+        tee: where the ranks' output goes: the console, the files or both.
     """
 
     coord: str
@@ -81,6 +89,11 @@ class AgentConfig:
     stop_grace: float = 10.0
     token: str | None = field(default=None, repr=False)
     tls: ClientTls | None = None
+    local_rank: int = 0
+    local_world_size: int | None = None
+    output_tag: str = DEFAULT_OUTPUT_TAG
+    log_dir: Path | None = None
+    tee: Tee = Tee.CONSOLE
 
     def __post_init__(self) -> None:
         validate_target(self.coord)
@@ -123,6 +136,27 @@ class AgentConfig:
             )
         if not self.stop_grace >= 0:
             raise InvalidArgumentError(f"stop_grace {self.stop_grace} must be a number of seconds >= 0.")
+        node_ranks = self.node_ranks
+        if not 0 <= self.local_rank <= node_ranks - self.nproc_per_node:
+            raise InvalidArgumentError(
+                f"local rank {self.local_rank} must be in 0..{node_ranks - self.nproc_per_node}: this "
+                f"agent's {self.nproc_per_node} local rank(s) must fit in the node's {node_ranks}."
+            )
+        check_output_tag(self.output_tag)
+        if self.tee.files and self.log_dir is None:
+            raise InvalidArgumentError(
+                f"--tee {self.tee.value} writes the ranks' output to files: give --log-dir DIR too."
+            )
+
+    @property
+    def node_ranks(self) -> int:
+        """Ranks on this node, of all its agents."""
+        return self.nproc_per_node if self.local_world_size is None else self.local_world_size
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """Node-local ranks of this agent's ranks."""
+        return list(range(self.local_rank, self.local_rank + self.nproc_per_node))
 
     @property
     def ranks(self) -> list[int] | None:
@@ -194,7 +228,7 @@ def rank_environment(
         }
     )
     if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = str(omp_threads(config.nproc_per_node))
+        env["OMP_NUM_THREADS"] = str(omp_threads(config.node_ranks))
     if progress_file is not None:
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})

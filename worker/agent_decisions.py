@@ -59,6 +59,7 @@ __all__ = [
     "ReportLeave",
     "Restart",
     "RunState",
+    "ShowTail",
     "SignalRanks",
     "SpawnFailed",
     "StopRanks",
@@ -217,6 +218,13 @@ class ReportLeave:
 
 
 @dataclass(frozen=True)
+class ShowTail:
+    """Print local rank ``index``'s last lines of output under its failure line."""
+
+    index: int
+
+
+@dataclass(frozen=True)
 class AwaitVerdict:
     """Let the Leave calls finish and the stream bring a verdict on a peer that failed first."""
 
@@ -236,7 +244,7 @@ class Exit:
     result: AgentResult
 
 
-Action = Log | StopRanks | SignalRanks | ReportLeave | AwaitVerdict | Restart | Exit
+Action = Log | ShowTail | StopRanks | SignalRanks | ReportLeave | AwaitVerdict | Restart | Exit
 
 
 # -- state -------------------------------------------------------------------------------------
@@ -370,6 +378,7 @@ def _rank_exited(state: RunState, event: RankExited) -> tuple[RunState, list[Act
         actions.append(Log(logging.INFO, f"{state.label}: rank {rank} {reason}"))
     else:
         actions.append(Log(logging.ERROR, f"{state.label}: rank {rank} on host {state.host} {reason}"))
+        actions.append(ShowTail(event.index))
         if state.failure is None:
             failure = Failure(
                 exit_code_of(code), f"{state.prefix}: rank {rank} on host {state.host} failed: {reason}"

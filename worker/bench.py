@@ -392,7 +392,8 @@ class BenchCommand:
             print(f"sar-worker: error: bench: {exc}", file=sys.stderr)
             return EXIT_USAGE
         command = (sys.executable, "-m", RANK_MODULE, *settings.argv())
-        return run_agent(dataclasses.replace(config, command=command))
+        # Rank 0 prints the table: untagged, so it reads (and parses) as nccl-tests' does.
+        return run_agent(dataclasses.replace(config, command=command, output_tag=""))
 
 
 #: The instance ``sar-worker`` registers.

@@ -35,6 +35,8 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker import bench
 from sarcomm.worker.agent_config import AgentConfig
+from sarcomm.worker.launch_env import SlurmTask, slurm_task
+from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee
 from sarcomm.worker.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 
 __all__ = [
@@ -166,6 +168,12 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--tls-cert", Path, "a path", "this host's PEM certificate, for a coordinator that "
             "requires one (--tls-client-ca)", metavar="PATH"),
     _Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
+    _Option("--output-tag", str, "text with {rank} and {local_rank}", "what each console line of a "
+            "rank starts with; '' for none", default=DEFAULT_OUTPUT_TAG, metavar="TAG"),
+    _Option("--log-dir", Path, "a path", "also write each rank's stdout and stderr to "
+            "DIR/JOB/GENERATION/rank-R.stdout and .stderr", metavar="DIR"),
+    _Option("--tee", Tee, "console, files or both", "where the ranks' output goes (default: both with "
+            "--log-dir, else console)", metavar="{console,files,both}"),
     _Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "log level", default="INFO"),
 )  # fmt: skip
 
@@ -196,17 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(option: _Option, given: str | None, env: Mapping[str, str]) -> Any:
-    """The option's value: flag, then its variables, then the default; converted and checked."""
+def _resolve(
+    option: _Option, given: str | None, env: Mapping[str, str], launcher: Mapping[str, tuple[str, str]]
+) -> Any:
+    """The option's value: flag, then its variables, then what the launcher says (``launcher``:
+    dest -> (source, text), e.g. Slurm's), then the default; converted and checked."""
     if given is not None:
         source, text = option.flag, given
     else:
         found = next((v for v in (option.env, *option.also_env) if v in env), None)
-        if found is None:
-            if option.required:
-                raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
+        if found is not None:
+            source, text = found, env[found]
+        elif option.dest in launcher:
+            source, text = launcher[option.dest]
+        elif option.required:
+            raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
+        else:
             return option.default
-        source, text = found, env[found]
     try:
         return option.convert(text)
     except (ValueError, TypeError):
@@ -234,7 +248,9 @@ def parse(
         argv, command = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    values = {option.dest: _resolve(option, getattr(args, option.dest), env) for option in _OPTIONS}
+    slurm = slurm_task(env)
+    launcher = _slurm_settings(slurm, args, env) if slurm is not None else {}
+    values = {option.dest: _resolve(option, getattr(args, option.dest), env, launcher) for option in _OPTIONS}
     token_file: Path | None = values.pop("token_file")
     tls_paths: tuple[Path | None, ...] = tuple(values.pop(name) for name in ("tls_ca", "tls_cert", "tls_key"))
     tls = ClientTls(*tls_paths) if any(p is not None for p in tls_paths) else None
@@ -265,8 +281,37 @@ def parse(
         heartbeat_interval=values["heartbeat_interval"],
         token=token,
         tls=tls,
+        output_tag=values["output_tag"],
+        log_dir=values["log_dir"],
+        tee=values["tee"] or (Tee.BOTH if values["log_dir"] is not None else Tee.CONSOLE),
+        **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
     )
     return config, subcommand, args, log_level
+
+
+def _slurm_settings(
+    slurm: SlurmTask, args: argparse.Namespace, env: Mapping[str, str]
+) -> dict[str, tuple[str, str]]:
+    """What Slurm says of the flags no flag or variable sets: the job name, the world size (the
+    step's tasks times the local ranks per task) and, with that world size, this task's ranks."""
+    nproc_text = args.nproc_per_node or env.get("SARCOMM_NPROC_PER_NODE") or "1"
+    try:
+        nproc = max(1, int(nproc_text))
+    except ValueError:
+        nproc = 1  # _resolve reports the bad value itself
+    settings = {
+        "job": ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
+        "world_size": ("SLURM_STEP_NUM_TASKS", str(slurm.tasks * nproc)),
+    }
+    if args.world_size is None and "SARCOMM_WORLD_SIZE" not in env:
+        # Ranks follow Slurm's task order, as srun's own ranks (SLURM_PROCID) do.
+        settings["rank"] = ("SLURM_PROCID", str(slurm.procid * nproc))
+    return settings
+
+
+def _slurm_placement(slurm: SlurmTask, nproc: int) -> dict[str, int]:
+    """This task's node-local ranks: its share of the node's tasks, ``nproc`` ranks each."""
+    return {"local_rank": slurm.localid * nproc, "local_world_size": slurm.node_tasks * nproc}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sar-worker: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s sar-worker[%(process)d] %(name)s: %(message)s"
+        level=log_level,
+        format="%(asctime)s %(levelname)s sar-worker[%(process)d] %(name)s: %(message)s",
+        handlers=[ConsoleLogHandler()],
     )
     if subcommand is not None:
         return subcommand.run(config, args)

@@ -23,11 +23,13 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 __all__ = [
     "HEARTBEAT_INTERVAL_VARIABLE",
     "LaunchEnv",
+    "SlurmTask",
     "agent_pid_setting",
     "detect_launcher",
     "heartbeat_interval_setting",
     "metrics_port_setting",
     "parse_launch_env",
+    "slurm_task",
     "socket_name_setting",
 ]
 
@@ -279,3 +281,58 @@ def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None
             "(0: any free port, -1: no metrics endpoint)."
         )
     return None if port == -1 else port
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """The ``srun`` task this process is: what ``sar-worker`` takes from Slurm when no flag says.
+
+    ``job`` is ``SLURM_JOB_NAME-SLURM_JOB_ID`` made a valid job name (unique per allocation, so two
+    allocations of one script never share a world); ``tasks`` the step's task count, ``procid``
+    this task's index among them, ``localid`` its index on this node, ``node_tasks`` the step's
+    tasks on this node.
+    """
+
+    job: str
+    tasks: int
+    procid: int
+    localid: int
+    node_tasks: int
+
+
+def _slurm_job_name(env: Mapping[str, str]) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_NAME", "")).strip("-._") or "slurm"
+    job_id = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_ID", "")).strip("-._")
+    full = f"{name}-{job_id}" if job_id else name
+    return full[-128:].lstrip("-._") or "slurm"
+
+
+def slurm_task(env: Mapping[str, str]) -> SlurmTask | None:
+    """The task of the ``srun`` step that runs this process, or None outside one (no
+    ``SLURM_STEP_ID`` or ``SLURM_PROCID``: a batch script's own shell is no task of a step).
+
+    Raises:
+        InvalidArgumentError: a Slurm variable has a value its rule forbids (the message names it).
+    """
+    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return None
+    tasks_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    if tasks_var not in env:
+        raise InvalidArgumentError(
+            "SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is: run sar-worker "
+            "with srun, or give --world-size."
+        )
+    tasks = _parse_int(env, tasks_var, 1, None, "an integer >= 1")
+    procid = _parse_int(
+        env, "SLURM_PROCID", 0, tasks - 1, f"an integer in 0..{tasks - 1} ({tasks_var}={tasks})"
+    )
+    per_node = {**env}
+    if "SLURM_STEP_TASKS_PER_NODE" in env:
+        per_node["SLURM_TASKS_PER_NODE"] = env["SLURM_STEP_TASKS_PER_NODE"]
+    node_tasks = _slurm_local_size(per_node) or 1
+    localid = (
+        _parse_int(env, "SLURM_LOCALID", 0, node_tasks - 1, f"an integer in 0..{node_tasks - 1}")
+        if "SLURM_LOCALID" in env
+        else 0
+    )
+    return SlurmTask(_slurm_job_name(env), tasks, procid, localid, node_tasks)
