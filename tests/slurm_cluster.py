@@ -107,6 +107,7 @@ class SlurmCluster:
         if not self._munge_answers():
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             subprocess.run(["munged", "--force"], check=True, timeout=30, capture_output=True)
+            self._daemons.append(("munged", Path("/run/munge/munged.pid")))
             self._wait("munged to answer", self._munge_answers)
         run = self.directory / "run"
         subprocess.run(["slurmctld", "-c", "-f", str(self.conf)], check=True, timeout=30, env=self.env)
