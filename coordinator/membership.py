@@ -53,20 +53,9 @@ log = logging.getLogger(__name__)
 
 # Re-exported: callers and tests name the domain types through this module.
 __all__ = [
-    "EventKind",
-    "EventListener",
-    "Job",
-    "JobEvent",
-    "JobState",
-    "JoinSpec",
-    "Member",
-    "MemberRequest",
-    "MemberState",
-    "Membership",
-    "Progress",
-    "Stall",
-    "Ticket",
-]
+    "EventKind", "EventListener", "Job", "JobEvent", "JobState", "JoinSpec", "Member", "MemberRequest",
+    "MemberState", "Membership", "Progress", "Stall", "Ticket",
+]  # fmt: skip
 
 #: How often the liveness sweep looks for stalls to log (seconds of the monotonic clock).
 STALL_CHECK_PERIOD_S = 1.0
@@ -312,10 +301,10 @@ class Membership:
     def _form(self, job: Job, plan: Plan) -> None:
         ranks, per_host = plan.ranks, plan.per_host
         now_mono = self._clock.monotonic()
+        self._machine.members_running(job, job.members)
         for member in job.members:
             member.interface, member.address = per_host[host_key(member)]
             member.rank = ranks[member.member_id]
-            self._machine.member_to(job, member, MemberState.RUNNING)
             member.last_seen = now_mono
             self._members[member.member_id] = (job, member)
         master = next(m for m in job.members if m.rank == 0)
