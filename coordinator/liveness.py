@@ -19,6 +19,10 @@ from __future__ import annotations
 from sarcomm.common.constants import FailureReason
 from sarcomm.coordinator.model import Job, JobState, Member, MemberState, Stall, member_rank
 
+#: A shell reports death by signal N as exit status 128 + N; Linux signals go up to 64 (SIGRTMAX).
+SIGNAL_EXIT_BASE = 128
+MAX_SIGNAL = 64
+
 #: A judgement: the bounded reason, and the text people read.
 Verdict = tuple[FailureReason, str]
 
@@ -45,12 +49,14 @@ def describe_exit(exit_code: int) -> str:
 def exit_verdict(exit_code: int, reason: str) -> Verdict:
     """Why a member that left with non-zero ``exit_code`` failed; ``reason`` is its own text.
 
-    Decided by the exit code, which the wire defines: negative is death by that signal (KILLED);
-    otherwise the member's own exit (EXIT_CODE) when it gave no text or the plain description of
-    that code (what sar-worker sends for a rank that exited), and REPORTED when its text says
-    something else (an uncaught exception, a start-up failure).
+    Decided by the exit code: negative is death by that signal, as the wire defines it (Python's
+    ``returncode``, which sar-worker reports), and so is 128+N for a signal N (1..64), the shell's
+    convention that launchers and container runtimes report (137: SIGKILL, the OOM killer's):
+    KILLED. Any other code is the member's own exit: EXIT_CODE when it gave no text or the plain
+    description of that code (what sar-worker sends for a rank that exited), REPORTED when its
+    text says something else (an uncaught exception, a start-up failure).
     """
-    if exit_code < 0:
+    if exit_code < 0 or SIGNAL_EXIT_BASE < exit_code <= SIGNAL_EXIT_BASE + MAX_SIGNAL:
         return FailureReason.KILLED, reason or describe_exit(exit_code)
     plain = describe_exit(exit_code)
     if not reason or reason == plain or reason.startswith(plain + ","):

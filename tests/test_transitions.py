@@ -59,6 +59,8 @@ def test_member_to_failed_fails_a_running_job_and_emits_both_events() -> None:
     [
         (-9, "killed by signal 9 (SIGKILL)", FailureReason.KILLED),
         (-15, "", FailureReason.KILLED),
+        (137, "killed by signal 9", FailureReason.KILLED),
+        (143, "", FailureReason.KILLED),
         (3, "", FailureReason.EXIT_CODE),
         (3, "exited with code 3", FailureReason.EXIT_CODE),
         (1, "exited with code 1, stopped by sar-worker because a peer failed", FailureReason.EXIT_CODE),
