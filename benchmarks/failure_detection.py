@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ def rank_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     mode, control = argv[0], Path(argv[1])
+    reduce: Callable[[torch.Tensor], object]
     if mode == "agent":
         import sarcomm.worker as sar
 
@@ -236,7 +238,8 @@ class Watcher:
         self._thread.start()
 
     async def _watch(self, target: str, job: str) -> None:
-        from sarcomm.common.client import CoordinatorClient, EventKind
+        from sarcomm.common.client import CoordinatorClient
+        from sarcomm.common.constants import EventKind
         from sarcomm.common.errors import SarcommError
 
         self._task = asyncio.current_task()

@@ -83,7 +83,10 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
     # One channel (one TCP connection) per simulated agent, or agents spread over `channels`.
     count = config["channels"] or agents
     channels = [grpc.aio.insecure_channel(target) for _ in range(count)]
-    stubs = [pb_grpc.CoordinatorStub(channels[i % count]) for i in range(agents)]
+    # (CoordinatorAsyncStub is the stub's type on an aio channel; it exists only in the .pyi.)
+    stubs: list[pb_grpc.CoordinatorAsyncStub] = [
+        pb_grpc.CoordinatorStub(channels[i % count]) for i in range(agents)
+    ]
 
     async def join(i: int) -> pb.JoinResponse:
         request = pb.JoinRequest(
@@ -117,7 +120,7 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
         joins_left -= 1
         if joins_left == 0:
             await asyncio.to_thread(Path(config["ready"]).write_text, "joined")
-        call = stubs[i].Heartbeat(timeout=3600)
+        call = stubs[i].Heartbeat(None, timeout=3600)  # requests go out with call.write()
         sent: list[float] = []
         seq = 0
 
@@ -178,7 +181,7 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
     await watcher
     await lag_watcher
     for channel in channels:
-        await channel.close()
+        await channel.close(None)
     return {
         "acks": acks,
         "samples": [(round(at, 6), round(latency, 6)) for at, latency in samples],

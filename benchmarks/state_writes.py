@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import tempfile
@@ -100,12 +101,11 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
             "longest_hold_ms": round(1000 * longest, 2), "batches": store.batches - batches0,
         }  # fmt: skip
 
+    def form(i: int) -> None:
+        tickets.append(membership.join(join_spec(i, world)))
+
     results = []
-    results.append(
-        await phase(
-            "form", [lambda i=i: tickets.append(membership.join(join_spec(i, world))) for i in range(world)]
-        )
-    )
+    results.append(await phase("form", [functools.partial(form, i) for i in range(world)]))
     count = sample or world
     now = time.time()
 
@@ -118,8 +118,8 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
         member, secret = tickets[i].members[0], tickets[i].secrets[0]
         membership.leave(member.member_id, secret, 0)
 
-    results.append(await phase("first reports", [lambda i=i: report(i) for i in range(count)]))
-    results.append(await phase("leaves", [lambda i=i: leave(i) for i in range(count)]))
+    results.append(await phase("first reports", [functools.partial(report, i) for i in range(count)]))
+    results.append(await phase("leaves", [functools.partial(leave, i) for i in range(count)]))
     if writes is not None:
         await writes.close()
     store.close()

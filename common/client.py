@@ -1,17 +1,11 @@
 """Async client of the ``sarcomm.v1.Coordinator`` gRPC service.
 
-One :class:`CoordinatorClient` holds one channel. Robustness comes from gRPC itself rather than
-from hand-written loops:
-
-- every call is made with ``wait_for_ready=True`` and a deadline, so a coordinator that is still
-  starting (or restarting) is waited for until the deadline, and never longer;
-- the channel's service config carries a ``retryPolicy`` that retries ``UNAVAILABLE`` answers with
-  exponential backoff and jitter (gRPC's built-in transparent retries);
-- keepalive pings notice a dead connection during long blocking calls such as ``Join``.
-
-Failed calls raise the :mod:`sarcomm.common.errors` class their status maps to. The client's
-own deadline becomes :class:`CoordinatorUnavailableError` (never reached the coordinator) or, for
-``Join``, :class:`JoinTimeoutError`, with a message naming the target and the deadline.
+One :class:`CoordinatorClient` holds one channel (:class:`~sarcomm.common.channel.CoordinatorChannel`,
+which also explains how calls wait, retry and fail). Failed calls raise the
+:mod:`sarcomm.common.errors` class their status maps to. The client's own deadline becomes
+:class:`CoordinatorUnavailableError` (never reached the coordinator) or, for ``Join``,
+:class:`JoinTimeoutError`, with a message naming the target and the deadline. The long-lived
+heartbeat stream is :class:`~sarcomm.common.heartbeats.HeartbeatStream`.
 
 Example::
 
@@ -23,30 +17,18 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from types import TracebackType
-from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
 from sarcomm.common import netinfo
-from sarcomm.common.addresses import split_target, validate_target
+from sarcomm.common.channel import CoordinatorChannel
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT
-from sarcomm.common.errors import (
-    CoordinatorUnavailableError,
-    InvalidArgumentError,
-    JoinTimeoutError,
-    SarcommError,
-    UnauthenticatedError,
-    from_rpc_error,
-)
+from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError, SarcommError
+from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.interfaces import InterfaceInfo
 from sarcomm.common.messages import (
     Assignment,
@@ -56,58 +38,14 @@ from sarcomm.common.messages import (
     MemberReport,
     interface_to_proto,
 )
-from sarcomm.common.tls import ClientTls, Diagnosis, Rejection, diagnose
 from sarcomm.v1 import coordinator_pb2 as pb
-from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorClient", "HeartbeatStream"]
+__all__ = ["CoordinatorClient"]
 
 log = logging.getLogger(__name__)
 
 
-_SERVICE = "sarcomm.v1.Coordinator"
-
-# gRPC retries UNAVAILABLE answers itself, with exponential backoff and jitter; wait_for_ready
-# (set on every call) covers the "nothing listens yet" case, which never produces an answer.
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{"service": _SERVICE}],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.2s",
-                    "maxBackoff": "5s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
-
-# A server drops a client that pings more often than its min_recv_ping_interval_without_data
-# (5 min by default) while it sends no data, which is exactly what a blocked Join looks like; so
-# the client pings no more often than that. Heartbeat traffic keeps busy connections fresh anyway.
-_KEEPALIVE_TIME_MS = 300_000
-_KEEPALIVE_TIMEOUT_MS = 20_000
-_MAX_RECONNECT_BACKOFF_MS = 2_000
-
-# How long an orderly end of a heartbeat stream may take before the stream is cancelled instead.
-_ORDERLY_CLOSE_S = 1.0
-
-# While a join cannot connect, how often the TLS handshake is tried by hand, and how long a try
-# may take (see CoordinatorClient._diagnosed).
-_PROBE_EVERY_S = 1.0
-_PROBE_TIMEOUT_S = 3.0
-
-_Response = TypeVar("_Response")
-
-# grpc core's text for a deadline that the client itself set and that expired.
-_OWN_DEADLINE_DETAILS = "Deadline Exceeded"
-
-
-class CoordinatorClient:
+class CoordinatorClient(CoordinatorChannel):
     """Async client of one coordinator; use as ``async with CoordinatorClient(target) as c``.
 
     Args:
@@ -130,171 +68,6 @@ class CoordinatorClient:
         InvalidArgumentError: for a malformed target, a non-positive timeout, unreadable TLS
             files, or both ``tls`` and ``credentials``.
     """
-
-    def __init__(
-        self,
-        target: str,
-        token: str | None = None,
-        *,
-        timeout: float = 30.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        tls: ClientTls | None = None,
-    ) -> None:
-        self.target = validate_target(target)
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
-        if tls is not None and credentials is not None:
-            raise InvalidArgumentError("give tls= or credentials=, not both.")
-        self.timeout = float(timeout)
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self.tls = tls
-        self._credentials = tls.channel_credentials() if tls is not None else credentials
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.CoordinatorAsyncStub | None = None
-
-    # -- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> CoordinatorClient:
-        self.open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-    def open(self) -> None:
-        """Create the channel (no I/O: connecting happens on the first call). Needs a running
-        event loop; ``async with`` calls it."""
-        if self._channel is not None:
-            return
-        options: list[tuple[str, str | int]] = [
-            ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.max_pings_without_data", 0),
-            # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
-            # (or restarts) should be found within seconds.
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
-            ("grpc.primary_user_agent", "sarcomm-worker"),
-        ]
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
-
-    async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        if self._channel is not None:
-            channel, self._channel, self._stub = self._channel, None, None
-            await channel.close(None)
-
-    @property
-    def stub(self) -> pb_grpc.CoordinatorAsyncStub:
-        """The raw generated stub (for callers that need a field this class does not expose)."""
-        if self._stub is None:
-            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
-        return self._stub
-
-    # -- error translation -----------------------------------------------------------------------
-
-    def _connected(self) -> bool:
-        return self._channel is not None and (
-            self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
-        )
-
-    def translate(self, err: grpc.RpcError, method: str, deadline: float, started: float) -> SarcommError:
-        """The sarcomm error for a failed call of ``method`` made with ``deadline`` seconds at
-        monotonic time ``started``."""
-        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
-        details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
-        elapsed = time.monotonic() - started
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
-            details == _OWN_DEADLINE_DETAILS or elapsed >= deadline - 0.05
-        ):
-            if not self._connected():
-                return CoordinatorUnavailableError(
-                    f"The coordinator at {self.target} could not be reached within the {deadline:g} s "
-                    f"deadline of {method}: check the address and that sar-coordinator is running there."
-                )
-            if method == "Join":
-                return JoinTimeoutError(
-                    f"The coordinator at {self.target} did not answer Join within the client deadline "
-                    f"of {deadline:g} s (join timeout plus {self.timeout:g} s to reach the coordinator)."
-                )
-            return CoordinatorUnavailableError(
-                f"The coordinator at {self.target} did not answer {method} within {deadline:g} s."
-            )
-        if code is grpc.StatusCode.UNAVAILABLE:
-            return CoordinatorUnavailableError(
-                f"The coordinator at {self.target} is unavailable ({method}): {details or 'no details'}"
-            )
-        return from_rpc_error(err)
-
-    # -- TLS diagnosis ---------------------------------------------------------------------------
-
-    async def _diagnose(self) -> Diagnosis | None:
-        """Why the connection fails at the TLS layer (see :func:`~sarcomm.common.tls.diagnose`),
-        or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
-        split = split_target(self.target)
-        if split is None or (self._credentials is not None and self.tls is None):
-            return None
-        host, port = split
-        try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(diagnose, host, port, self.tls, _PROBE_TIMEOUT_S),
-                _PROBE_TIMEOUT_S * 3,
-            )
-        except (TimeoutError, OSError):
-            return None
-
-    def _tls_error(self, diagnosis: Diagnosis) -> SarcommError:
-        message = f"TLS with the coordinator at {self.target} failed: {diagnosis.message}."
-        if diagnosis.rejection is Rejection.PROTOCOL_MISMATCH:
-            return CoordinatorUnavailableError(message)
-        return UnauthenticatedError(message)
-
-    async def _explained(self, error: SarcommError) -> SarcommError:
-        """``error``, or the TLS problem behind it when the coordinator was never reached."""
-        if not isinstance(error, CoordinatorUnavailableError) or self._connected():
-            return error
-        diagnosis = await self._diagnose()
-        return error if diagnosis is None else self._tls_error(diagnosis)
-
-    async def _diagnosed(self, call: grpc.aio.UnaryUnaryCall[Any, _Response]) -> _Response:
-        """Await ``call``; while the channel cannot connect, find out whether TLS is the reason.
-
-        A call with ``wait_for_ready`` waits through connection failures until its deadline, which
-        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but a
-        wrong certificate never heals. So while the channel is in TRANSIENT_FAILURE the handshake
-        is tried again by :meth:`_diagnose`, and a TLS rejection ends the call at once.
-        """
-        found: list[Diagnosis] = []
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(_PROBE_EVERY_S)
-                channel = self._channel
-                if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                    continue
-                diagnosis = await self._diagnose()
-                if diagnosis is not None:
-                    found.append(diagnosis)
-                    call.cancel()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if found:  # our watcher cancelled the call, not the caller its task
-                raise self._tls_error(found[0]) from None
-            raise
-        finally:
-            watcher.cancel()
 
     # -- Join ------------------------------------------------------------------------------------
 
@@ -599,187 +372,3 @@ class CoordinatorClient:
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err
         return list(resp.jobs)
-
-
-class HeartbeatStream:
-    """One bidi ``Heartbeat`` stream kept open in a background task.
-
-    Every ``interval`` seconds it sends ``reports()`` as one request; each answer is queued and
-    handed out by ``async for reply in stream``. The stream has a deadline (``stream_timeout``,
-    default one hour) like every call; when it passes, or when the connection drops
-    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
-    coordinator like any call (gRPC reconnects with exponential backoff and jitter). Ranks keep
-    running meanwhile: collectives never depend on the coordinator being up. Any other failure
-    (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
-    (gRPC statuses as their :mod:`sarcomm.common.errors` class).
-
-    ``connected`` says whether the current stream has had an answer. Use as an async context
-    manager; leaving it ends the stream in order (a half-close), which the coordinator tells apart
-    from a broken stream: a broken one means the reporter most likely died, and the members it
-    reported fail unless another stream reports them within one interval.
-    """
-
-    def __init__(
-        self,
-        client: CoordinatorClient,
-        reports: Callable[[], Sequence[MemberReport]],
-        interval: float,
-        *,
-        stream_timeout: float = 3600.0,
-    ) -> None:
-        if not interval > 0:
-            raise InvalidArgumentError(f"interval={interval!r} must be a positive number of seconds.")
-        if not stream_timeout > interval:
-            raise InvalidArgumentError(
-                f"stream_timeout={stream_timeout!r} must be longer than the interval ({interval!r} s)."
-            )
-        self._client = client
-        self._reports = reports
-        self.interval = float(interval)
-        self.stream_timeout = float(stream_timeout)
-        # None marks the end of the iteration.
-        self._queue: asyncio.Queue[HeartbeatReply | Exception | None] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
-        self._ended = False
-        # Set by aclose: the writer half-closes the stream and the task ends.
-        self._closing = asyncio.Event()
-        # Whether the last stream had answers before it broke: then it is reopened at once.
-        self._was_connected = False
-        self.connected = False
-
-    async def __aenter__(self) -> HeartbeatStream:
-        self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    def start(self) -> None:
-        """Start the background task (``async with`` does this); needs a running event loop."""
-        if self._task is None and not self._ended:
-            self._task = asyncio.ensure_future(self._run())
-
-    async def aclose(self) -> None:
-        """Stop sending and end the stream in order (at most about one second; cancelled after
-        that, e.g. while the coordinator is unreachable); waits for the background task."""
-        task, self._task = self._task, None
-        self._ended = True
-        self._closing.set()
-        if task is not None and not task.done():
-            # The writer half-closes and the coordinator ends the stream; the shield keeps the
-            # timeout from cancelling the task half-way.
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(task), timeout=_ORDERLY_CLOSE_S)
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-                await asyncio.wait_for(task, timeout=5.0)
-
-    def __aiter__(self) -> HeartbeatStream:
-        return self
-
-    async def __anext__(self) -> HeartbeatReply:
-        if self._task is None and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            self._queue.put_nowait(None)  # later calls end too
-            raise StopAsyncIteration
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def _writer(
-        self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
-    ) -> None:
-        """Send a batch every interval; returns when ``reports()`` raised (error queued) or, after a
-        half-close, when :meth:`aclose` asked for the end."""
-        while not self._closing.is_set():
-            try:
-                request = pb.HeartbeatRequest(reports=[r.to_proto() for r in self._reports()])
-            except Exception as exc:  # a broken callback must not silently stop the heartbeats
-                self._queue.put_nowait(exc)
-                return
-            if request.reports:
-                await call.write(request)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.interval)
-        await call.write(pb.HeartbeatRequest(closing=True))
-        await call.done_writing()
-
-    async def _reader(
-        self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
-    ) -> None:
-        async for resp in call:
-            self.connected = True
-            self._queue.put_nowait(HeartbeatReply.from_proto(resp))
-
-    async def _one_stream(self) -> bool:
-        """Run one stream until it ends; True when another one should be opened."""
-        client = self._client
-        started = time.monotonic()
-        call = client.stub.Heartbeat(
-            None, timeout=self.stream_timeout, metadata=client._metadata, wait_for_ready=True
-        )
-        reader = asyncio.ensure_future(self._reader(call))
-        writer = asyncio.ensure_future(self._writer(call))
-        try:
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if writer in done and writer.exception() is None:
-                if self._closing.is_set():
-                    # Half-closed: let the coordinator end the stream before anything cancels it,
-                    # or it would take the end for a broken stream.
-                    await asyncio.wait({reader}, timeout=_ORDERLY_CLOSE_S)
-                return False  # closing, or reports() raised and its error is queued
-            # A failed write means the call is over; the reader has the status.
-            await asyncio.wait({reader}, timeout=self.interval + 5.0)
-            err = reader.exception() if reader.done() else None
-            if self._closing.is_set():
-                return False
-            if not reader.done() or err is None:
-                log.info("Heartbeat stream to %s closed; reopening it", client.target)
-                return True
-            if not isinstance(err, grpc.aio.AioRpcError):
-                raise err
-            code = err.code()
-            own_deadline = (
-                code is grpc.StatusCode.DEADLINE_EXCEEDED
-                and time.monotonic() - started >= self.stream_timeout - 0.05
-            )
-            if own_deadline or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                if self.connected and not own_deadline:
-                    log.warning(
-                        "Heartbeat stream to %s ended (%s: %s); reopening it; ranks keep running",
-                        client.target, code.name, err.details(),
-                    )  # fmt: skip
-                self._was_connected = self.connected
-                self.connected = False
-                return True
-            self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
-            return False
-        finally:
-            for task in (reader, writer):
-                task.cancel()
-            call.cancel()
-            await asyncio.wait({reader, writer}, timeout=5.0)
-            for task in (reader, writer):  # retrieve results so asyncio does not log them as lost
-                if task.done() and not task.cancelled():
-                    task.exception()
-
-    async def _run(self) -> None:
-        try:
-            reopen = await self._one_stream()
-            while reopen and not self._closing.is_set():
-                # A stream that had answers is reopened at once (jittered, so that reporters do not
-                # all arrive in one instant): the coordinator judges the members of a broken stream
-                # after one interval. Otherwise one interval between streams, so a coordinator that
-                # answers at once with an error (e.g. while shutting down) is not hammered; waiting
-                # for a restart is wait_for_ready's, with gRPC's backoff and jitter.
-                quick, self._was_connected = self._was_connected, False
-                await asyncio.sleep(random.uniform(0.0, 0.1) * self.interval if quick else self.interval)
-                reopen = await self._one_stream()
-        finally:
-            self._ended = True
-            self._queue.put_nowait(None)

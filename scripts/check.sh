@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Static checks: generated code fresh, ruff lint + format, mypy --strict over the sarcomm namespace.
+# Static checks: generated code fresh, ruff lint + format, mypy --strict over the sarcomm namespace
+# and over tests, benchmarks and examples. Any failure fails the script (after every check ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python protos/generate.py --check
-ruff check .
-ruff format --check .
+status=0
+python protos/generate.py --check || status=1
+ruff check . || status=1
+ruff format --check . || status=1
 
 # mypy resolves modules by path, but the repository keeps coordinator/ and worker/ beside
 # protos/sarcomm/ and only installation maps them under `sarcomm`. Lay the package out as it
@@ -17,9 +19,17 @@ cp -r common "$tree/sarcomm/common"
 cp -r coordinator "$tree/sarcomm/coordinator"
 cp -r worker "$tree/sarcomm/worker"
 find "$tree" -name __pycache__ -prune -exec rm -rf {} +
-status=0
 MYPYPATH="$tree" mypy -p sarcomm 2>&1 \
   | sed -e "s#$tree/sarcomm/coordinator/#coordinator/#" -e "s#$tree/sarcomm/worker/#worker/#" -e "s#$tree/sarcomm/common/#common/#" \
-        -e "s#$tree/sarcomm/#protos/sarcomm/#" || status=$?
-mypy tests benchmarks examples 2>/dev/null | tail -n 1 >/dev/null || true
+        -e "s#$tree/sarcomm/#protos/sarcomm/#" || status=1
+
+# Tests, benchmarks and examples, --strict like the package (same pyproject config), against the
+# installed layout above. Their scripts run as files and import their neighbours by bare name
+# (`import recording`, `from graph import ...`), so each folder is checked on its own with itself
+# on the path: two scripts of the same name in different folders never clash. tests/ is a package
+# (its rank scripts under tests/scripts import `tests.helpers` from the repository root).
+MYPYPATH="$tree" mypy tests || status=1
+MYPYPATH="$tree:benchmarks" mypy benchmarks || status=1
+MYPYPATH="$tree" mypy examples/collectives_check.py || status=1
+MYPYPATH="$tree:examples/gcn" mypy examples/gcn || status=1
 exit $status

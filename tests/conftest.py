@@ -6,17 +6,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pytest
+
+from tests.helpers import WaitTimeout, free_port, wait_for
 
 
 def netns_unavailable() -> str:
@@ -28,12 +29,6 @@ def netns_unavailable() -> str:
     if shutil.which("ip") is None:
         return "needs the ip command (iproute2)"
     return ""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -74,19 +69,23 @@ class CoordinatorProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited with {self.proc.returncode}: {self.log()}")
+        proc = self.proc
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {proc.returncode}: {self.log()}")
             try:
                 with urllib.request.urlopen(
                     f"{self.http_url}/healthz", timeout=1, context=self.http_ssl
                 ) as resp:
-                    if resp.status == 200:
-                        return
+                    return bool(resp.status == 200)
             except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"coordinator not healthy within {timeout} s: {self.log()}")
+                return False
+
+        try:
+            wait_for(healthy, timeout, what=f"{self.http_url}/healthz to answer 200")
+        except WaitTimeout as exc:
+            raise TimeoutError(f"coordinator not healthy within {timeout} s: {self.log()}") from exc
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         assert self.proc is not None
@@ -114,8 +113,21 @@ class CoordinatorProcess:
             return str(resp.read().decode())
 
 
+class StartCoordinator(Protocol):
+    """The type of the ``start_coordinator`` fixture: starts a coordinator with ``args`` (and a
+    SQLite state file unless ``state=False``), waits until it is healthy and returns it."""
+
+    def __call__(
+        self,
+        *args: str,
+        state: bool = True,
+        env: dict[str, str] | None = None,
+        http_ssl: ssl.SSLContext | None = None,
+    ) -> CoordinatorProcess: ...
+
+
 @pytest.fixture
-def start_coordinator(tmp_path: Path) -> Iterator[object]:
+def start_coordinator(tmp_path: Path) -> Iterator[StartCoordinator]:
     """Factory: ``start_coordinator(*extra_args, state=True)`` starts a coordinator and returns it."""
     started: list[CoordinatorProcess] = []
 
@@ -160,6 +172,6 @@ def module_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coo
 
 
 @pytest.fixture
-def coordinator(start_coordinator: object) -> CoordinatorProcess:
+def coordinator(start_coordinator: StartCoordinator) -> CoordinatorProcess:
     """One coordinator with a SQLite state file, short heartbeat settings for fast tests."""
-    return start_coordinator("--heartbeat-interval", "0.5", "--join-timeout", "60")  # type: ignore[operator,no-any-return]
+    return start_coordinator("--heartbeat-interval", "0.5", "--join-timeout", "60")

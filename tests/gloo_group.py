@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.multiprocessing as mp
+
+from tests.helpers import free_port
 
 T = TypeVar("T")
 
@@ -33,13 +34,6 @@ class GlooRunError(AssertionError):
     """Raised when a rank raised, died or missed the deadline; the message says which and why."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _child(
     rank: int,
     world_size: int,
@@ -51,13 +45,13 @@ def _child(
 ) -> None:
     os.environ.update(env)
     try:
-        from sarcomm.worker import comm, startup
+        from sarcomm.worker import comm, registration
 
         if coord is None:
             comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo", master_port_number=port)
         else:
             target, job = coord
-            master_ip = startup.coord_ip_init(rank, target, job=job, world_size=world_size, timeout=60)
+            master_ip = registration.coord_ip_init(rank, target, job=job, world_size=world_size, timeout=60)
             comm.initialize_comms(rank, world_size, master_ip, "gloo")
         try:
             value = fn(rank, world_size)

@@ -25,13 +25,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sarcomm.common.client import CoordinatorClient
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO, wait_for_async
 
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 RAPID_CONNECTS = 10_000
 HALF_OPEN = 300
 # A health check must answer within this, every time, while the abuse lasts.
@@ -163,7 +162,7 @@ async def _health_monitor(target: str, stop: asyncio.Event, results: list[tuple[
 
 
 async def test_raw_abuse_leaves_the_coordinator_serving_and_a_job_alongside_finishing(
-    start_coordinator: Callable[..., CoordinatorProcess],
+    start_coordinator: StartCoordinator,
 ) -> None:
     coord = start_coordinator(
         "--heartbeat-interval", "1", "--join-timeout", "60", "--max-message-bytes", "1048576"
@@ -197,7 +196,14 @@ async def test_raw_abuse_leaves_the_coordinator_serving_and_a_job_alongside_fini
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
                         await stub.Join(request, timeout=10)
                     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            await asyncio.sleep(1.0)
+            # The half-open connections stay held while 20 more health checks (about a second)
+            # and the heartbeats go on.
+            checks_before = len(checks)
+            await wait_for_async(
+                lambda: len(checks) >= checks_before + 20,
+                30,
+                what=lambda: f"20 health checks during the abuse: {checks[-3:]}",
+            )
             release.set()
             done = await asyncio.wait_for(abuse, 240)
             # The job alongside: its members stayed alive through all of it, and it finishes.

@@ -10,11 +10,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,12 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.worker import cli
-from sarcomm.worker.agent import AgentConfig, _Rank, exit_code_of, omp_threads, rank_environment
+from sarcomm.worker.agent import _Rank
+from sarcomm.worker.agent_config import AgentConfig, omp_threads, rank_environment
+from sarcomm.worker.agent_decisions import exit_code_of
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import free_port_run, stays_false, wait_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "agent_rank.py")
@@ -86,26 +88,6 @@ def agents(coordinator: CoordinatorProcess) -> Iterator[Agents]:
     started = Agents(coordinator)
     yield started
     started.kill()
-
-
-def free_port_run(count: int) -> int:
-    """A port P such that P..P+count-1 were all free a moment ago (a fixed --metrics-port gives
-    local rank i the port P+i: a busy P+1 would leave that rank without an endpoint)."""
-    for _ in range(100):
-        first = free_port()
-        socks: list[socket.socket] = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no run of {count} free ports found")
 
 
 def job_state(coord: CoordinatorProcess, job: str) -> dict[str, object]:
@@ -218,12 +200,13 @@ def test_sigterm_to_an_agent_stops_its_ranks_and_fails_the_job_everywhere(
     command = [sys.executable, RANK_SCRIPT, "fail", str(tmp_path), "9", "3"]
     a = agents.start("a", "term", "--world-size", "2", "--rank", "0", command=command)
     b = agents.start("b", "term", "--world-size", "2", "--rank", "1", command=command)
-    deadline = time.monotonic() + AGENT_DEADLINE_S
-    while not all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)):
-        assert time.monotonic() < deadline, "ranks did not start"
+
+    def started() -> bool:
         assert a.poll() is None
         assert b.poll() is None
-        time.sleep(0.05)
+        return all((tmp_path / f"rank{r}.started").exists() for r in (0, 1))
+
+    wait_for(started, AGENT_DEADLINE_S, what="ranks 0 and 1 to start")
     a.send_signal(signal.SIGTERM)
     code_a, err_a = agents.wait(a, FAILURE_DEADLINE_S)
     code_b, err_b = agents.wait(b, FAILURE_DEADLINE_S)
@@ -252,7 +235,7 @@ def test_a_wedged_rank_is_detected_through_its_stale_progress_stamp(
 
 
 def test_ranks_keep_running_while_the_coordinator_restarts(
-    start_coordinator: Callable[..., CoordinatorProcess], tmp_path: Path
+    start_coordinator: StartCoordinator, tmp_path: Path
 ) -> None:
     # Generous misses: the restarted coordinator gives restored members that long to reconnect.
     coord = start_coordinator(
@@ -263,13 +246,20 @@ def test_ranks_keep_running_while_the_coordinator_restarts(
         command = [sys.executable, RANK_SCRIPT, "sleep", str(tmp_path), "6"]
         a = agents.start("a", "restarted", "--world-size", "2", "--rank", "0", command=command)
         b = agents.start("b", "restarted", "--world-size", "2", "--rank", "1", command=command)
-        deadline = time.monotonic() + AGENT_DEADLINE_S
-        while not all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.05)
+        wait_for(
+            lambda: all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)),
+            AGENT_DEADLINE_S,
+            what="ranks 0 and 1 to start",
+        )
         coord.stop()
         assert not any((tmp_path / f"rank{r}.done").exists() for r in (0, 1)), "ranks finished too early"
-        time.sleep(1.0)
+        # The subject is time passing: the coordinator stays down a second while the agents and
+        # their ranks keep running.
+        stays_false(
+            lambda: [p.args for p in (a, b) if p.poll() is not None],
+            1.0,
+            what="an agent exiting while the coordinator is down",
+        )
         coord.start()
         for proc in (a, b):
             code, stderr = agents.wait(proc)
@@ -451,10 +441,12 @@ def test_rank_report_carries_progress_and_the_age_of_the_ranks_own_stamp(tmp_pat
     assert report.age == pytest.approx(0.1)
     # A stopped rank stamps no more: its reports age, and the coordinator judges it by that age.
     assert rank.report(101.7, 1.0).age == pytest.approx(1.1)
-    assert rank.stale
+    stale_while_stopped = rank.stale
     writer.publish(stamp=102.0)
     assert rank.report(102.1, 1.0).age == pytest.approx(0.1)
-    assert not rank.stale
+    stale_after_a_stamp = rank.stale
+    assert stale_while_stopped
+    assert not stale_after_a_stamp
     # A stamp in the future vouches for an exiting rank: age 0, never negative.
     writer.publish(stamp=200.0)
     assert rank.report(102.2, 1.0).age == 0.0

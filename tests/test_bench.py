@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker import bench, cli
+from sarcomm.worker import bench, bench_rank, cli
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
 
@@ -199,7 +199,7 @@ def test_progress_is_one_line_per_row_in_a_file_and_one_rewritten_line_on_a_term
     row = bench.make_row("all_reduce", 256, "float32", 50e-6, 2, 0)
     plain, tty = io.StringIO(), _Terminal()
     for stream in (plain, tty):
-        progress = bench._Progress(stream, 2)
+        progress = bench_rank._Progress(stream, 2)
         progress.row_done(row)
         progress.row_done(row)
         progress.close()
@@ -220,17 +220,17 @@ def _cases_and_rows(rank: int, world: int) -> dict[str, Any]:
     measured rows through ``_measure``."""
     import torch
 
-    env = bench._Env(rank, world, torch.device("cpu"), torch.float32)
+    env = bench_rank._Env(rank, world, torch.device("cpu"), torch.float32)
     checked: dict[str, tuple[int, int]] = {}
     for op in bench.OPS:
-        case = bench._build_case(op, env, bench.element_count(op, 4100, 4, world))
+        case = bench_rank._build_case(op, env, bench.element_count(op, 4100, 4, world))
         case.reset()
         case.run()
         after_call = case.wrong()
         case.reset()  # outputs unwritten, in-place buffers still this rank's own input
         checked[op] = (after_call, case.wrong())
     settings = bench.BenchSettings(sizes=(1024, 4100), iters=2, warmup=1)
-    rows = [bench._measure(op, size, settings, env) for op in bench.OPS for size in settings.sizes]
+    rows = [bench_rank._measure(op, size, settings, env) for op in bench.OPS for size in settings.sizes]
     return {"checked": checked, "rows": rows}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,11 +25,11 @@ from sarcomm.common.errors import (
 )
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import Assignment, Event, MemberReport
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO, free_port, wait_for_async
 
 T = TypeVar("T")
 
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 ETH = InterfaceInfo("eth7", ("10.9.8.7",), InterfaceKind.PHYSICAL, default_route=True)
 
 # Bounds every wait of a test on the coordinator.
@@ -38,15 +38,6 @@ DEADLINE_S = 15.0
 
 async def within(awaitable: Awaitable[T], seconds: float = DEADLINE_S) -> T:
     return await asyncio.wait_for(awaitable, seconds)
-
-
-async def until(predicate: Callable[[], Awaitable[bool]], seconds: float = DEADLINE_S) -> None:
-    """Poll ``predicate`` every 50 ms until it holds; fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not await predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {seconds} s")
-        await asyncio.sleep(0.05)
 
 
 async def joined_count(client: CoordinatorClient, job: str) -> int:
@@ -137,7 +128,9 @@ async def test_join_alone_keeps_the_callers_local_rank(client: CoordinatorClient
 
 async def test_join_refuses_a_rank_that_is_taken_with_already_exists(client: CoordinatorClient) -> None:
     first = asyncio.ensure_future(client.join("dup", 2, rank=0, host="a", interfaces=[LO]))
-    await until(lambda: _has_members(client, "dup", 1))
+    await wait_for_async(
+        lambda: _has_members(client, "dup", 1), DEADLINE_S, what="the first member of job dup"
+    )
     with pytest.raises(AlreadyExistsError, match=r"rank 0 is already taken in job 'dup' generation 1"):
         await within(client.join("dup", 2, rank=0, host="b", interfaces=[LO]))
     # The refused join corrupted nothing: rank 1 completes the world.
@@ -150,7 +143,9 @@ async def test_join_refuses_another_world_size_with_failed_precondition_naming_b
     client: CoordinatorClient,
 ) -> None:
     pending = asyncio.ensure_future(client.join("sizes", 2, host="a", interfaces=[LO]))
-    await until(lambda: _has_members(client, "sizes", 1))
+    await wait_for_async(
+        lambda: _has_members(client, "sizes", 1), DEADLINE_S, what="the first member of job sizes"
+    )
     with pytest.raises(FailedPreconditionError) as caught:
         await within(client.join("sizes", 3, host="b", interfaces=[LO]))
     message = str(caught.value)
@@ -291,7 +286,7 @@ async def test_watch_yields_world_formed_then_member_failed(client: CoordinatorC
                 return
 
     watcher = asyncio.ensure_future(watch())
-    await until(_nonempty(seen))
+    await wait_for_async(lambda: seen, DEADLINE_S, what="a first event")
     assert seen[0].kind is EventKind.WORLD_FORMED
     await within(client.leave(b.member_id, b.secret, -9, "killed by signal 9"))
     await within(watcher)
@@ -336,9 +331,7 @@ async def test_unreachable_coordinator_is_unavailable_naming_target_and_deadline
     assert "1 s" in str(caught.value)
 
 
-async def test_token_is_sent_as_bearer_metadata(
-    start_coordinator: Callable[..., CoordinatorProcess], tmp_path: Path
-) -> None:
+async def test_token_is_sent_as_bearer_metadata(start_coordinator: StartCoordinator, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
     coord = start_coordinator("--heartbeat-interval", "0.5", "--token-file", str(token_file))
@@ -378,10 +371,3 @@ def test_event_describe_names_rank_host_and_reason() -> None:
 
 async def _has_members(client: CoordinatorClient, job: str, count: int) -> bool:
     return await joined_count(client, job) >= count
-
-
-def _nonempty(items: list[Event]) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        return bool(items)
-
-    return check

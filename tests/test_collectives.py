@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 import re
 import time
@@ -28,10 +27,11 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
-from sarcomm.worker import collectives, comm, metrics
-from sarcomm.worker.comm import BackendProbe
+from sarcomm.worker import backends, collectives, comm, metrics, model_sync, timing, torch_ops
+from sarcomm.worker.backends import BackendProbe
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
+from tests.helpers import wait_for_sd
 
 WORLD_SIZES = (2, 3, 4)
 #: float32 elements per all_to_all row: 1 KiB, so that 300 rows (300 KiB) is above the
@@ -237,7 +237,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     )
     out["reduce_scatter"] = scattered.tolist()
     # The fallback for backends without reduce_scatter, forced: MAX and async.
-    collectives._no_native_reduce_scatter.add("gloo")
+    torch_ops._no_native_reduce_scatter.add("gloo")
     try:
         fallback = torch.zeros(2)
         collectives.reduce_scatter(fallback, inputs, dist.ReduceOp.MAX)
@@ -248,7 +248,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
         handle.wait()
         out["reduce_scatter_fallback_sum"] = fallback_sum.tolist()
     finally:
-        collectives._no_native_reduce_scatter.discard("gloo")
+        torch_ops._no_native_reduce_scatter.discard("gloo")
 
     reduced = torch.tensor([rank + 1.0])
     out["reduce_delta"] = _delta("reduce", lambda: collectives.reduce(reduced, dst=0))
@@ -311,7 +311,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         out["scrape"] = response.read().decode()
     out["metrics_port"] = port
-    out["sd"] = _wait_for_sd(world)
+    out["sd"] = wait_for_sd(os.environ["TEST_COORD_HTTP"], os.environ["SAR_JOB"], world)
     collectives.barrier()  # every rank stays registered until all have seen the full /sd
     out["stats"] = {
         s.op: [s.count, s.bytes_sent, s.errors] for s in metrics.all_stats() if s.backend == "gloo"
@@ -326,19 +326,6 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     except PeerFailedError as exc:
         out["peer_failed"] = [str(exc), exc.rank]
     return out
-
-
-def _wait_for_sd(world: int, deadline_s: float = 20.0) -> list[dict[str, Any]]:
-    """The coordinator's /sd groups of this job, once it lists every rank (each rank's bound port
-    reaches it with that rank's next heartbeat)."""
-    url, job = os.environ["TEST_COORD_HTTP"], os.environ["SAR_JOB"]
-    deadline = time.monotonic() + deadline_s
-    while True:
-        with urllib.request.urlopen(f"{url}/sd", timeout=5) as response:
-            groups = [g for g in json.loads(response.read()) if g["labels"].get("job") == job]
-        if len(groups) == world or time.monotonic() > deadline:
-            return groups
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"world{w}" for w in WORLD_SIZES])
@@ -586,76 +573,76 @@ def probe(**overrides: Any) -> BackendProbe:
 
 
 def test_choose_backend_auto_is_gloo_without_cuda_and_nccl_with_it() -> None:
-    assert comm.choose_backend("auto", probe()) == "gloo"
-    assert comm.choose_backend("auto", probe(cuda_available=True, cuda_device_count=2)) == "nccl"
-    assert comm.choose_backend("auto", probe(cuda_available=True, cuda_device_count=0)) == "gloo"
+    assert backends.choose_backend("auto", probe()) == "gloo"
+    assert backends.choose_backend("auto", probe(cuda_available=True, cuda_device_count=2)) == "nccl"
+    assert backends.choose_backend("auto", probe(cuda_available=True, cuda_device_count=0)) == "gloo"
 
 
 def test_choose_backend_names_why_and_what_is_available_if_unavailable() -> None:
     with pytest.raises(InvalidArgumentError) as info:
-        comm.choose_backend("nccl", probe())
+        backends.choose_backend("nccl", probe())
     assert str(info.value) == (
         "backend 'nccl' is not available: torch.cuda.is_available() is False; available: gloo."
     )
     with pytest.raises(
         InvalidArgumentError, match=r"^backend 'mpi' is not available: dist\.is_mpi_available\(\) is False"
     ):
-        comm.choose_backend("mpi", probe())
+        backends.choose_backend("mpi", probe())
     with pytest.raises(
         InvalidArgumentError,
         match=r"^backend 'ccl' is not available: the oneccl_bindings_for_pytorch package is not installed; "
         r"available: gloo, mpi\.$",
     ):
-        comm.choose_backend("ccl", probe(mpi=True))
+        backends.choose_backend("ccl", probe(mpi=True))
     with pytest.raises(
         InvalidArgumentError, match=r"^backend 'tcp' is not one of auto, gloo, nccl, ccl, mpi, ucc\.$"
     ):
-        comm.choose_backend("tcp", probe())
+        backends.choose_backend("tcp", probe())
 
 
 def test_choose_comm_device_is_the_local_gpu_for_nccl_and_cpu_otherwise() -> None:
     gpus = probe(cuda_available=True, cuda_device_count=2)
-    assert comm.choose_comm_device("nccl", None, 1, gpus) == torch.device("cuda", 1)
-    assert comm.choose_comm_device("gloo", None, 1, gpus) == torch.device("cpu")
-    assert comm.choose_comm_device("nccl", "cuda:0", 1, gpus) == torch.device("cuda", 0)
+    assert backends.choose_comm_device("nccl", None, 1, gpus) == torch.device("cuda", 1)
+    assert backends.choose_comm_device("gloo", None, 1, gpus) == torch.device("cpu")
+    assert backends.choose_comm_device("nccl", "cuda:0", 1, gpus) == torch.device("cuda", 0)
     with pytest.raises(InvalidArgumentError, match=r"^LOCAL_RANK 2 has no CUDA device: this host shows 2;"):
-        comm.choose_comm_device("nccl", None, 2, gpus)
+        backends.choose_comm_device("nccl", None, 2, gpus)
     with pytest.raises(InvalidArgumentError, match=r"^comm_device 'gpu0' is not a torch device"):
-        comm.choose_comm_device("gloo", "gpu0", 0, gpus)
+        backends.choose_comm_device("gloo", "gpu0", 0, gpus)
 
 
 def test_only_nccl_gets_a_cpu_side_group_and_only_cpu_tensors_use_it() -> None:
-    assert comm.needs_cpu_side_group("nccl")
-    assert not any(comm.needs_cpu_side_group(name) for name in ("gloo", "mpi", "ucc", "ccl"))
-    assert comm.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=True)
-    assert not comm.uses_cpu_side_group(tensor_is_cpu=False, has_side_group=True)
-    assert not comm.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=False)
+    assert backends.needs_cpu_side_group("nccl")
+    assert not any(backends.needs_cpu_side_group(name) for name in ("gloo", "mpi", "ucc", "ccl"))
+    assert backends.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=True)
+    assert not backends.uses_cpu_side_group(tensor_is_cpu=False, has_side_group=True)
+    assert not backends.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=False)
 
 
 def test_adopted_backend_reads_torch_mixed_backend_names() -> None:
     gpus = probe(cuda_available=True, cuda_device_count=1)
-    assert comm.adopted_backend("gloo", None, probe()) == ("gloo", True)
-    assert comm.adopted_backend("nccl", None, gpus) == ("nccl", False)
-    assert comm.adopted_backend("cpu:gloo,cuda:nccl", None, gpus) == ("nccl", True)
-    assert comm.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
+    assert backends.adopted_backend("gloo", None, probe()) == ("gloo", True)
+    assert backends.adopted_backend("nccl", None, gpus) == ("nccl", False)
+    assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, gpus) == ("nccl", True)
+    assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
 
 
 def test_collective_timeout_defaults_to_300_s_and_reads_sar_collective_timeout() -> None:
-    assert comm.collective_timeout({}) == datetime.timedelta(seconds=300)
-    assert comm.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": "12.5"}) == datetime.timedelta(seconds=12.5)
+    assert backends.collective_timeout({}) == datetime.timedelta(seconds=300)
+    assert backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": "12.5"}) == datetime.timedelta(seconds=12.5)
     for bad in ("abc", "0", "-3", "inf", "nan"):
         with pytest.raises(
             InvalidArgumentError,
             match=rf"^SAR_COLLECTIVE_TIMEOUT='{bad}' is not a valid timeout: it must be a number of seconds "
             r"greater than 0\.$",
         ):
-            comm.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": bad})
+            backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": bad})
 
 
 def test_socket_environment_fills_only_interface_variables_the_user_left_unset() -> None:
-    assert comm.socket_environment({}) == {}
+    assert backends.socket_environment({}) == {}
     env = {"SAR_SOCKET_NAME": "ib0", "NCCL_SOCKET_IFNAME": "eth7"}
-    assert comm.socket_environment(env) == {
+    assert backends.socket_environment(env) == {
         "GLOO_SOCKET_IFNAME": "ib0",
         "TP_SOCKET_IFNAME": "ib0",
         "CCL_SOCKET_IFNAME": "ib0",
@@ -745,10 +732,10 @@ def test_nccl_job_routes_cpu_tensors_through_the_gloo_side_group(
     collectives.all_reduce(torch.zeros(2, device="meta"))  # stands in for a CUDA tensor
     assert calls == [("cpu", side_group), ("meta", None)]
     assert metrics.collective_stats("all_reduce", "gloo").snapshot().count == cpu_before + 1
-    group, stats = collectives._route("broadcast", None, torch.zeros(1))
+    group, stats = timing.route("broadcast", None, torch.zeros(1))
     assert (group, stats.backend) == (side_group, "gloo")
     explicit = object()
-    group, stats = collectives._route("broadcast", explicit, torch.zeros(1))  # type: ignore[arg-type]
+    group, stats = timing.route("broadcast", explicit, torch.zeros(1))  # type: ignore[arg-type]
     assert (group, stats.backend) == (explicit, "nccl")
 
 
@@ -766,7 +753,7 @@ def test_buckets_keep_order_per_dtype_and_stay_under_the_cap(
     sizes: list[tuple[int, torch.dtype]], cap: int
 ) -> None:
     tensors = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
-    buckets = collectives._buckets(tensors, cap)
+    buckets = model_sync._buckets(tensors, cap)
     flat = [t for bucket in buckets for t in bucket]
     assert sorted(map(id, flat)) == sorted(map(id, tensors))
     for bucket in buckets:
@@ -789,8 +776,8 @@ def test_fallback_reduction_applies_each_op() -> None:
         dist.ReduceOp.BXOR: [7, 0],
     }
     for op, values in expected.items():
-        assert collectives._reduce_local(parts, op, 3).tolist() == values
-    assert collectives._reduce_local(
+        assert torch_ops._reduce_local(parts, op, 3).tolist() == values
+    assert torch_ops._reduce_local(
         [torch.tensor([1.0]), torch.tensor([2.0])], dist.ReduceOp.AVG, 2
     ).tolist() == [1.5]
 

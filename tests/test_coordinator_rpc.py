@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
-
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO_PB as LO
+from tests.helpers import read_message
 
 
 def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, **kw: Any) -> pb.JoinRequest:
@@ -37,7 +37,7 @@ def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, *
     )
 
 
-async def form(stub: pb_grpc.CoordinatorStub, job: str = "rpc") -> list[pb.JoinResponse]:
+async def form(stub: pb_grpc.CoordinatorAsyncStub, job: str = "rpc") -> list[pb.JoinResponse]:
     return list(
         await asyncio.gather(
             stub.Join(join_request("a", 2, job), timeout=10), stub.Join(join_request("b", 2, job), timeout=10)
@@ -50,13 +50,13 @@ def reports(responses: list[pb.JoinResponse]) -> list[pb.MemberReport]:
 
 
 @pytest.fixture
-async def stub(coordinator: CoordinatorProcess) -> AsyncIterator[pb_grpc.CoordinatorStub]:
+async def stub(coordinator: CoordinatorProcess) -> AsyncIterator[pb_grpc.CoordinatorAsyncStub]:
     async with grpc.aio.insecure_channel(coordinator.grpc_target) as channel:
         yield pb_grpc.CoordinatorStub(channel)
 
 
 async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
-    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+    stub: pb_grpc.CoordinatorAsyncStub, coordinator: CoordinatorProcess
 ) -> None:
     responses = await form(stub)
     outgoing: asyncio.Queue[pb.HeartbeatRequest | None] = asyncio.Queue()
@@ -67,7 +67,7 @@ async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
 
     call = stub.Heartbeat(requests(), timeout=20)
     outgoing.put_nowait(pb.HeartbeatRequest(reports=reports(responses)[:3]))
-    ack = await asyncio.wait_for(call.read(), 5)
+    ack = await read_message(call, pb.HeartbeatResponse, 5)
     assert list(ack.unknown_members) == []
     assert list(ack.events) == []
     # Rank 3 reports failure through Leave; the stream learns without sending anything more.
@@ -75,7 +75,7 @@ async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
     await stub.Leave(
         pb.LeaveRequest(member_id=failed.member_id, secret=failed.secret, exit_code=7), timeout=5
     )
-    pushed = await asyncio.wait_for(call.read(), 5)
+    pushed = await read_message(call, pb.HeartbeatResponse, 5)
     kinds = [e.kind for e in pushed.events]
     assert kinds[0] == pb.JobEvent.MEMBER_FAILED
     event = pushed.events[0]
@@ -88,7 +88,7 @@ async def test_heartbeat_stream_acks_and_pushes_failure_of_a_peer(
 
 
 async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(
-    stub: pb_grpc.CoordinatorStub,
+    stub: pb_grpc.CoordinatorAsyncStub,
 ) -> None:
     responses = await form(stub)
     member = responses[0].assignments[0]
@@ -109,14 +109,14 @@ async def test_heartbeat_stream_answers_unauthenticated_if_secret_wrong(
 
 
 async def test_sweep_fails_job_and_watch_tells_if_member_goes_silent(
-    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+    stub: pb_grpc.CoordinatorAsyncStub, coordinator: CoordinatorProcess
 ) -> None:
     await form(stub, job="silent")
     watch = stub.Watch(pb.WatchRequest(job="silent"), timeout=15)
-    first = await asyncio.wait_for(watch.read(), 5)
+    first = await read_message(watch, pb.JobEvent, 5)
     assert first.kind == pb.JobEvent.WORLD_FORMED
     # Nobody heartbeats: the coordinator (0.5 s x 3 misses) must fail a member within ~2 s.
-    failed = await asyncio.wait_for(watch.read(), 5)
+    failed = await read_message(watch, pb.JobEvent, 5)
     assert failed.kind == pb.JobEvent.MEMBER_FAILED
     assert failed.reason.startswith("missed heartbeats: silent for ")
     watch.cancel()
@@ -125,7 +125,7 @@ async def test_sweep_fails_job_and_watch_tells_if_member_goes_silent(
 
 
 async def test_sd_lists_reported_metrics_endpoints_with_labels(
-    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+    stub: pb_grpc.CoordinatorAsyncStub, coordinator: CoordinatorProcess
 ) -> None:
     responses = await form(stub, job="sd")
     beats = reports(responses)
@@ -176,7 +176,7 @@ async def test_sigterm_sets_not_serving_then_exits_cleanly(coordinator: Coordina
     assert "coordinator stopped" in coordinator.log()
 
 
-async def test_restart_with_same_state_keeps_job(start_coordinator: Any) -> None:
+async def test_restart_with_same_state_keeps_job(start_coordinator: StartCoordinator) -> None:
     first: CoordinatorProcess = start_coordinator("--heartbeat-interval", "5")
     async with grpc.aio.insecure_channel(first.grpc_target) as channel:
         responses = await form(pb_grpc.CoordinatorStub(channel), job="keep")
@@ -222,7 +222,7 @@ asyncio.run(main(sys.argv[1]))
 
 
 async def test_a_peer_failing_right_after_a_host_is_killed_does_not_take_the_blame(
-    stub: pb_grpc.CoordinatorStub, coordinator: CoordinatorProcess
+    stub: pb_grpc.CoordinatorAsyncStub, coordinator: CoordinatorProcess
 ) -> None:
     # A killed host closes its connections at once: the peer's collective fails and its non-zero
     # exit races the dead host's broken stream to the coordinator. The dead host must be blamed.

@@ -26,17 +26,18 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+
+from tests.helpers import WaitTimeout, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -61,26 +62,10 @@ METRIC_OPS = frozenset({"all_reduce", "all_to_all", "barrier"})
 GCN = "-- python examples/gcn/train.py --epochs 100000"
 INTERVAL = r"\b(scrape_interval|scrape_timeout|evaluation_interval|refresh_interval): \d+s"
 
+# How often a wait looks again, in seconds: docker compose and Prometheus queries are slow.
+POLL_S = 0.5
+
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(BUILD_DEADLINE_S + 600)]
-T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
-    """The first truthy ``check()``; fails the test naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}; last: {value!r}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run(
@@ -283,7 +268,9 @@ def test_four_workers_get_distinct_ranks_right_values_and_every_rank_is_scraped(
     with project(compose, job, BENCH, tmp_path) as proj:
         started = time.monotonic()
         proj.up("coordinator", "worker", "prometheus")
-        ended = wait_for(f"job {job} to end", lambda: finished_job(proj, job), JOB_DEADLINE_S)
+        ended = wait_for(
+            lambda: finished_job(proj, job), JOB_DEADLINE_S, what=f"job {job} to end", interval=POLL_S
+        )
         print(f"job {job}: up and finished in {time.monotonic() - started:.1f} s")
 
         # Every worker exited 0 (the bench exits 1 on any wrong value).
@@ -291,7 +278,7 @@ def test_four_workers_get_distinct_ranks_right_values_and_every_rank_is_scraped(
             workers = proj.workers()
             return workers if workers and all(not w["State"]["Running"] for w in workers) else None
 
-        workers = wait_for("every worker container to exit", exited, 60)
+        workers = wait_for(exited, 60, what="every worker container to exit", interval=POLL_S)
         assert len(workers) == WORLD
         assert {w["Name"]: w["State"]["ExitCode"] for w in workers} == {w["Name"]: 0 for w in workers}
 
@@ -337,8 +324,13 @@ def test_four_workers_get_distinct_ranks_right_values_and_every_rank_is_scraped(
                 ops >= METRIC_OPS for ops in seen.values()
             )
 
-        with contextlib.suppress(pytest.fail.Exception):
-            wait_for("Prometheus to hold every rank's collective counts", scraped, SCRAPE_DEADLINE_S)
+        with contextlib.suppress(WaitTimeout):
+            wait_for(
+                scraped,
+                SCRAPE_DEADLINE_S,
+                what="Prometheus to hold every rank's collective counts",
+                interval=POLL_S,
+            )
         assert scraped(), f"ops with a count > 0 in Prometheus, by rank: {seen}"
         up = proj.prometheus(f'max_over_time(up{{job="{job}"}}[15m])')
         assert sorted(s["metric"]["rank"] for s in up) == [str(r) for r in range(WORLD)]
@@ -366,7 +358,9 @@ def test_a_killed_worker_container_is_detected_and_the_others_stop(
             busy = len(members) == WORLD and all(m.get("progress", {}).get("seq", 0) > 10 for m in members)
             return found if busy else None
 
-        running = wait_for(f"every rank of job {job} to be training", training, JOB_DEADLINE_S)
+        running = wait_for(
+            training, JOB_DEADLINE_S, what=f"every rank of job {job} to be training", interval=POLL_S
+        )
         (host,) = [m["host"] for m in running["members"] if m["rank"] == victim]
         by_host = {w["Config"]["Hostname"]: w for w in proj.workers()}
         killed_at = time.monotonic()
@@ -376,7 +370,7 @@ def test_a_killed_worker_container_is_detected_and_the_others_stop(
             others = [w for w in proj.workers() if w["Config"]["Hostname"] != host]
             return others if all(not w["State"]["Running"] for w in others) else None
 
-        others = wait_for("the other workers to stop", others_stopped, FAILURE_DEADLINE_S, 0.2)
+        others = wait_for(others_stopped, FAILURE_DEADLINE_S, what="the other workers to stop", interval=0.2)
         print(
             f"the {len(others)} other workers stopped {time.monotonic() - killed_at:.1f} s after docker kill"
         )
@@ -393,7 +387,7 @@ def test_a_killed_worker_container_is_detected_and_the_others_stop(
         assert killed["State"]["ExitCode"] == 137  # SIGKILL
 
         # The coordinator failed the job and kept serving.
-        failed = wait_for(f"job {job} to fail", lambda: finished_job(proj, job), 10)
+        failed = wait_for(lambda: finished_job(proj, job), 10, what=f"job {job} to fail", interval=POLL_S)
         assert failed["state"] == "FAILED", failed
         assert not [m for m in failed["members"] if m["state"] == "LEFT"], failed["members"]
         coordinator = json.loads(

@@ -12,6 +12,9 @@ get a documented status code. Two levels:
 
 from __future__ import annotations
 
+import functools
+import random
+import re
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -30,7 +33,8 @@ from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess
+from tests.helpers import free_port, wait_for
 
 #: Every status a request may get: those of sarcomm's error hierarchy (errors.py), and OK.
 DOCUMENTED = {
@@ -79,7 +83,9 @@ MEMBERS = st.builds(
 # anything at all. A request takes the passing value for most fields and a random one for a few,
 # so examples reach every rule one at a time, and also whole valid requests.
 _LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-_ETH = pb.NetworkInterface(name="eth0", addresses=["10.0.0.7", "fd00::7"], kind=1, default_route=True)
+_ETH = pb.NetworkInterface(
+    name="eth0", addresses=["10.0.0.7", "fd00::7"], kind=pb.INTERFACE_KIND_PHYSICAL, default_route=True
+)
 JOIN_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "job": (st.sampled_from(["victim", "forming", "fresh", "fresh2"]), TEXT),
     "world_size": (st.sampled_from((1, 2, 3)), INTS),
@@ -152,10 +158,12 @@ def _world() -> tuple[Membership, list[tuple[str, str]]]:
     clock = _Clock()
     membership = Membership(liveness_timeout=3.0, clock=clock)
     limits = Limits()
-    secrets = []
+    secrets: list[tuple[str, str]] = []
     for job, world, hosts in (("victim", 2, ("a", "b")), ("forming", 3, ("c",))):
         for host in hosts:
-            eth0 = pb.NetworkInterface(name="eth0", addresses=[f"10.0.0.{len(secrets) + 1}"], kind=1)
+            eth0 = pb.NetworkInterface(
+                name="eth0", addresses=[f"10.0.0.{len(secrets) + 1}"], kind=pb.INTERFACE_KIND_PHYSICAL
+            )
             request = pb.JoinRequest(
                 job=job, world_size=world, host=host, store_port=29500, interfaces=[eth0]
             )
@@ -286,6 +294,13 @@ def wire(fuzz_coordinator: CoordinatorProcess) -> Iterator[dict[str, Any]]:
 
 def _status(call: Any) -> grpc.StatusCode:
     """The status ``call()`` ends with; recorded as a hypothesis event (--hypothesis-show-statistics)."""
+    code = _code(call)
+    event(f"status {code.name}")
+    return code
+
+
+def _code(call: Any) -> grpc.StatusCode:
+    """The status ``call()`` ends with (OK when it answered)."""
     code = grpc.StatusCode.OK
     try:
         result = call()
@@ -294,7 +309,6 @@ def _status(call: Any) -> grpc.StatusCode:
                 break
     except grpc.RpcError as error:
         code = error.code()
-    event(f"status {code.name}")
     return code
 
 
@@ -376,7 +390,7 @@ def test_leave_over_the_wire_with_another_secret_is_refused_and_changes_nothing(
     for wrong in (members[(pick + 1) % 2][1], secret):
         before = _victim(wire)
         request = pb.LeaveRequest(member_id=target, secret=wrong, exit_code=exit_code, reason=reason)
-        code = _status(lambda r=request: wire["stub"].Leave(r, timeout=5))  # type: ignore[misc]
+        code = _status(functools.partial(wire["stub"].Leave, request, timeout=5))
         assert code in DOCUMENTED - {grpc.StatusCode.OK}
         assert _victim(wire) == before
 
@@ -413,10 +427,37 @@ def test_random_bytes_to_every_method_get_a_documented_status(
     assert _victim(wire) == before
 
 
+def _rpcs_handled(coord: CoordinatorProcess) -> float:
+    """All gRPC calls the coordinator has counted (``sar_coordinator_rpcs_total``)."""
+    text = coord.get_text("/metrics")
+    return sum(float(v) for v in re.findall(r"^sar_coordinator_rpcs_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+#: Random payloads per method that the last test sends itself.
+OWN_FUZZ_PER_METHOD = 20
+
+
 def test_after_the_fuzzing_the_coordinator_is_serving_and_logged_no_internal_error(
     wire: dict[str, Any],
 ) -> None:
     coord: CoordinatorProcess = wire["coord"]
+    # Fuzz here too (seeded random bytes to every method): run alone, or after the other tests
+    # were deselected, this test still checks a coordinator that has just been fuzzed.
+    rng = random.Random(411)
+    handled_before = _rpcs_handled(coord)
+    for name, kind in METHODS:
+        callable_ = getattr(wire["channel"], kind)(f"/sarcomm.v1.Coordinator/{name}")
+        for _ in range(OWN_FUZZ_PER_METHOD):
+            payload = rng.randbytes(rng.randint(0, 512))
+            argument: Any = iter([payload]) if kind == "stream_stream" else payload
+            assert _code(functools.partial(callable_, argument, timeout=1)) in DOCUMENTED
+    # Every call reached the coordinator's handlers (counted there), not just the channel.
+    sent = len(METHODS) * OWN_FUZZ_PER_METHOD
+    wait_for(
+        lambda: _rpcs_handled(coord) >= handled_before + sent,
+        10,
+        what=lambda: f"the coordinator to count {sent} more calls than {handled_before}",
+    )
     health = health_pb2_grpc.HealthStub(wire["channel"])
     assert (
         health.Check(health_pb2.HealthCheckRequest(), timeout=5).status

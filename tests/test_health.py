@@ -40,8 +40,9 @@ from sarcomm.coordinator.membership import (
     Progress,
 )
 from sarcomm.coordinator.store import SqliteStore
-from tests.conftest import CoordinatorProcess, free_port, netns_unavailable
-from tests.test_membership import LO, FakeClock, stored_membership
+from tests.conftest import CoordinatorProcess, StartCoordinator, netns_unavailable
+from tests.helpers import LO, FakeClock, assigned_rank, free_port, stays_false, wait_for
+from tests.test_membership import stored_membership
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "health_rank.py")
@@ -90,7 +91,7 @@ class World:
                         async for event in client.watch(self.job, timeout=600.0):
                             self.events.append((time.monotonic(), event))
                 except SarcommError:
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)  # a pause before reconnecting, not a wait
         except asyncio.CancelledError:
             return
 
@@ -117,8 +118,8 @@ class World:
 
     def pids(self, ranks: range) -> dict[int, int]:
         """Each rank's pid once it runs collectives."""
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
+
+        def started() -> dict[int, int] | None:
             files = {r: self.control / f"rank{r}.pid" for r in ranks}
             if all(f.exists() for f in files.values()):
                 return {r: int(f.read_text()) for r, f in files.items()}
@@ -127,18 +128,25 @@ class World:
                     stderr = proc.stderr.read() if proc.stderr else ""
                     pytest.fail(f"{proc.args!r} exited with {proc.returncode} before the world ran:\n"
                                 f"{stderr}\n{self.coord.log()}")  # fmt: skip
-            assert time.monotonic() < deadline, f"ranks did not start: {self.coord.log()}"
-            time.sleep(0.05)
+            return None
+
+        return wait_for(started, START_DEADLINE_S, what=lambda: f"the ranks to start: {self.coord.log()}")
 
     def failure(self, after: float, deadline_s: float = END_DEADLINE_S) -> tuple[float, Event]:
         """The first MEMBER_FAILED told after monotonic time ``after``, and when."""
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
+
+        def told() -> tuple[float, Event] | None:
             for seen, event in list(self.events):
                 if seen >= after and event.kind is EventKind.MEMBER_FAILED:
                     return seen, event
-            time.sleep(0.01)
-        pytest.fail(f"no MEMBER_FAILED within {deadline_s} s; events {self.events}\n{self.coord.log()}")
+            return None
+
+        return wait_for(
+            told,
+            deadline_s,
+            what=lambda: f"a MEMBER_FAILED; events {self.events}\n{self.coord.log()}",
+            interval=0.01,
+        )
 
     def wait(self, proc: subprocess.Popen[str], timeout: float = END_DEADLINE_S) -> tuple[int, str]:
         try:
@@ -181,12 +189,14 @@ def _alive(pid: int) -> bool:
 
 def _stopped_by(pids: dict[int, int], start: float, deadline_s: float) -> float:
     """Seconds from monotonic ``start`` until every process of ``pids`` is gone."""
-    deadline = start + deadline_s
-    while any(_alive(p) for p in pids.values()):
-        if time.monotonic() > deadline:
-            left = [r for r, p in pids.items() if _alive(p)]
-            pytest.fail(f"rank(s) {left} still running {deadline_s} s after the fault")
-        time.sleep(0.005)
+    wait_for(
+        lambda: not any(_alive(p) for p in pids.values()),
+        max(start + deadline_s - time.monotonic(), 0.0),
+        what=lambda: (
+            f"rank(s) {[r for r, p in pids.items() if _alive(p)]} to stop {deadline_s} s after the fault"
+        ),
+        interval=0.005,
+    )
     return time.monotonic() - start
 
 
@@ -195,6 +205,13 @@ def _job(coord: CoordinatorProcess, job: str) -> dict[str, object]:
     found = jobs[job]
     assert isinstance(found, dict)
     return found
+
+
+def _progress(coord: CoordinatorProcess, job: str) -> dict[int, int]:
+    """Each rank's last reported progress seq (collectives it has entered)."""
+    members = _job(coord, job)["members"]
+    assert isinstance(members, list)
+    return {int(m["rank"]): int(m["progress"]["seq"]) for m in members}
 
 
 def _status(coord: CoordinatorProcess, job: str) -> str:
@@ -208,7 +225,7 @@ def _status(coord: CoordinatorProcess, job: str) -> str:
 
 
 @pytest.fixture
-def coord(start_coordinator: Callable[..., CoordinatorProcess]) -> CoordinatorProcess:
+def coord(start_coordinator: StartCoordinator) -> CoordinatorProcess:
     return start_coordinator(
         "--heartbeat-interval", str(INTERVAL_S), "--heartbeat-misses", str(MISSES), "--join-timeout", "90",
         "--stall-threshold", "0.5", "--shutdown-grace", "1",
@@ -244,30 +261,42 @@ def test_agents_name_a_straggler_then_stop_every_rank_within_3s_of_a_sigkill(
     # Rank 3 is alive but late before every all_reduce: the others wait for it in the collective,
     # and the coordinator (--stall-threshold 0.5) names it in /v1/jobs, the metric and status.
     (world.control / "slow").write_text("3")
-    deadline = time.monotonic() + END_DEADLINE_S
-    seen_json = seen_metric = seen_status = False
-    while not (seen_json and seen_metric and seen_status):
-        assert time.monotonic() < deadline, f"the stall was not named: {_job(coord, 'kill4')}"
+    seen = {"json": False, "metric": False, "status": False}
+
+    def named() -> bool:
         stall = _job(coord, "kill4").get("stall")
         if isinstance(stall, dict) and stall["blocking_ranks"] == [3]:
             assert stall["op"] == "all_reduce"
             assert stall["waiting_ranks"] == [0, 1, 2]
             assert stall["waited_seconds"] >= 0.5
-            seen_json = True
+            seen["json"] = True
         metrics = coord.get_text("/metrics")
-        seen_metric = seen_metric or bool(
+        seen["metric"] = seen["metric"] or bool(
             re.search(
                 r'sar_coordinator_rank_blocking_seconds\{job="kill4",op="all_reduce",rank="3"\}', metrics
             )
         )
-        if seen_json and not seen_status:
+        if seen["json"] and not seen["status"]:
             text = _status(coord, "kill4")
-            seen_status = "in collective #" in text and "(all_reduce) for rank(s) 3, which have not" in text
-        time.sleep(0.05)
+            seen["status"] = (
+                "in collective #" in text and "(all_reduce) for rank(s) 3, which have not" in text
+            )
+        return all(seen.values())
+
+    wait_for(
+        named, END_DEADLINE_S, what=lambda: f"the stall to be named (seen: {seen}): {_job(coord, 'kill4')}"
+    )
     (world.control / "slow").unlink()
     assert all(_alive(p) for p in pids.values()), "a straggler is not a failure"
 
-    time.sleep(0.5)  # back in the loop at full speed
+    # Back in the loop at full speed: rank 3 may be inside its last slow pause, so every rank
+    # must finish two more all_reduce calls (its progress seq moves by 2) before the kill.
+    before = _progress(coord, "kill4")
+    wait_for(
+        lambda: all(seq >= before[r] + 2 for r, seq in _progress(coord, "kill4").items()),
+        END_DEADLINE_S,
+        what=f"every rank to run two more all_reduce calls after {before}",
+    )
     started = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     others = {r: p for r, p in pids.items() if r != 1}
@@ -426,19 +455,27 @@ def test_a_job_survives_a_coordinator_sigkill_and_a_later_failure_is_still_told(
     pids = world.pids(range(2))
     before = _job(coord, "outage2")
     coord.kill()
-    time.sleep(1.5)  # longer than the liveness timeout: nobody may be judged for the outage
+    # The subject is time passing: an outage longer than the liveness timeout, through which
+    # the ranks keep running (nobody may be judged for it once the coordinator is back).
+    stays_false(
+        lambda: [r for r, p in pids.items() if not _alive(p)], 1.5, what="a rank stopping during the outage"
+    )
     restarted = time.time()
     coord.start()
+
     # Members reconnect (backoff and jitter) and report again; the ranks never stopped.
-    deadline = time.monotonic() + END_DEADLINE_S
-    while True:
-        after = _job(coord, "outage2")
-        members = after["members"]
+    def reconnected() -> dict[str, object] | None:
+        job = _job(coord, "outage2")
+        members = job["members"]
         assert isinstance(members, list)
-        if all(m["last_heartbeat"] > restarted and m["progress"]["seq"] > 0 for m in members):
-            break
-        assert time.monotonic() < deadline, f"members did not reconnect: {after}\n{coord.log()}"
-        time.sleep(0.1)
+        ok = all(m["last_heartbeat"] > restarted and m["progress"]["seq"] > 0 for m in members)
+        return job if ok else None
+
+    after = wait_for(
+        reconnected, END_DEADLINE_S, what=lambda: f"members to reconnect\n{coord.log()}", interval=0.1
+    )
+    members = after["members"]
+    assert isinstance(members, list)
     assert all(_alive(p) for p in pids.values())
     assert (after["job"], after["generation"], after["state"]) == (
         before["job"],
@@ -454,7 +491,12 @@ def test_a_job_survives_a_coordinator_sigkill_and_a_later_failure_is_still_told(
     progress_before = {m["rank"]: m["progress"]["seq"] for m in members_before}
     assert all(m["progress"]["seq"] > progress_before[m["rank"]] for m in members)
 
-    time.sleep(2 * INTERVAL_S * MISSES)  # past the liveness timeout: still running, nobody judged
+    # The subject is time passing: past the liveness timeout the job still runs, nobody judged.
+    stays_false(
+        lambda: _job(coord, "outage2")["state"] != "RUNNING",
+        2 * INTERVAL_S * MISSES,
+        what="the job leaving RUNNING after the restart",
+    )
     assert _job(coord, "outage2")["state"] == "RUNNING"
     started = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
@@ -531,7 +573,7 @@ def hosts() -> Iterator[tuple[str, list[str]]]:
 
 @pytest.mark.netns
 def test_a_host_cut_off_by_taking_its_link_down_is_detected_and_the_others_stopped(
-    start_coordinator: Callable[..., CoordinatorProcess],
+    start_coordinator: StartCoordinator,
     hosts: tuple[str, list[str]],
     world_factory: Callable[[CoordinatorProcess, str], World],
 ) -> None:
@@ -640,7 +682,7 @@ def test_restored_members_get_the_reconnect_grace_then_the_silence_rule(tmp_path
     _report(restored, ids[0])  # rank 0 reconnected: from now on the usual rule
     clock.now += 1.5
     failed = restored.sweep()
-    assert sorted(m.rank for _, m in failed) == [1, 2]  # judged once the grace was over
+    assert sorted(assigned_rank(m) for _, m in failed) == [1, 2]  # judged once the grace was over
     clock.now += 10.0
     assert restored.job("j") is not None
 

@@ -15,63 +15,18 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import (
     EventKind,
     JobEvent,
     JobState,
     JoinSpec,
-    MemberRequest,
     Membership,
     MemberState,
     Ticket,
 )
 from sarcomm.coordinator.records import load_state, write_at_once
 from sarcomm.coordinator.store import SqliteStore, StateStore
-
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
-
-
-def nic(address: str) -> InterfaceInfo:
-    return InterfaceInfo("eth0", (address,), InterfaceKind.PHYSICAL, default_route=True)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return self.now
-
-
-def spec(
-    host: str,
-    *ranks: int | None,
-    job: str = "gnn",
-    world_size: int = 4,
-    peer: str = "127.0.0.1",
-    generation: int = 0,
-    address: str | None = None,
-    port: int = 29500,
-) -> JoinSpec:
-    members = tuple(MemberRequest(local_rank=i, rank=r) for i, r in enumerate(ranks or (None,)))
-    interfaces = (LO, nic(address)) if address else (LO,)
-    return JoinSpec(
-        job=job,
-        world_size=world_size,
-        host=host,
-        interfaces=interfaces,
-        members=members,
-        store_port=port,
-        generation=generation,
-        peer_address=peer,
-    )
+from tests.helpers import FakeClock, assigned_rank, spec
 
 
 def stored_membership(store: StateStore, clock: FakeClock, **settings: Any) -> Membership:
@@ -121,7 +76,7 @@ def test_join_honours_requested_ranks_and_deals_the_rest_contiguously(membership
     assert [m.rank for m in a.members] == [1]
     assert [m.rank for m in c.members] == [3]
     # Only 0 and 2 are left: no contiguous run of two exists, so host b gets the lowest two free.
-    assert sorted(m.rank for m in b.members) == [0, 2]
+    assert sorted(assigned_rank(m) for m in b.members) == [0, 2]
 
 
 def test_join_keeps_a_host_contiguous_when_requested_ranks_leave_a_gap(membership: Membership) -> None:
@@ -134,7 +89,7 @@ def test_join_keeps_a_host_contiguous_when_requested_ranks_leave_a_gap(membershi
     )
     b, d = tickets[1], tickets[3]
     assert [m.rank for m in b.members] == [3, 4]  # 1 is free but alone; 3,4 is the first run of two
-    assert sorted(m.rank for m in d.members) == [1, 5]
+    assert sorted(assigned_rank(m) for m in d.members) == [1, 5]
 
 
 def test_join_master_is_rank_zeros_address_on_its_interface(membership: Membership) -> None:

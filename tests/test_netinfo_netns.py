@@ -229,6 +229,7 @@ def test_local_interfaces_reports_only_loopback_in_fresh_netns(namespaces: tuple
         print(json.dumps(report))
         """,
     )
+    assert isinstance(report, list)
     # lo is down in a fresh namespace, so it offers no address; no default route anywhere.
     assert ["lo", [], "LOOPBACK", False] in report
     assert all(not default for *_, default in report)

@@ -18,7 +18,7 @@ from sarcomm.common.errors import CoordinatorUnavailableError
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.store import JobRow, SqliteStore
-from tests.test_membership import FakeClock, spec
+from tests.helpers import FakeClock, spec, wait_for_async
 
 
 class CountingStore(SqliteStore):
@@ -82,7 +82,7 @@ async def test_changes_marked_while_a_batch_is_written_go_into_the_next_one(stor
     membership = Membership(liveness_timeout=30.0, persist=writes.mark)
     a = membership.join(spec("a", job="one", world_size=1))
     waiting_for_one = asyncio.ensure_future(writes.durable())
-    await asyncio.sleep(0.05)  # the first batch is taken and written
+    await wait_for_async(lambda: store.batches, 5, what="the first batch to be taken and written")
     b = membership.join(spec("b", job="two", world_size=1))
     await writes.durable()
     await waiting_for_one
@@ -104,10 +104,7 @@ async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
     with pytest.raises(CoordinatorUnavailableError, match=r"could not write its state.*disk is full"):
         await writes.durable()
     # Nothing was lost: the job is written by the retry, without any new change.
-    for _ in range(100):
-        if store.batches:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for_async(lambda: store.batches, 5, what="the retry to write the job")
     assert store.batches == [["j#1:1"]]
     assert stored(store.path)["j"]["state"] == "RUNNING"  # type: ignore[arg-type]
     await writes.close()
@@ -140,7 +137,7 @@ async def test_large_answers_pause_the_collector_only_while_they_compute() -> No
             seen.append(gc.isenabled())
             await http._let_others_run()  # other tasks run with the collector on
             seen.append(gc.isenabled())
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # until cancelled, like a handler cut off mid-answer
 
     async def other() -> None:
         seen.append(gc.isenabled())
@@ -148,7 +145,7 @@ async def test_large_answers_pause_the_collector_only_while_they_compute() -> No
     task = asyncio.ensure_future(handler())
     await asyncio.sleep(0)
     await other()
-    await asyncio.sleep(0.01)
+    await wait_for_async(lambda: len(seen) == 3, 5, what="the handler to run again after the others")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -29,14 +29,16 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO_PB as LO
+from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -62,25 +64,13 @@ ALERT_DEADLINE_S = 30.0
 # The stuck alert's threshold in the test: shipped 120 s, which no test should wait for.
 STUCK_THRESHOLD_S = 4
 RATE_INTERVAL = "5m"
+# How often a wait looks again, in seconds: each look is an HTTP query.
+POLL_S = 0.25
 
 AGENT = [
     sys.executable, "-m", "sarcomm.worker.cli", "--job", JOB, "--world-size", "4", "--nproc-per-node", "2",
     "--backend", "gloo", "--socket-name", "lo", "--heartbeat-interval", "0.25", "--join-timeout", "60",
 ]  # fmt: skip
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.25) -> T:
-    """The first truthy ``check()``; fails the test naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}; last: {value!r}")
-        time.sleep(interval)
 
 
 def http_get(url: str) -> tuple[str, str]:
@@ -120,7 +110,7 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 async def test_sd_serves_json_with_every_live_rank_and_drops_those_that_leave_or_die(
-    start_coordinator: Any,
+    start_coordinator: StartCoordinator,
 ) -> None:
     coord: CoordinatorProcess = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
     async with grpc.aio.insecure_channel(coord.grpc_target) as channel:
@@ -159,7 +149,7 @@ async def test_sd_serves_json_with_every_live_rank_and_drops_those_that_leave_or
 
 
 async def test_coordinator_exports_rank_up_and_time_inside_the_current_collective(
-    start_coordinator: Any,
+    start_coordinator: StartCoordinator,
 ) -> None:
     coord: CoordinatorProcess = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
     before = coord.get_text("/metrics")
@@ -206,7 +196,7 @@ async def test_coordinator_exports_rank_up_and_time_inside_the_current_collectiv
 
 
 async def test_the_rank_that_failed_a_job_is_still_down_after_a_coordinator_restart(
-    start_coordinator: Any,
+    start_coordinator: StartCoordinator,
 ) -> None:
     coord: CoordinatorProcess = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
     async with grpc.aio.insecure_channel(coord.grpc_target) as channel:
@@ -274,7 +264,7 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        wait_for("Prometheus to be ready", self._ready, 30)
+        wait_for(self._ready, 30, what="Prometheus to be ready", interval=POLL_S)
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -392,7 +382,7 @@ class Monitoring:
         def found() -> dict[str, str] | None:
             return next((labels for labels in self.prom.firing(alert) if match(labels)), None)
 
-        labels = wait_for(f"alert {alert} to fire", found, ALERT_DEADLINE_S)
+        labels = wait_for(found, ALERT_DEADLINE_S, what=f"alert {alert} to fire", interval=POLL_S)
         self.fired.add(alert)
         return labels
 
@@ -418,12 +408,13 @@ def monitoring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]
         # The coordinator is scraped before the world forms, so its join and rendezvous counters
         # are seen rising (a rate over a counter first seen after the fact is 0).
         wait_for(
-            "the coordinator target to be up",
             lambda: prom.query('up{job="sar-coordinator"} == 1'),
             20,
+            what="the coordinator target to be up",
+            interval=POLL_S,
         )
         world = World(coord, directory)
-        wait_for("every rank to start", world.started, WORLD_DEADLINE_S)
+        wait_for(world.started, WORLD_DEADLINE_S, what="every rank to start", interval=POLL_S)
         yield Monitoring(coord, prom, world, config)
     finally:
         if world is not None:
@@ -462,7 +453,7 @@ def test_every_rank_is_discovered_through_sd_and_scraped_with_its_labels(monitor
         ranks = [t for t in prom.targets() if t["labels"].get("job") == JOB]
         return ranks if len(ranks) == 4 and all(t["health"] == "up" for t in ranks) else None
 
-    ranks = wait_for("4 rank targets up", all_up, 30)
+    ranks = wait_for(all_up, 30, what="4 rank targets up", interval=POLL_S)
     hosts = {t["labels"]["host"] for t in ranks}
     assert len(hosts) == 1
     assert "" not in hosts
@@ -488,7 +479,7 @@ def test_collective_counts_are_non_zero_for_every_rank_and_op(monitoring: Monito
         result = monitoring.prom.query(f'sar_collective_duration_seconds_count{{job="{JOB}"}} > 0')
         return result if len(result) == len(RANKS) * len(OPS) else None
 
-    result = wait_for("a count for every rank and op", counted, 30)
+    result = wait_for(counted, 30, what="a count for every rank and op", interval=POLL_S)
     assert sorted((r["metric"]["rank"], r["metric"]["op"]) for r in result) == [
         (rank, op) for rank in RANKS for op in OPS
     ]
@@ -524,7 +515,7 @@ def test_every_rule_loads_and_every_recording_rule_returns_data(monitoring: Moni
                 result = [r for r in prom.query(e) if math.isfinite(float(r["value"][1]))]
                 return {r["metric"].get("rank") for r in result} == want
 
-            wait_for(f"data for every rank from {expr}", complete, 15)
+            wait_for(complete, 15, what=f"data for every rank from {expr}", interval=POLL_S)
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
@@ -594,7 +585,7 @@ def test_every_dashboard_query_and_variable_returns_data(monitoring: Monitoring)
         def answered(q: str = query) -> bool:
             return finite(prom.query(q))
 
-        wait_for(f"data for {dashboard} / {title}: {query}", answered, 15)
+        wait_for(answered, 15, what=f"data for {dashboard} / {title}: {query}", interval=POLL_S)
     for dashboard, name, definition in variable_queries():
         # label_values(SELECTOR, LABEL) lists the values of LABEL among SELECTOR's series.
         matched = re.fullmatch(r"label_values\((.*), *(\w+)\)", definition)
@@ -636,7 +627,12 @@ def test_latency_alert_fires_when_one_rank_straggles_and_the_straggler_stands_ou
             assert sorted(share) == list(RANKS), share
             return share if min(share, key=share.__getitem__) == STRAGGLER else None
 
-        wait_for(f"rank {STRAGGLER} to spend the least time in collectives", straggler_least, 15)
+        wait_for(
+            straggler_least,
+            15,
+            what=f"rank {STRAGGLER} to spend the least time in collectives",
+            interval=POLL_S,
+        )
     finally:
         slow.unlink()
 
@@ -660,7 +656,12 @@ def test_blocking_alert_and_panel_name_the_rank_the_others_wait_for(monitoring: 
     finally:
         hold.unlink()
     # Released, the rank joins its peers and the stall is over.
-    wait_for("the stall to end", lambda: not monitoring.prom.query(f"{STALL_ONLY}{{job={JOB!r}}}"), 20)
+    wait_for(
+        lambda: not monitoring.prom.query(f"{STALL_ONLY}{{job={JOB!r}}}"),
+        20,
+        what="the stall to end",
+        interval=POLL_S,
+    )
 
 
 @pytest.mark.prometheus
@@ -697,9 +698,10 @@ def test_rank_down_fires_for_the_killed_rank_and_every_rank_leaves_discovery(mon
     sd = json.loads(http_get(f"{monitoring.coord.http_url}/sd")[1])
     assert [g["labels"]["job"] for g in sd] == ["sar-coordinator"]
     wait_for(
-        "the job's targets to leave Prometheus",
         lambda: not [t for t in monitoring.prom.targets() if t["labels"].get("job") == JOB],
         20,
+        what="the job's targets to leave Prometheus",
+        interval=POLL_S,
     )
     for agent in monitoring.world.agents:
         assert agent.wait(30) != 0

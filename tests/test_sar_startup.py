@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker import startup
-from sarcomm.worker.startup import LaunchEnv, WorkerInfo, detect_launcher, parse_launch_env
+from sarcomm.worker import launch_env, registration, startup
+from sarcomm.worker.launch_env import LaunchEnv, detect_launcher, parse_launch_env
+from sarcomm.worker.startup import WorkerInfo
 from tests.conftest import CoordinatorProcess
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -101,7 +102,7 @@ def test_coord_ip_init_rejects_a_rank_outside_the_world() -> None:
     with pytest.raises(
         InvalidArgumentError, match=r"^rank=4 must be an integer in 0\.\.world_size-1 \(world_size=4\)\.$"
     ):
-        startup.coord_ip_init(4, "127.0.0.1:1", job="j", world_size=4)
+        registration.coord_ip_init(4, "127.0.0.1:1", job="j", world_size=4)
 
 
 # -- launcher detection and parsing ------------------------------------------------------------
@@ -302,13 +303,13 @@ def test_init_with_a_coordinator_needs_a_job_name(monkeypatch: pytest.MonkeyPatc
 def test_metrics_port_setting_reads_sar_metrics_port(
     env: dict[str, str], member: bool, port: int | None
 ) -> None:
-    assert startup.metrics_port_setting(env, member) == port
+    assert launch_env.metrics_port_setting(env, member) == port
 
 
 @pytest.mark.parametrize("value", ["abc", "65536", "-2", "1.5"])
 def test_metrics_port_setting_names_the_variable_the_value_and_the_rule(value: str) -> None:
     with pytest.raises(InvalidArgumentError) as caught:
-        startup.metrics_port_setting({"SAR_METRICS_PORT": value}, True)
+        launch_env.metrics_port_setting({"SAR_METRICS_PORT": value}, True)
     assert str(caught.value) == (
         f"SAR_METRICS_PORT='{value}' must be an integer in -1..65535 "
         "(0: any free port, -1: no metrics endpoint)."

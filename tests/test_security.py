@@ -27,20 +27,16 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.errors import CoordinatorUnavailableError, UnauthenticatedError
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.common.tls import ClientTls
 from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO, LO_PB, wait_for_async
 from tests.tls_files import TlsFiles, make_tls_files
 
-StartCoordinator = Callable[..., CoordinatorProcess]
-
 TOKEN = "tok-7f3a9c1e5b2d4f60-secret"
-LO_PB = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 # A TLS refusal must be reported within seconds, not at the join's deadline.
 TLS_VERDICT_S = 15.0
 # A long heartbeat interval: members of these tests never report unless a test says so.
@@ -69,14 +65,14 @@ def join_request(job: str, host: str, world_size: int = 2, **kw: Any) -> pb.Join
     )
 
 
-async def form(stub: pb_grpc.CoordinatorStub, job: str, metadata: Any = None) -> list[pb.Assignment]:
+async def form(stub: pb_grpc.CoordinatorAsyncStub, job: str, metadata: Any = None) -> list[pb.Assignment]:
     answers = await asyncio.gather(
         *(stub.Join(join_request(job, f"h{i}"), timeout=10, metadata=metadata) for i in range(2))
     )
     return [a for answer in answers for a in answer.assignments]
 
 
-async def snapshot(stub: pb_grpc.CoordinatorStub, metadata: Any = None) -> list[str]:
+async def snapshot(stub: pb_grpc.CoordinatorAsyncStub, metadata: Any = None) -> list[str]:
     response = await stub.ListJobs(pb.ListJobsRequest(), timeout=5, metadata=metadata)
     return [str(job) for job in response.jobs]
 
@@ -127,7 +123,7 @@ async def channel_to() -> AsyncIterator[Callable[[CoordinatorProcess], grpc.aio.
 
     yield open_channel
     for channel in channels:
-        await channel.close()
+        await channel.close(None)
 
 
 # -- the shared token --------------------------------------------------------------------------
@@ -163,7 +159,7 @@ async def test_no_or_wrong_token_is_refused_everywhere_changes_nothing_and_never
         # No request is written: the refusal comes before the coordinator reads one, and a
         # write racing that refusal fails inside the client (INTERNAL) rather than here.
         for call in (
-            stub.Heartbeat(timeout=5, metadata=metadata),
+            stub.Heartbeat(None, timeout=5, metadata=metadata),
             stub.Watch(pb.WatchRequest(job="held"), timeout=5, metadata=metadata),
             reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 timeout=5, metadata=metadata
@@ -406,21 +402,29 @@ async def test_limits_answer_resource_exhausted_naming_the_limit_and_free_up(
     await refused(stub.Join(join_request("x" * 70_000, "h"), timeout=5), "")  # gRPC's own message size
     # Two joins wait for their worlds; a third would be one waiter too many.
     waiting = [asyncio.ensure_future(stub.Join(join_request(f"w{i}", "h"), timeout=30)) for i in range(2)]
-    await _until(lambda: _forming(stub, 2))
+    await wait_for_async(lambda: _forming(stub, 2), 10, what="two jobs forming")
     await refused(stub.Join(join_request("w2", "h"), timeout=5), "max_join_waiters")
     for call in waiting:
         call.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    await _until(lambda: _forming(stub, 0))
-    # Two streams open; a third of any kind is refused until one closes.
+    await wait_for_async(lambda: _forming(stub, 0), 10, what="no job forming")
+    # Two streams open; a third of any kind is refused until one closes. Each watches a formed
+    # job, so its first event (sent at once) shows that the coordinator holds its slot.
+    for i in range(2):
+        await stub.Join(join_request(f"s{i}", "h", world_size=1), timeout=5)
     watches = [stub.Watch(pb.WatchRequest(job=f"s{i}"), timeout=30) for i in range(2)]
-    await asyncio.sleep(0.5)
+    for watch in watches:
+        await asyncio.wait_for(watch.read(), 10)
     await refused(stub.Watch(pb.WatchRequest(job="s2"), timeout=5), "max_streams", stream=True)
     await refused(stub.Heartbeat(iter([pb.HeartbeatRequest()]), timeout=5), "max_streams", stream=True)
     watches[0].cancel()
-    await asyncio.sleep(0.5)
+    # The coordinator counts the cancelled Watch just before it gives its slot back, with no
+    # await in between: once /metrics shows the count, the slot is free.
+    await wait_for_async(
+        lambda: _cancelled_watches(coord) >= 1, 10, what="the coordinator to count the cancelled Watch"
+    )
     members = await form(stub, "after")  # joins are unary: not streams
-    call = stub.Heartbeat(
+    heartbeat = stub.Heartbeat(
         iter(
             [
                 pb.HeartbeatRequest(
@@ -430,7 +434,7 @@ async def test_limits_answer_resource_exhausted_naming_the_limit_and_free_up(
         ),
         timeout=5,
     )
-    assert (await stream_code(call))[0] == grpc.StatusCode.OK
+    assert (await stream_code(heartbeat))[0] == grpc.StatusCode.OK
     watches[1].cancel()
 
 
@@ -439,11 +443,12 @@ async def test_a_request_that_is_not_its_message_type_is_invalid_argument(
 ) -> None:
     async with grpc.aio.insecure_channel(coordinator.grpc_target) as channel:
         for method in ("Join", "Leave", "ListJobs"):
-            call = channel.unary_unary(f"/sarcomm.v1.Coordinator/{method}")
+            # No serializers: raw bytes go out as they are.
+            call = channel.unary_unary(f"/sarcomm.v1.Coordinator/{method}", None, None)
             code, detail = await code_of(call(b"\xff\xff\xff", timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert f"must be a serialized {method} request message" in detail
-        stream = channel.stream_stream("/sarcomm.v1.Coordinator/Heartbeat")
+        stream = channel.stream_stream("/sarcomm.v1.Coordinator/Heartbeat", None, None)
         code, detail = await stream_code(stream(iter([b"\x0a\x05ab"]), timeout=5))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "Heartbeat request message" in detail
@@ -477,16 +482,17 @@ async def _sar_worker(args: list[str], env: dict[str, str]) -> subprocess.Comple
     )
 
 
-async def _forming(stub: pb_grpc.CoordinatorStub, count: int) -> bool:
+def _cancelled_watches(coord: CoordinatorProcess) -> float:
+    """``sar_coordinator_rpcs_total{method="Watch",code="CANCELLED"}``, 0 before the first."""
+    status, text = http_get(coord, "/metrics")
+    assert status == 200, text
+    found = re.search(r'^sar_coordinator_rpcs_total\{code="CANCELLED",method="Watch"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _forming(stub: pb_grpc.CoordinatorAsyncStub, count: int) -> bool:
     jobs = (await stub.ListJobs(pb.ListJobsRequest(), timeout=5)).jobs
     return sum(1 for j in jobs if j.state == "FORMING") == count
-
-
-async def _until(predicate: Callable[[], Any], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)

@@ -13,23 +13,22 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import pytest
 
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess
+from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import LO_PB as LO
 
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
 HEADER = ["RANK", "HOST", "INTERFACE", "ADDRESS", "STATE", "EXIT", "HEARTBEAT", "LAST COLLECTIVE"]
 
 
 @pytest.fixture
-def coord(start_coordinator: Any) -> CoordinatorProcess:
+def coord(start_coordinator: StartCoordinator) -> CoordinatorProcess:
     # Members here heartbeat once and then stay silent: a long liveness keeps a running job running.
-    return start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")  # type: ignore[no-any-return]
+    return start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess
+from tests.helpers import free_port
 
 UNITS = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")

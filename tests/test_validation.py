@@ -16,8 +16,7 @@ from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
-
-LO = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
+from tests.helpers import LO_PB as LO
 
 
 def join(**fields: Any) -> pb.JoinRequest:
@@ -149,7 +148,9 @@ def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(cloc
     assert job.state is JobState.FORMING
     # The world still forms with a proper second member.
     membership.join(spec("c"))
-    assert job.state is JobState.RUNNING
+    formed = membership.job("j")  # the same job, read again (mypy would keep FORMING from above)
+    assert formed is job
+    assert formed.state is JobState.RUNNING
 
 
 def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_interface(clock: Clock) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CoordinatorProcess, free_port
+from tests.conftest import CoordinatorProcess
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_DEADLINE_S = 120.0

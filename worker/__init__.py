@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 # name -> module that defines it (a bare name is a submodule of this package)
 _EXPORTS: dict[str, str] = {
     # start-up
-    "coord_ip_init": "startup",
+    "coord_ip_init": "registration",
     "init": "startup",
     "WorkerInfo": "startup",
     "initialize_comms": "comm",
@@ -96,6 +96,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.worker.comm import is_initialized as is_initialized
     from sarcomm.worker.comm import rank as rank
     from sarcomm.worker.comm import world_size as world_size
+    from sarcomm.worker.registration import coord_ip_init as coord_ip_init
     from sarcomm.worker.startup import WorkerInfo as WorkerInfo
-    from sarcomm.worker.startup import coord_ip_init as coord_ip_init
     from sarcomm.worker.startup import init as init

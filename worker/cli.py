@@ -13,7 +13,7 @@ the command line wins. ``--socket-name`` also falls back to ``SAR_SOCKET_NAME``,
 
 Subcommands (``bench``, ...) plug in through :func:`register_subcommand`: an object with ``name``,
 ``help``, ``add_arguments(parser)`` and ``run(config, args) -> int``, where ``config`` is the
-:class:`~sarcomm.worker.agent.AgentConfig` built from the shared flags (without a command).
+:class:`~sarcomm.worker.agent_config.AgentConfig` built from the shared flags (without a command).
 
 Only :func:`main` decides the exit status; only the ``__main__`` block exits.
 """
@@ -21,7 +21,6 @@ Only :func:`main` decides the exit status; only the ``__main__`` block exits.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -31,10 +30,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import validate_target
-from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.common.constants import BACKENDS, SOCKET_NAME_VARIABLE
+from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
-from sarcomm.worker.agent import Agent, AgentConfig
-from sarcomm.worker.startup import BACKENDS
+from sarcomm.worker import bench
+from sarcomm.worker.agent_config import AgentConfig
+from sarcomm.worker.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 
 __all__ = [
     "EXIT_COORDINATOR",
@@ -48,11 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sarcomm.worker")
-
-#: Exit status for bad flags, variables or settings.
-EXIT_USAGE = 2
-#: Exit status when the coordinator refused the job or could not be reached.
-EXIT_COORDINATOR = 1
 
 
 class Subcommand(Protocol):
@@ -77,9 +73,8 @@ def register_subcommand(command: Subcommand) -> None:
 
 
 def _builtin_subcommands() -> None:
-    """Register the subcommands that ship with sarcomm (imported here, late, to keep start-up fast)."""
-    from sarcomm.worker import bench  # imports no torch: only its ranks do
-
+    """Register the subcommands that ship with sarcomm (``bench`` imports no torch: only its ranks
+    do, in :mod:`sarcomm.worker.bench_rank`)."""
     register_subcommand(bench.COMMAND)
 
 
@@ -152,8 +147,8 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--nproc-per-node", *_integer(1), "local ranks to run", default=1, metavar="K"),
     _Option("--backend", _backend, f"one of {', '.join(BACKENDS)}", "torch.distributed backend",
             default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
-    _Option("--socket-name", str, "an interface name", "network interface the ranks use (default: "
-            "the coordinator chooses)", default="", metavar="IFACE", also_env=("SAR_SOCKET_NAME",)),
+    _Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
+            "the coordinator chooses)", default="", metavar="IFACE", also_env=(SOCKET_NAME_VARIABLE,)),
     _Option("--max-restarts", *_integer(0), "times to rejoin and restart after a failure", default=0,
             metavar="M"),
     _Option("--metrics-port", *_integer(-1, 65535), "where the ranks serve /metrics: local rank i "
@@ -277,7 +272,7 @@ def parse(
 def main(argv: list[str] | None = None) -> int:
     """Run ``sar-worker`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
-    The status is COMMAND's (see :mod:`sarcomm.worker.agent`), :data:`EXIT_USAGE` for bad
+    The status is COMMAND's (see :mod:`sarcomm.worker.agent_decisions`), :data:`EXIT_USAGE` for bad
     settings, :data:`EXIT_COORDINATOR` when the coordinator refused or was unreachable, 130 after
     Ctrl-C before the ranks started.
     """
@@ -294,25 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     if subcommand is not None:
         return subcommand.run(config, args)
     return run_agent(config)
-
-
-def run_agent(config: AgentConfig) -> int:
-    """Run the agent to its end and return ``sar-worker``'s exit status, printing its one-line
-    error or failure message (subcommands that run ranks, such as ``bench``, use it too)."""
-    try:
-        result = asyncio.run(Agent(config).run())
-    except InvalidArgumentError as exc:
-        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except SarcommError as exc:
-        print(f"sar-worker: error: job {config.job}: {exc}", file=sys.stderr)
-        return EXIT_COORDINATOR
-    except KeyboardInterrupt:
-        print(f"sar-worker: job {config.job}: interrupted before the ranks started", file=sys.stderr)
-        return 130
-    if result.message:
-        print(f"sar-worker: {result.message}", file=sys.stderr)
-    return result.exit_code
 
 
 if __name__ == "__main__":

@@ -22,43 +22,45 @@ process group left alone) with these differences, each on purpose:
   implementation reads those names.
 
 The decisions (backend, device, routing, timeout, interface variables) are pure functions of their
-inputs so that they are unit-tested without GPUs or a process group.
+inputs, in :mod:`sarcomm.worker.backends`, so that they are unit-tested without GPUs or a process
+group.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import importlib
-import importlib.util
 import logging
-import math
 import os
 import socket
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
 
 import torch
 import torch.distributed as dist
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
-from sarcomm.worker import metrics
+from sarcomm.worker import metrics, registration
+from sarcomm.worker.backends import (
+    CCL_MODULE,
+    adopted_backend,
+    choose_backend,
+    choose_comm_device,
+    collective_timeout,
+    local_rank_from,
+    master_port_from,
+    needs_cpu_side_group,
+    probe_backends,
+    socket_environment,
+)
+from sarcomm.worker.services import start_rank_services
 
 __all__ = [
-    "BACKEND_CHOICES",
-    "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "OPS",
     "STATE",
-    "BackendProbe",
     "CommState",
     "abort_backend",
-    "adopted_backend",
     "backend",
-    "choose_backend",
-    "choose_comm_device",
-    "collective_timeout",
     "comm_device",
     "destroy_comms",
     "initialize_comms",
@@ -66,25 +68,13 @@ __all__ = [
     "mark_peer_failed",
     "master_ip",
     "master_port",
-    "needs_cpu_side_group",
     "peer_failure_after",
-    "probe_backends",
     "rank",
-    "socket_environment",
-    "uses_cpu_side_group",
     "world_size",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Values ``initialize_comms`` accepts for ``backend``.
-BACKEND_CHOICES: Final = ("auto", "gloo", "nccl", "ccl", "mpi", "ucc")
-#: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
-DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 300.0
-TIMEOUT_ENV: Final = "SAR_COLLECTIVE_TIMEOUT"
-SOCKET_ENV: Final = "SAR_SOCKET_NAME"
-#: The backends' own interface variables that SAR_SOCKET_NAME fills in.
-INTERFACE_ENVS: Final = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "CCL_SOCKET_IFNAME")
 #: Every op label the collectives record under; their stats are resolved once per backend.
 OPS: Final = (
     "all_to_all",
@@ -102,205 +92,6 @@ OPS: Final = (
     "recv",
     "barrier",
 )
-_CCL_MODULE: Final = "oneccl_bindings_for_pytorch"
-
-
-@dataclass(frozen=True)
-class BackendProbe:
-    """What this process can use, gathered once by :func:`probe_backends` so that
-    :func:`choose_backend` and :func:`choose_comm_device` stay pure (and testable with a fake)."""
-
-    cuda_available: bool
-    cuda_device_count: int
-    gloo: bool
-    nccl: bool
-    mpi: bool
-    ucc: bool
-    ccl: bool
-
-    def why_not(self, name: str) -> str | None:
-        """Why backend ``name`` cannot be used here, or None when it can."""
-        if name == "gloo":
-            return None if self.gloo else "this torch build has no Gloo (dist.is_gloo_available() is False)"
-        if name == "nccl":
-            if not self.nccl:
-                return "this torch build has no NCCL (dist.is_nccl_available() is False)"
-            if not self.cuda_available:
-                return "torch.cuda.is_available() is False"
-            if self.cuda_device_count == 0:
-                return "torch.cuda.device_count() is 0"
-            return None
-        if name == "mpi":
-            return None if self.mpi else "dist.is_mpi_available() is False (torch was built without MPI)"
-        if name == "ucc":
-            return None if self.ucc else "dist.is_ucc_available() is False (torch was built without UCC)"
-        if name == "ccl":
-            return None if self.ccl else f"the {_CCL_MODULE} package is not installed"
-        return f"{name!r} is not a backend sarcomm knows"
-
-    def available(self) -> list[str]:
-        """Names of the usable backends, in :data:`BACKEND_CHOICES` order."""
-        return [name for name in BACKEND_CHOICES[1:] if self.why_not(name) is None]
-
-
-def probe_backends() -> BackendProbe:
-    """Look at the torch build, the visible GPUs and the installed oneCCL bindings. Does not import
-    the bindings (that registers a backend, with side effects); ``initialize_comms`` does, when
-    ``ccl`` is chosen."""
-    cuda = torch.cuda.is_available()
-    return BackendProbe(
-        cuda_available=cuda,
-        cuda_device_count=torch.cuda.device_count() if cuda else 0,
-        gloo=dist.is_gloo_available(),
-        nccl=dist.is_nccl_available(),
-        mpi=dist.is_mpi_available(),
-        ucc=dist.is_ucc_available(),
-        ccl=importlib.util.find_spec(_CCL_MODULE) is not None,
-    )
-
-
-def choose_backend(requested: str, probe: BackendProbe) -> str:
-    """The backend to initialise for ``requested`` (one of :data:`BACKEND_CHOICES`).
-
-    ``auto`` is ``nccl`` when CUDA is available with at least one device, else ``gloo``. Raises
-    :class:`InvalidArgumentError` for an unknown name or an unavailable backend, naming why and
-    which are available.
-    """
-    if requested not in BACKEND_CHOICES:
-        raise InvalidArgumentError(
-            f"backend {shorten(requested)} is not one of {', '.join(BACKEND_CHOICES)}."
-        )
-    name = requested
-    if name == "auto":
-        name = "nccl" if probe.why_not("nccl") is None else "gloo"
-    why = probe.why_not(name)
-    if why is not None:
-        available = ", ".join(probe.available()) or "none"
-        shown = f"'{requested}'" if requested == name else f"'{requested}' (resolved to '{name}')"
-        raise InvalidArgumentError(f"backend {shown} is not available: {why}; available: {available}.")
-    return name
-
-
-def choose_comm_device(
-    backend_name: str, requested: torch.device | str | None, local_rank: int, probe: BackendProbe
-) -> torch.device:
-    """The device tensors must be on to travel through ``backend_name``.
-
-    ``requested`` wins when given. Otherwise ``cuda:<local_rank>`` for nccl (the device each local
-    process owns) and ``cpu`` for every other backend. Raises :class:`InvalidArgumentError` when
-    nccl's local rank has no device or ``requested`` is not a device.
-    """
-    if requested is not None:
-        try:
-            return torch.device(requested)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidArgumentError(
-                f"comm_device {shorten(requested)} is not a torch device (for example 'cpu' or 'cuda:0')."
-            ) from exc
-    if backend_name != "nccl":
-        return torch.device("cpu")
-    if not 0 <= local_rank < probe.cuda_device_count:
-        raise InvalidArgumentError(
-            f"LOCAL_RANK {local_rank} has no CUDA device: this host shows {probe.cuda_device_count}; "
-            "the local rank must be below the device count for nccl (or pass comm_device)."
-        )
-    return torch.device("cuda", local_rank)
-
-
-def needs_cpu_side_group(backend_name: str) -> bool:
-    """Whether ``backend_name`` needs a gloo group beside it for CPU tensors (only nccl: it moves
-    nothing but CUDA tensors; gloo, mpi, ucc and ccl handle CPU tensors themselves)."""
-    return backend_name == "nccl"
-
-
-def uses_cpu_side_group(tensor_is_cpu: bool, has_side_group: bool) -> bool:
-    """Whether a collective on a tensor goes through the CPU side group rather than the default
-    group: exactly when such a group exists (nccl jobs) and the tensor is in host memory."""
-    return has_side_group and tensor_is_cpu
-
-
-def collective_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
-    """The process group timeout: ``SAR_COLLECTIVE_TIMEOUT`` seconds from ``environ``, else
-    :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it is a
-    finite number greater than 0."""
-    raw = environ.get(TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidArgumentError(
-            f"{TIMEOUT_ENV}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
-            "greater than 0."
-        )
-    return datetime.timedelta(seconds=seconds)
-
-
-def socket_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The interface variables to set: each of :data:`INTERFACE_ENVS` that ``environ`` lacks, set
-    to ``SAR_SOCKET_NAME``; nothing when ``SAR_SOCKET_NAME`` is unset or empty."""
-    name = environ.get(SOCKET_ENV, "").strip()
-    if not name:
-        return {}
-    return {var: name for var in INTERFACE_ENVS if not environ.get(var)}
-
-
-def _master_port(master_port_number: int | None, environ: Mapping[str, str]) -> int:
-    if master_port_number is None:
-        raw = environ.get("MASTER_PORT")
-        if raw is None or raw.strip() == "":
-            raise InvalidArgumentError(
-                "master_port_number is None and MASTER_PORT is not set: pass master_port_number, or "
-                "start the process through sar-worker (or sar.init), which exports the port the "
-                "coordinator handed out."
-            )
-        try:
-            port = int(raw)
-        except ValueError as exc:
-            raise InvalidArgumentError(
-                f"MASTER_PORT={shorten(raw)} is not an integer port in 1..65535."
-            ) from exc
-        field = "MASTER_PORT"
-    else:
-        port, field = master_port_number, "master_port_number"
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise InvalidArgumentError(f"{field}={shorten(port)} is not an integer port in 1..65535.")
-    return port
-
-
-def _local_rank(rank_: int, probe: BackendProbe, environ: Mapping[str, str]) -> int:
-    raw = environ.get("LOCAL_RANK")
-    if raw is None or raw.strip() == "":
-        # Without a launcher, assume ranks fill each host's devices in order.
-        return rank_ % max(probe.cuda_device_count, 1)
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"LOCAL_RANK={shorten(raw)} is not a non-negative integer.") from exc
-
-
-def adopted_backend(
-    reported: str, requested_device: torch.device | None, probe: BackendProbe
-) -> tuple[str, bool]:
-    """The backend of a process group that already exists, from ``dist.get_backend()``, and whether
-    that group also carries CPU tensors.
-
-    torch reports a group created without a backend as e.g. ``cpu:gloo,cuda:nccl``: such a group
-    routes by device itself, so it needs no CPU side group; the backend named is the one that
-    serves ``requested_device`` (or CUDA when nccl is usable, else CPU).
-    """
-    if ":" not in reported:
-        return reported, reported != "nccl"
-    by_device = dict(part.split(":", 1) for part in reported.split(",") if ":" in part)
-    if requested_device is not None and requested_device.type in by_device:
-        key = requested_device.type
-    elif "cuda" in by_device and probe.why_not("nccl") is None:
-        key = "cuda"
-    else:
-        key = "cpu" if "cpu" in by_device else next(iter(by_device))
-    return by_device[key], "cpu" in by_device
 
 
 class CommState:
@@ -411,7 +202,7 @@ def initialize_comms(
         owns_group = STATE.owns_group and STATE.initialized
     else:
         name = choose_backend(backend, probe)
-        port = _master_port(master_port_number, environ)
+        port = master_port_from(master_port_number, environ)
         if name == "ccl":
             _import_ccl()
         environ["MASTER_ADDR"] = master_ip_address
@@ -420,7 +211,7 @@ def initialize_comms(
         owns_group = True
         group_carries_cpu = not needs_cpu_side_group(name)
 
-    device = choose_comm_device(name, comm_device, _local_rank(rank, probe, environ), probe)
+    device = choose_comm_device(name, comm_device, local_rank_from(rank, probe, environ), probe)
     if device.type == "cuda":
         # Collectives without an explicit device (barrier, object collectives) use the current one.
         torch.cuda.set_device(device)
@@ -456,10 +247,7 @@ def initialize_comms(
     STATE.ready = True
     _destroy_at_exit()
     metrics.set_worker_info(job=job, rank=rank, world_size=world_size, backend=name, generation=generation)
-    # Local import: startup imports this module's dependents lazily too, and only needs to run
-    # once the process group is up (the metrics endpoint then has a worker identity to show).
-    from sarcomm.worker.startup import start_rank_services
-
+    # Once the process group is up: the metrics endpoint then has a worker identity to show.
     start_rank_services(environ)
     side = ", CPU tensors via gloo side group" if cpu_group is not None else ""
     log.info(
@@ -480,10 +268,10 @@ def _check_rank(rank_: int, world_size_: int) -> None:
 def _import_ccl() -> None:
     # Importing the bindings registers the "ccl" backend with torch.distributed.
     try:
-        importlib.import_module(_CCL_MODULE)
+        importlib.import_module(CCL_MODULE)
     except ImportError as exc:
         raise InvalidArgumentError(
-            f"backend 'ccl' is not available: importing {_CCL_MODULE} failed: {exc}."
+            f"backend 'ccl' is not available: importing {CCL_MODULE} failed: {exc}."
         ) from exc
 
 
@@ -543,16 +331,14 @@ def peer_failure_after(exc: BaseException) -> PeerFailedError | None:
     A peer that died closes its connections, so gloo fails the collective with "Connection closed
     by peer" a moment *before* the coordinator has judged the peer. When a coordinator watches this
     process (it registered itself), the coordinator's verdict is waited for, at most
-    :func:`sarcomm.worker.startup.peer_verdict_wait` seconds, so that the caller gets
+    :func:`sarcomm.worker.registration.peer_verdict_wait` seconds, so that the caller gets
     :class:`PeerFailedError` naming the rank, host and reason rather than gloo's message. None when
     no failure is known (then ``exc`` stands).
     """
     failure = STATE.peer_failure
     if failure is not None or not isinstance(exc, RuntimeError):
         return failure
-    from sarcomm.worker.startup import peer_verdict_wait  # local: startup imports this lazily too
-
-    wait = peer_verdict_wait()
+    wait = registration.peer_verdict_wait()
     if wait > 0:
         _failure_known.wait(wait)
     return STATE.peer_failure
@@ -676,3 +462,8 @@ def master_port() -> int:
     """The master port in use (0 when an existing group was adopted without MASTER_PORT). Raises
     :class:`FailedPreconditionError` before initialize_comms."""
     return _state().master_port
+
+
+# A coordinator that watches this process (it registered itself) reports failed peers from its
+# heartbeat thread: collectives then raise at once instead of waiting for a peer that is gone.
+registration.add_peer_failure_listener(mark_peer_failed)

@@ -40,6 +40,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from sarcomm.common.addresses import host_port
 from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
@@ -346,7 +347,7 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> tuple[str, int]:
         if _server is not None:
             running_host, running_port = _address(_server)
             raise InvalidArgumentError(
-                f"a metrics server is already running on {running_host}:{running_port}; "
+                f"a metrics server is already running on {host_port(running_host, running_port)}; "
                 "call stop_metrics_server() before starting another."
             )
         server, thread = start_http_server(port, addr=host, registry=REGISTRY)
@@ -356,7 +357,7 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> tuple[str, int]:
         # ("terminate called without an active exception") and turns exit 0 into SIGABRT.
         atexit.register(stop_metrics_server)
         bound_host, bound_port = _address(server)
-    log.info("metrics server listening on %s:%s", bound_host, bound_port)
+    log.info("metrics server listening on %s", host_port(bound_host, bound_port))
     return bound_host, bound_port
 
 

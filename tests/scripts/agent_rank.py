@@ -20,6 +20,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import wait_for_sd
 
 CONTRACT_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SAR_COORD",
@@ -54,7 +59,7 @@ def collectives(out: Path) -> int:
     result = {
         "metrics_port": port,
         "metrics": _get(f"http://127.0.0.1:{port}/metrics") if port else "",
-        "sd": _wait_for_sd(info.job, world),
+        "sd": _sd(info.job, world),
         "info": dataclasses.asdict(info),
         "env": {name: os.environ.get(name) for name in CONTRACT_VARIABLES},
         "agent": os.environ.get("TEST_AGENT"),
@@ -74,18 +79,11 @@ def _get(url: str) -> str:
         return str(response.read().decode())
 
 
-def _wait_for_sd(job: str, world: int, deadline_s: float = 20.0) -> list[dict[str, object]]:
-    """The coordinator's /sd groups of ``job`` once all ``world`` ranks are listed (each rank's
-    metrics port reaches the coordinator with its agent's next heartbeat), or at the deadline."""
+def _sd(job: str, world: int) -> list[dict[str, Any]]:
+    """The coordinator's /sd groups of ``job`` once all ``world`` ranks are listed ([] when the
+    test gave no ``TEST_COORD_HTTP``); fails the rank after 20 s."""
     url = os.environ.get("TEST_COORD_HTTP")
-    if not url:
-        return []
-    deadline = time.monotonic() + deadline_s
-    while True:
-        groups = [g for g in json.loads(_get(f"{url}/sd")) if g["labels"].get("job") == job]
-        if len(groups) == world or time.monotonic() > deadline:
-            return groups
-        time.sleep(0.1)
+    return wait_for_sd(url, job, world, timeout=20.0) if url else []
 
 
 def fail(out: Path, failing_rank: int, code: int) -> int:

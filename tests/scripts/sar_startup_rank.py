@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     import sarcomm.worker as sar
-    from sarcomm.worker import startup
+    from sarcomm.worker import registration
 
     master_ip = sar.coord_ip_init(rank, coord, job=job, world_size=world)
     sar.initialize_comms(rank, world, master_ip, "gloo")
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         if rank == world - 1:
             os._exit(3)  # no Leave, no goodbye: only the missed heartbeats tell
         started = time.monotonic()
-        while startup.peer_failure() is None:
+        while registration.peer_failure() is None:
             if time.monotonic() - started > HEAR_OF_FAILURE_S:
                 return 4
             time.sleep(0.05)

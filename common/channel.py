@@ -1,0 +1,262 @@
+"""The connection to one coordinator: the gRPC channel, its deadlines, and what a failed call
+means.
+
+Robustness comes from gRPC itself rather than from hand-written loops:
+
+- every call is made with ``wait_for_ready=True`` and a deadline, so a coordinator that is still
+  starting (or restarting) is waited for until the deadline, and never longer;
+- the channel's service config carries a ``retryPolicy`` that retries ``UNAVAILABLE`` answers with
+  exponential backoff and jitter (gRPC's built-in transparent retries);
+- keepalive pings notice a dead connection during long blocking calls such as ``Join``.
+
+A failed call becomes the :mod:`sarcomm.common.errors` class its status maps to
+(:meth:`CoordinatorChannel.translate`); when the coordinator was never reached, the TLS handshake is
+tried by hand to say which side rejected what. :class:`~sarcomm.common.client.CoordinatorClient`
+makes the calls over this; :class:`~sarcomm.common.heartbeats.HeartbeatStream` keeps its stream
+on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from sarcomm.common.addresses import split_target, validate_target
+from sarcomm.common.errors import (
+    CoordinatorUnavailableError,
+    InvalidArgumentError,
+    JoinTimeoutError,
+    SarcommError,
+    UnauthenticatedError,
+    from_rpc_error,
+)
+from sarcomm.common.tls import ClientTls, Diagnosis, Rejection, diagnose
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["CoordinatorChannel"]
+
+
+_SERVICE = "sarcomm.v1.Coordinator"
+
+# gRPC retries UNAVAILABLE answers itself, with exponential backoff and jitter; wait_for_ready
+# (set on every call) covers the "nothing listens yet" case, which never produces an answer.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": _SERVICE}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+# A server drops a client that pings more often than its min_recv_ping_interval_without_data
+# (5 min by default) while it sends no data, which is exactly what a blocked Join looks like; so
+# the client pings no more often than that. Heartbeat traffic keeps busy connections fresh anyway.
+_KEEPALIVE_TIME_MS = 300_000
+_KEEPALIVE_TIMEOUT_MS = 20_000
+_MAX_RECONNECT_BACKOFF_MS = 2_000
+
+# While a join cannot connect, how often the TLS handshake is tried by hand, and how long a try
+# may take (see CoordinatorClient._diagnosed).
+_PROBE_EVERY_S = 1.0
+_PROBE_TIMEOUT_S = 3.0
+
+_Response = TypeVar("_Response")
+_Self = TypeVar("_Self", bound="CoordinatorChannel")
+
+# grpc core's text for a deadline that the client itself set and that expired.
+_OWN_DEADLINE_DETAILS = "Deadline Exceeded"
+
+
+class CoordinatorChannel:
+    """One channel to one coordinator, its call deadline and its error translation; the base of
+    :class:`~sarcomm.common.client.CoordinatorClient`, whose docstring explains the arguments.
+
+    Raises:
+        InvalidArgumentError: for a malformed target, a non-positive timeout, unreadable TLS
+            files, or both ``tls`` and ``credentials``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
+        self.target = validate_target(target)
+        if not timeout > 0:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
+        if tls is not None and credentials is not None:
+            raise InvalidArgumentError("give tls= or credentials=, not both.")
+        self.timeout = float(timeout)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tls = tls
+        self._credentials = tls.channel_credentials() if tls is not None else credentials
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.CoordinatorAsyncStub | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self: _Self) -> _Self:
+        self.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def open(self) -> None:
+        """Create the channel (no I/O: connecting happens on the first call). Needs a running
+        event loop; ``async with`` calls it."""
+        if self._channel is not None:
+            return
+        options: list[tuple[str, str | int]] = [
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.max_pings_without_data", 0),
+            # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
+            # (or restarts) should be found within seconds.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+            ("grpc.primary_user_agent", "sarcomm-worker"),
+        ]
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        if self._channel is not None:
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close(None)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries (the bearer token, when there is one)."""
+        return self._metadata
+
+    @property
+    def stub(self) -> pb_grpc.CoordinatorAsyncStub:
+        """The raw generated stub (for callers that need a field this class does not expose)."""
+        if self._stub is None:
+            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
+        return self._stub
+
+    # -- error translation -----------------------------------------------------------------------
+
+    def _connected(self) -> bool:
+        return self._channel is not None and (
+            self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+        )
+
+    def translate(self, err: grpc.RpcError, method: str, deadline: float, started: float) -> SarcommError:
+        """The sarcomm error for a failed call of ``method`` made with ``deadline`` seconds at
+        monotonic time ``started``."""
+        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+        details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+        elapsed = time.monotonic() - started
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
+            details == _OWN_DEADLINE_DETAILS or elapsed >= deadline - 0.05
+        ):
+            if not self._connected():
+                return CoordinatorUnavailableError(
+                    f"The coordinator at {self.target} could not be reached within the {deadline:g} s "
+                    f"deadline of {method}: check the address and that sar-coordinator is running there."
+                )
+            if method == "Join":
+                return JoinTimeoutError(
+                    f"The coordinator at {self.target} did not answer Join within the client deadline "
+                    f"of {deadline:g} s (join timeout plus {self.timeout:g} s to reach the coordinator)."
+                )
+            return CoordinatorUnavailableError(
+                f"The coordinator at {self.target} did not answer {method} within {deadline:g} s."
+            )
+        if code is grpc.StatusCode.UNAVAILABLE:
+            return CoordinatorUnavailableError(
+                f"The coordinator at {self.target} is unavailable ({method}): {details or 'no details'}"
+            )
+        return from_rpc_error(err)
+
+    # -- TLS diagnosis ---------------------------------------------------------------------------
+
+    async def _diagnose(self) -> Diagnosis | None:
+        """Why the connection fails at the TLS layer (see :func:`~sarcomm.common.tls.diagnose`),
+        or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
+        split = split_target(self.target)
+        if split is None or (self._credentials is not None and self.tls is None):
+            return None
+        host, port = split
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(diagnose, host, port, self.tls, _PROBE_TIMEOUT_S),
+                _PROBE_TIMEOUT_S * 3,
+            )
+        except (TimeoutError, OSError):
+            return None
+
+    def _tls_error(self, diagnosis: Diagnosis) -> SarcommError:
+        message = f"TLS with the coordinator at {self.target} failed: {diagnosis.message}."
+        if diagnosis.rejection is Rejection.PROTOCOL_MISMATCH:
+            return CoordinatorUnavailableError(message)
+        return UnauthenticatedError(message)
+
+    async def _explained(self, error: SarcommError) -> SarcommError:
+        """``error``, or the TLS problem behind it when the coordinator was never reached."""
+        if not isinstance(error, CoordinatorUnavailableError) or self._connected():
+            return error
+        diagnosis = await self._diagnose()
+        return error if diagnosis is None else self._tls_error(diagnosis)
+
+    async def _diagnosed(self, call: grpc.aio.UnaryUnaryCall[Any, _Response]) -> _Response:
+        """Await ``call``; while the channel cannot connect, find out whether TLS is the reason.
+
+        A call with ``wait_for_ready`` waits through connection failures until its deadline, which
+        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but a
+        wrong certificate never heals. So while the channel is in TRANSIENT_FAILURE the handshake
+        is tried again by :meth:`_diagnose`, and a TLS rejection ends the call at once.
+        """
+        found: list[Diagnosis] = []
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(_PROBE_EVERY_S)
+                channel = self._channel
+                if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    continue
+                diagnosis = await self._diagnose()
+                if diagnosis is not None:
+                    found.append(diagnosis)
+                    call.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if found:  # our watcher cancelled the call, not the caller its task
+                raise self._tls_error(found[0]) from None
+            raise
+        finally:
+            watcher.cancel()

@@ -1,0 +1,201 @@
+"""The settings of a ``sar-worker`` agent and the environment it gives each local rank.
+
+Pure: :class:`AgentConfig` validates the flags when built; :func:`rank_environment` computes a
+rank's variables from the join's answer. Neither touches processes, the network or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sarcomm.common.addresses import validate_target
+from sarcomm.common.constants import (
+    AGENT_PID_VARIABLE,
+    BACKENDS,
+    INTERFACE_VARIABLES,
+    METRICS_PORT_VARIABLE,
+    PROGRESS_FILE_VARIABLE,
+    SOCKET_NAME_VARIABLE,
+)
+from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.messages import JoinResult
+from sarcomm.common.tls import ClientTls
+from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE
+
+__all__ = [
+    "METRICS_ANY_PORT",
+    "METRICS_OFF",
+    "AgentConfig",
+    "omp_threads",
+    "rank_environment",
+    "rank_metrics_port",
+]
+
+#: ``--metrics-port`` values with a meaning of their own.
+METRICS_ANY_PORT = 0
+METRICS_OFF = -1
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Settings of one agent, validated when built (messages name the flag, value and rule).
+
+    Attributes:
+        coord: coordinator address ``HOST:PORT``.
+        job: job name.
+        world_size: ranks in the whole job (>= 1).
+        command: the program and arguments each local rank runs (empty only for subcommands).
+        rank: global rank of local rank 0 (its ranks are ``rank..rank+nproc_per_node-1``);
+            None lets the coordinator deal them (contiguous per host).
+        nproc_per_node: local ranks this agent runs (1..world_size).
+        backend: torch.distributed backend the ranks use (one of ``BACKENDS``).
+        socket_name: interface to force ("" lets the coordinator choose).
+        max_restarts: how often to join again and restart after a failure (default 0).
+        metrics_port: where the ranks serve /metrics: P > 0 gives local rank i port P+i, 0 (the
+            default) any free port, -1 no endpoint. The agent reports each bound port to the
+            coordinator, which lists it in ``/sd``.
+        join_timeout: seconds to wait for the world to form (None: the coordinator's default).
+        heartbeat_interval: seconds between heartbeats (default 1; keep it at or below the
+            coordinator's ``--heartbeat-interval``).
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping ranks (default 10).
+        token: bearer token for the coordinator, or None.
+        tls: TLS settings for the coordinator connection (``--tls-ca``, ``--tls-cert``,
+            ``--tls-key``), or None for plaintext.
+    """
+
+    coord: str
+    job: str
+    world_size: int
+    command: tuple[str, ...] = ()
+    rank: int | None = None
+    nproc_per_node: int = 1
+    backend: str = "auto"
+    socket_name: str = ""
+    max_restarts: int = 0
+    metrics_port: int = 0
+    join_timeout: float | None = None
+    heartbeat_interval: float = 1.0
+    stop_grace: float = 10.0
+    token: str | None = field(default=None, repr=False)
+    tls: ClientTls | None = None
+
+    def __post_init__(self) -> None:
+        validate_target(self.coord)
+        if not self.job:
+            raise InvalidArgumentError(
+                "--job '' must name the job (1 to 128 letters, digits, '.', '_', '-')."
+            )
+        if self.world_size < 1:
+            raise InvalidArgumentError(f"--world-size {self.world_size} must be an integer >= 1.")
+        if not 1 <= self.nproc_per_node <= self.world_size:
+            raise InvalidArgumentError(
+                f"--nproc-per-node {self.nproc_per_node} must be in 1..--world-size ({self.world_size})."
+            )
+        if self.rank is not None and not 0 <= self.rank <= self.world_size - self.nproc_per_node:
+            raise InvalidArgumentError(
+                f"--rank {self.rank} must be in 0..{self.world_size - self.nproc_per_node}: the ranks "
+                f"{self.rank}..{self.rank + self.nproc_per_node - 1} of this host's {self.nproc_per_node} "
+                f"local ranks must fit in --world-size {self.world_size}."
+            )
+        if self.backend not in BACKENDS:
+            raise InvalidArgumentError(
+                f"--backend {shorten(self.backend)} must be one of {', '.join(BACKENDS)}."
+            )
+        if self.max_restarts < 0:
+            raise InvalidArgumentError(f"--max-restarts {self.max_restarts} must be an integer >= 0.")
+        if self.metrics_port not in (METRICS_ANY_PORT, METRICS_OFF) and not (
+            1 <= self.metrics_port <= 65536 - self.nproc_per_node
+        ):
+            raise InvalidArgumentError(
+                f"--metrics-port {self.metrics_port} must be -1 (no metrics), 0 (any free port) or in "
+                f"1..{65536 - self.nproc_per_node}, so that port + local rank stays a TCP port."
+            )
+        if self.join_timeout is not None and not self.join_timeout > 0:
+            raise InvalidArgumentError(
+                f"--join-timeout {self.join_timeout} must be a positive number of seconds."
+            )
+        if not self.heartbeat_interval > 0:
+            raise InvalidArgumentError(
+                f"--heartbeat-interval {self.heartbeat_interval} must be a positive number of seconds."
+            )
+        if not self.stop_grace >= 0:
+            raise InvalidArgumentError(f"stop_grace {self.stop_grace} must be a number of seconds >= 0.")
+
+    @property
+    def ranks(self) -> list[int] | None:
+        """Requested global ranks of the local ranks, or None."""
+        return None if self.rank is None else list(range(self.rank, self.rank + self.nproc_per_node))
+
+
+def rank_metrics_port(first_port: int, local_rank: int) -> int:
+    """``SAR_METRICS_PORT`` of a local rank: ``first_port + local_rank`` for a fixed first port,
+    else ``first_port`` itself (0: any free port, -1: none)."""
+    return first_port + local_rank if first_port > 0 else first_port
+
+
+def omp_threads(local_ranks: int) -> int:
+    """Intra-op threads per rank when the user set no ``OMP_NUM_THREADS``: this host's usable CPUs
+    shared among its local ranks (at least 1).
+
+    Without it every rank starts one OpenMP thread per CPU, and ranks that share a host
+    oversubscribe it: OpenMP's spin-waiting then stalls the copies around collectives for tens of
+    milliseconds (measured with 4 ranks on 2 cores: a 1 MiB all_to_all took 55 to 120 ms instead
+    of 2 ms). torchrun guards against the same by setting 1.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_ranks))
+
+
+def rank_environment(
+    base: Mapping[str, str],
+    config: AgentConfig,
+    joined: JoinResult,
+    index: int,
+    restart_count: int,
+    progress_file: Path | None = None,
+) -> dict[str, str]:
+    """The environment of local rank ``index``: ``base`` plus the contract's variables.
+
+    Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
+    at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
+    ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record),
+    ``SAR_AGENT_PID`` (the agent: a rank whose agent is gone stops, see
+    :data:`~sarcomm.common.constants.AGENT_PID_VARIABLE`), ``OMP_NUM_THREADS`` unless set (see
+    :func:`omp_threads`) and,
+    when given, ``SAR_PROGRESS_FILE`` (where it keeps that record for the agent to read).
+    """
+    member = joined.assignments[index]
+    env = dict(base)
+    env.update(
+        {
+            "RANK": str(member.rank),
+            "WORLD_SIZE": str(joined.world_size),
+            "LOCAL_RANK": str(member.local_rank),
+            "LOCAL_WORLD_SIZE": str(member.local_world_size),
+            "MASTER_ADDR": joined.master_addr,
+            "MASTER_PORT": str(joined.master_port),
+            "SAR_COORD": config.coord,
+            "SAR_JOB": joined.job,
+            "SAR_GENERATION": str(joined.generation),
+            "SAR_BACKEND": config.backend,
+            SOCKET_NAME_VARIABLE: joined.interface,
+            "SAR_MEMBER_ID": member.member_id,
+            "SAR_MEMBER_SECRET": member.secret,
+            "SAR_RESTART_COUNT": str(restart_count),
+            METRICS_PORT_VARIABLE: str(rank_metrics_port(config.metrics_port, member.local_rank)),
+            HEARTBEAT_INTERVAL_VARIABLE: str(config.heartbeat_interval),
+            AGENT_PID_VARIABLE: str(os.getpid()),
+        }
+    )
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(omp_threads(config.nproc_per_node))
+    if progress_file is not None:
+        env[PROGRESS_FILE_VARIABLE] = str(progress_file)
+    env.update({name: joined.interface for name in INTERFACE_VARIABLES})
+    return env
