@@ -42,6 +42,7 @@ from recording import describe, write_results
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Membership, Progress
 from sarcomm.coordinator.persistence import WriteBehind
+from sarcomm.coordinator.records import write_at_once
 from sarcomm.coordinator.store import JobRow, SqliteStore
 
 LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
@@ -71,7 +72,7 @@ async def run_mode(mode: str, world: int, sample: int | None, work: Path) -> lis
     path.unlink(missing_ok=True)
     store = CountingStore(path)
     writes = WriteBehind(store) if mode == "write_behind" else None
-    membership = Membership(store, liveness_timeout=600.0, persist=writes.mark if writes else None)
+    membership = Membership(liveness_timeout=600.0, persist=writes.mark if writes else write_at_once(store))
     tickets: list[Any] = []
 
     async def durable() -> None:

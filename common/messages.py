@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sarcomm.common.constants import EventKind
+from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.interfaces import InterfaceInfo
 from sarcomm.v1 import coordinator_pb2 as pb
 
@@ -16,10 +16,13 @@ __all__ = [
     "Assignment",
     "Event",
     "EventKind",
+    "FailureReason",
     "HeartbeatReply",
     "JoinResult",
     "MemberReport",
     "Progress",
+    "failure_from_proto",
+    "failure_to_proto",
     "interface_to_proto",
     "paced_interval",
 ]
@@ -28,7 +31,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Event:
     """One job event. ``rank``, ``host`` and ``reason`` describe the failed member for
-    ``MEMBER_FAILED`` (and the cause for ``JOB_FAILED``); ``time`` is Unix time in seconds."""
+    ``MEMBER_FAILED`` (and the cause for ``JOB_FAILED``), ``failure`` says why as a bounded value
+    (None when not told); ``time`` is Unix time in seconds."""
 
     kind: EventKind
     job: str
@@ -37,6 +41,7 @@ class Event:
     host: str = ""
     reason: str = ""
     time: float = 0.0
+    failure: FailureReason | None = None
 
     @classmethod
     def from_proto(cls, msg: pb.JobEvent) -> Event:
@@ -44,7 +49,8 @@ class Event:
             kind = EventKind(msg.kind)
         except ValueError:  # a newer coordinator may send kinds this client does not know
             kind = EventKind.UNSPECIFIED
-        return cls(kind, msg.job, msg.generation, msg.rank, msg.host, msg.reason, msg.time)
+        failure = failure_from_proto(msg.failure)
+        return cls(kind, msg.job, msg.generation, msg.rank, msg.host, msg.reason, msg.time, failure)
 
     def describe(self) -> str:
         """One human sentence, e.g. ``rank 2 on host n1 failed: exited with code 3``."""
@@ -160,6 +166,26 @@ class HeartbeatReply:
     @classmethod
     def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
         return cls(tuple(msg.unknown_members), tuple(Event.from_proto(e) for e in msg.events))
+
+
+_PROTO_PREFIX = "FAILURE_REASON_"
+
+
+def failure_to_proto(failure: FailureReason | None) -> pb.FailureReason.ValueType:
+    """``failure`` as the proto enum (None: ``FAILURE_REASON_UNSPECIFIED``)."""
+    if failure is None:
+        return pb.FAILURE_REASON_UNSPECIFIED
+    return pb.FailureReason.Value(_PROTO_PREFIX + failure.name)
+
+
+def failure_from_proto(value: int) -> FailureReason | None:
+    """The proto enum as a :class:`FailureReason`; None for UNSPECIFIED and for numbers this side
+    does not know (a newer coordinator may send reasons added later)."""
+    try:
+        name = pb.FailureReason.Name(pb.FailureReason.ValueType(value))
+    except ValueError:
+        return None
+    return FailureReason.__members__.get(name.removeprefix(_PROTO_PREFIX))
 
 
 def interface_to_proto(info: InterfaceInfo) -> pb.NetworkInterface:

@@ -21,6 +21,7 @@ from sarcomm.common.errors import SarcommError
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
+from sarcomm.coordinator.server import serve
 
 log = logging.getLogger("sarcomm.coordinator")
 
@@ -250,8 +251,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             loop.run(_status(args))
             return 0
         config = config_from_args(args)
-        from sarcomm.coordinator.server import serve
-
         _raise_open_file_limit()
         loop.run(serve(config))
         return 0

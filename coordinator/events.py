@@ -1,7 +1,9 @@
-"""Fan-out of job events to the streams that watch them (Watch calls, heartbeat streams).
+"""Where the service waits on the domain: job events fanned out to the streams that watch them
+(Watch calls, heartbeat streams), and the Join calls waiting for their world to form.
 
 Each subscriber gets a bounded queue; a subscriber too slow to drain it loses its oldest events
-rather than growing the coordinator's memory without bound.
+rather than growing the coordinator's memory without bound. Both are fed by the membership's
+event listener; the domain itself holds no asyncio object.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sarcomm.coordinator.membership import JobEvent
+from sarcomm.common.constants import EventKind
+from sarcomm.coordinator.model import Job, JobEvent, JobState
 
 log = logging.getLogger(__name__)
 
@@ -44,3 +47,43 @@ class EventHub:
     @property
     def subscriber_count(self) -> int:
         return sum(len(q) for q in self._subscribers.values())
+
+
+class FormedWaiters:
+    """Join calls waiting for their generation's world to form, one ``asyncio.Event`` per
+    generation (4096 joins of one world share it); :meth:`publish` is the membership's event
+    listener and sets it on WORLD_FORMED."""
+
+    def __init__(self) -> None:
+        # (job name, generation) -> the event and how many calls wait on it.
+        self._waiting: dict[tuple[str, int], tuple[asyncio.Event, int]] = {}
+
+    def publish(self, event: JobEvent) -> None:
+        if event.kind is EventKind.WORLD_FORMED:
+            entry = self._waiting.get((event.job, event.generation))
+            if entry is not None:
+                entry[0].set()
+
+    async def wait(self, job: Job, timeout: float) -> None:
+        """Return once ``job`` (a generation) is no longer FORMING; at once if it is not.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        if job.state is not JobState.FORMING:
+            return
+        key = (job.name, job.generation)
+        event, count = self._waiting.get(key) or (asyncio.Event(), 0)
+        self._waiting[key] = (event, count + 1)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        finally:
+            event, count = self._waiting[key]
+            if count > 1:
+                self._waiting[key] = (event, count - 1)
+            else:
+                del self._waiting[key]
+
+    def __len__(self) -> int:
+        """How many generations have calls waiting."""
+        return len(self._waiting)

@@ -19,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from sarcomm.common.addresses import parse_address
 from sarcomm.coordinator.interceptor import bearer_matches
-from sarcomm.coordinator.membership import Job, Member, Membership
+from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
+from sarcomm.coordinator.model import Job, Member
 from sarcomm.coordinator.views import jobs_json, jobs_message
 
 log = logging.getLogger(__name__)

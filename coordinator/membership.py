@@ -1,417 +1,94 @@
-"""Membership and rendezvous: the coordinator's domain logic, free of gRPC and HTTP.
+"""Membership and rendezvous: the operations on jobs and members, free of gRPC, HTTP and storage.
 
-A *job* is a name plus a *generation*: every world that forms under a name gets the next
-generation number, and member ids belong to exactly one generation, so nothing from an earlier
-run (a member id, an address, a port) can leak into a later one.
+:class:`Membership` joins members into forming worlds, records their reports, their leaving and
+their silence, and names stalls. It decides; :mod:`transitions` makes every state change (checked
+against the diagram there) and emits the events; :mod:`ranks` lays out a world;
+:mod:`liveness` holds the judging rules. What it needs from storage is given to it at start
+(:class:`records.StoredState`), and every job whose stored record changed is handed to
+``persist`` before the method returns. Time comes from a :class:`clock.Clock`.
 
-States::
+A restored member gets ``restore_grace`` to reconnect before it is judged.
 
-    job:    FORMING --(world_size members joined)--> RUNNING --(all left with 0)--> FINISHED
-                                                        \\--(a member failed)-----> FAILED
-    member: JOINING --> RUNNING --> LEFT (exit code 0) | FAILED (non-zero exit, missed beats,
-                                                                 connection lost)
-
-Liveness: a member is alive while reports about it arrive and say it showed a sign of life
-recently (``age``: an agent reports each rank's own alive stamp, so a stopped rank of a healthy
-agent ages). It fails when that sign is older than the liveness timeout (interval x misses), or,
-sooner, when the stream that carried its reports breaks (its process or agent died: the kernel
-closes the connection) and no report about it arrives within ``lost_grace``. A restored member
-gets ``restore_grace`` to reconnect before it is judged.
-
-Stalls: the progress each report carries (the sequence number of the collective a rank is in or
-finished last) shows, when some ranks have waited in collective #k for longer than
-``stall_threshold``, which ranks have not entered #k: the ones everybody waits for (:meth:`stall`).
-
-All methods are synchronous and run on the event loop thread; the only asynchronous piece is the
-per-generation ``formed`` event that pending joins wait on. Every change a client is told about is
-written to the store before the method returns.
+All methods are synchronous and run on the event loop thread; callers that wait for a world to
+form (the service's Join) listen for the WORLD_FORMED event.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
-import hashlib
-import hmac
 import logging
 import secrets
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
 
-from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
-    InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.common.interfaces import InterfaceInfo, address_on, choose_interface
-from sarcomm.coordinator.store import StateStore
+from sarcomm.common.messages import Progress
+from sarcomm.coordinator import liveness
+from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator.model import (
+    MAX_HISTORY,
+    EventKind,
+    Job,
+    JobEvent,
+    JobState,
+    JoinSpec,
+    Member,
+    MemberRequest,
+    MemberState,
+    Stall,
+    Ticket,
+    digest,
+    member_rank,
+    rank_list,
+)
+from sarcomm.coordinator.ranks import Plan, host_key, missing_ranks, plan_world
+from sarcomm.coordinator.records import StoredState
+from sarcomm.coordinator.transitions import EventListener, StateMachine
 
 log = logging.getLogger(__name__)
 
-
-class JobState(str, enum.Enum):
-    FORMING = "FORMING"
-    RUNNING = "RUNNING"
-    FINISHED = "FINISHED"
-    FAILED = "FAILED"
-
-    @property
-    def ended(self) -> bool:
-        return self in (JobState.FINISHED, JobState.FAILED)
-
-
-class MemberState(str, enum.Enum):
-    JOINING = "JOINING"
-    RUNNING = "RUNNING"
-    LEFT = "LEFT"
-    FAILED = "FAILED"
-
-
-class EventKind(str, enum.Enum):
-    WORLD_FORMED = "WORLD_FORMED"
-    MEMBER_FAILED = "MEMBER_FAILED"
-    JOB_FINISHED = "JOB_FINISHED"
-    JOB_FAILED = "JOB_FAILED"
-
-
-@dataclass(frozen=True)
-class JobEvent:
-    """Something every member of a job must hear about; ``rank``/``host`` name the member."""
-
-    kind: EventKind
-    job: str
-    generation: int
-    time: float
-    rank: int | None = None
-    host: str = ""
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class MemberRequest:
-    """One member of a join: the rank it asks for (None = deal one) and its local index."""
-
-    local_rank: int
-    rank: int | None = None
-
-
-@dataclass(frozen=True)
-class JoinSpec:
-    """A validated join request (see ``validation.join_spec``)."""
-
-    job: str
-    world_size: int
-    host: str
-    interfaces: tuple[InterfaceInfo, ...]
-    members: tuple[MemberRequest, ...]
-    store_port: int
-    socket_name: str = ""
-    generation: int = 0
-    backend: str = ""
-    peer_address: str | None = None
-    max_restarts: int = 0
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a rank is in its sequence of collectives (see the proto's ``Progress``)."""
-
-    seq: int = 0
-    op: str = ""
-    in_collective: bool = False
-    since: float = 0.0
-
-
-@dataclass(frozen=True)
-class Stall:
-    """Ranks waiting in collective ``seq`` for ranks that have not entered it (see :meth:`Membership.stall`).
-
-    ``since`` is the (rank-clock) Unix time the first waiting rank entered ``seq``; ``waited`` the
-    seconds it has waited when this was computed.
-    """
-
-    seq: int
-    op: str
-    since: float
-    waited: float
-    waiting: tuple[int, ...]
-    blocking: tuple[int, ...]
-
-    def describe(self) -> str:
-        """One line, e.g. ``3 rank(s) have waited 41.0 s in collective #812 (all_reduce) for rank(s) 2``."""
-        return (
-            f"{len(self.waiting)} rank(s) have waited {self.waited:.1f} s in collective #{self.seq} "
-            f"({self.op or 'unknown op'}) for rank(s) {_rank_list(self.blocking)}, which have not entered it"
-        )
-
+# Re-exported: callers and tests name the domain types through this module.
+__all__ = [
+    "EventKind", "EventListener", "Job", "JobEvent", "JobState", "JoinSpec", "Member", "MemberRequest",
+    "MemberState", "Membership", "Progress", "Stall", "Ticket",
+]  # fmt: skip
 
 #: How often the liveness sweep looks for stalls to log (seconds of the monotonic clock).
 STALL_CHECK_PERIOD_S = 1.0
-#: Earlier generations kept per job name, for ``status``; older ones stay in the state store only.
-MAX_HISTORY = 100
-
-
-@dataclass
-class Member:
-    member_id: str
-    secret_digest: str
-    host: str
-    local_rank: int
-    requested_rank: int | None
-    store_port: int
-    interfaces: tuple[InterfaceInfo, ...]
-    peer_address: str | None
-    socket_name: str
-    joined_at: float
-    state: MemberState = MemberState.JOINING
-    rank: int | None = None
-    interface: str = ""
-    address: str = ""
-    exit_code: int | None = None
-    reason: str = ""
-    last_heartbeat: float = 0.0
-    progress: Progress = field(default_factory=Progress)
-    metrics_address: str = ""
-    # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
-    last_seen: float = 0.0
-    # Monotonic time the stream that last carried this member's reports broke, while no newer
-    # report came; None while its stream is up. Not persisted.
-    lost_at: float | None = None
-    # The stream that last carried a report of this member (an opaque token of the service), so
-    # that the end of an older stream, replaced by a newer one, does not count as a loss.
-    stream: object | None = field(default=None, repr=False)
-    # Which join call of its generation brought the member (0, 1, ...): two agents on one host
-    # each get a contiguous block, in the order they joined. Only needed until the world forms.
-    join_call: int = 0
-    # The secret this member last proved it holds: a report repeats it every beat, and hashing it
-    # each time was a visible share of the coordinator's CPU at 4096 reports a second. Memory only.
-    verified_secret: bytes = field(default=b"", repr=False)
-
-    def check_secret(self, secret: str) -> bool:
-        # compare_digest: constant time either way, so the cache tells an attacker nothing (bytes:
-        # it refuses str with non-ASCII characters, which a client may send).
-        sent = secret.encode()
-        if self.verified_secret and hmac.compare_digest(self.verified_secret, sent):
-            return True
-        if hmac.compare_digest(self.secret_digest, _digest(secret)):
-            self.verified_secret = sent
-            return True
-        return False
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "member_id": self.member_id,
-            "secret_digest": self.secret_digest,
-            "host": self.host,
-            "local_rank": self.local_rank,
-            "requested_rank": self.requested_rank,
-            "store_port": self.store_port,
-            "interfaces": [
-                {
-                    "name": i.name,
-                    "addresses": list(i.addresses),
-                    "kind": int(i.kind),
-                    "default_route": i.default_route,
-                }
-                for i in self.interfaces
-            ],
-            "peer_address": self.peer_address,
-            "socket_name": self.socket_name,
-            "joined_at": self.joined_at,
-            "state": self.state.value,
-            "rank": self.rank,
-            "interface": self.interface,
-            "address": self.address,
-            "exit_code": self.exit_code,
-            "reason": self.reason,
-            "last_heartbeat": self.last_heartbeat,
-            "metrics_address": self.metrics_address,
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Member:
-        from sarcomm.common.interfaces import InterfaceKind
-
-        interfaces = tuple(
-            InterfaceInfo(i["name"], tuple(i["addresses"]), InterfaceKind(i["kind"]), i["default_route"])
-            for i in record["interfaces"]
-        )
-        return cls(
-            member_id=record["member_id"],
-            secret_digest=record["secret_digest"],
-            host=record["host"],
-            local_rank=record["local_rank"],
-            requested_rank=record["requested_rank"],
-            store_port=record["store_port"],
-            interfaces=interfaces,
-            peer_address=record["peer_address"],
-            socket_name=record["socket_name"],
-            joined_at=record["joined_at"],
-            state=MemberState(record["state"]),
-            rank=record["rank"],
-            interface=record["interface"],
-            address=record["address"],
-            exit_code=record["exit_code"],
-            reason=record["reason"],
-            last_heartbeat=record["last_heartbeat"],
-            metrics_address=record["metrics_address"],
-        )
-
-
-@dataclass
-class Job:
-    name: str
-    generation: int
-    world_size: int
-    created: float
-    backend: str = ""
-    state: JobState = JobState.FORMING
-    formed: float = 0.0
-    ended: float = 0.0
-    master_addr: str = ""
-    master_port: int = 0
-    restart_count: int = 0
-    reason: str = ""
-    # The rank whose failure failed this generation (None while none has): monitoring names it as
-    # the rank that is down, and not the peers its agents then stopped, which fail too.
-    failed_rank: int | None = None
-    # The largest --max-restarts the agents of this generation asked for (0: none or not told).
-    max_restarts: int = 0
-    # Summaries of earlier generations under this name, oldest first (see generation_record).
-    history: list[dict[str, Any]] = field(default_factory=list)
-    members: list[Member] = field(default_factory=list)
-    # Set when the world forms or the job is abandoned; pending joins wait on it. Not persisted.
-    formed_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
-    requested: dict[int, Member] = field(default_factory=dict, repr=False)
-    join_calls: int = field(default=0, repr=False)
-    # The ended generation this forming one replaces: put back if every join withdraws, so the
-    # name keeps its history and status. Not persisted.
-    previous: Job | None = field(default=None, repr=False)
-    # The collective whose stall was last logged, so each stall is logged once.
-    logged_stall: int = field(default=0, repr=False)
-
-    @property
-    def label(self) -> str:
-        return f"job {self.name!r} generation {self.generation}"
-
-    def ranked_members(self) -> list[Member]:
-        return sorted(self.members, key=lambda m: (m.rank is None, m.rank or 0, m.joined_at))
-
-    def generation_record(self) -> dict[str, Any]:
-        """This generation in a few fields, as the next generation's history keeps it."""
-        return {
-            "generation": self.generation,
-            "state": self.state.value,
-            "formed": self.formed,
-            "ended": self.ended,
-            "reason": self.reason,
-            "failed_rank": self.failed_rank,
-        }
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "generation": self.generation,
-            "world_size": self.world_size,
-            "created": self.created,
-            "backend": self.backend,
-            "state": self.state.value,
-            "formed": self.formed,
-            "ended": self.ended,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "restart_count": self.restart_count,
-            "reason": self.reason,
-            "failed_rank": self.failed_rank,
-            "max_restarts": self.max_restarts,
-            "history": self.history,
-            "members": [m.to_record() for m in self.members],
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Job:
-        job = cls(
-            name=record["name"],
-            generation=record["generation"],
-            world_size=record["world_size"],
-            created=record["created"],
-            backend=record["backend"],
-            state=JobState(record["state"]),
-            formed=record["formed"],
-            ended=record["ended"],
-            master_addr=record["master_addr"],
-            master_port=record["master_port"],
-            restart_count=record["restart_count"],
-            reason=record["reason"],
-            # .get: state files written before the field existed hold no such key.
-            failed_rank=record.get("failed_rank"),
-            max_restarts=record.get("max_restarts", 0),
-            history=record.get("history", []),
-            members=[Member.from_record(m) for m in record["members"]],
-        )
-        if job.state is not JobState.FORMING:
-            job.formed_event.set()
-        return job
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How a complete world forms: each member's rank, and each host's interface and address."""
-
-    ranks: dict[str, int]
-    per_host: dict[tuple[str, str | None, str], tuple[str, str]]
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """What a join call holds while it waits: its job and its members, in request order."""
-
-    job: Job
-    members: tuple[Member, ...]
-    secrets: tuple[str, ...]
-
-
-EventListener = Callable[[JobEvent], None]
 
 
 class Membership:
     """Jobs, their members and generations; the coordinator's single source of truth.
 
-    ``clock`` is monotonic (liveness), ``wall`` is Unix time (what users see). ``lost_grace`` is
+    ``clock`` gives monotonic time (liveness) and wall time (what users see). ``lost_grace`` is
     how long a member whose stream broke may take to report again (default: a third of the
     liveness timeout, one heartbeat interval at the default misses); ``restore_grace`` how long
-    members restored from the store have to reconnect before they are judged (at least the
-    liveness timeout);
-    ``stall_threshold`` how long ranks must wait in one collective before :meth:`stall` names
-    the ranks they wait for. ``persist`` is told of every job whose stored record changed (default:
-    write it to ``store`` at once).
+    members restored from ``stored`` have to reconnect before they are judged (at least the
+    liveness timeout); ``stall_threshold`` how long ranks must wait in one collective before
+    :meth:`stall` names the ranks they wait for. ``persist`` is told of every job whose stored
+    record changed (default: nobody, the state lives in memory only).
     """
 
     def __init__(
         self,
-        store: StateStore,
         *,
         liveness_timeout: float,
+        stored: StoredState | None = None,
         max_jobs: int = 1024,
         max_ended_jobs: int = 1024,
         lost_grace: float | None = None,
         restore_grace: float = 0.0,
         stall_threshold: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM_CLOCK,
         persist: Callable[[Job], None] | None = None,
     ) -> None:
-        self._store = store
-        # Called with each job whose record changed; by default it is written at once. The server
-        # passes persistence.WriteBehind.mark, which coalesces the writes off the event loop.
-        self._persist = persist or (lambda job: store.save_job(job.to_record()))
+        # Called with each job whose record changed. The server passes persistence.WriteBehind.mark,
+        # which coalesces the writes off the event loop.
+        self._persist = persist or (lambda job: None)
         self._liveness_timeout = liveness_timeout
         self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
         self._restore_grace = max(restore_grace, liveness_timeout)
@@ -419,12 +96,15 @@ class Membership:
         self._max_jobs = max_jobs
         self._max_ended_jobs = max_ended_jobs
         self._clock = clock
-        self._wall = wall
+        self._machine = StateMachine(clock.wall)
         self._jobs: dict[str, Job] = {}
         self._members: dict[str, tuple[Job, Member]] = {}
-        self._listeners: list[EventListener] = []
+        # The highest generation of each name as last seen outside _jobs (consulted only for names
+        # not in _jobs): numbering continues after a job is forgotten in memory (max_ended_jobs)
+        # or was only in the store. A few bytes a name.
+        self._generations: dict[str, int] = {}
         self._stall_checked = float("-inf")
-        self._restore()
+        self._restore(stored or StoredState())
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -443,15 +123,16 @@ class Membership:
                         yield job, member
 
     def add_listener(self, listener: EventListener) -> None:
-        self._listeners.append(listener)
+        """Hear every job event (world formed, member failed, job finished or failed)."""
+        self._machine.add_listener(listener)
 
     # -- join ------------------------------------------------------------------------------------
 
     def join(self, spec: JoinSpec) -> Ticket:
         """Add the members of ``spec`` to the job's forming world; form it if it is now complete.
 
-        Returns at once; the caller waits on ``ticket.job.formed_event`` and then reads the
-        assignment with :meth:`assignment`.
+        Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
+        is already RUNNING) and then reads the members' assignments from the ticket.
 
         Raises:
             FailedPreconditionError: the job is running, has another world size, is full, or the
@@ -486,7 +167,7 @@ class Membership:
                     f"{holder.host!r}; each rank can be requested once"
                 )
         job.max_restarts = max(job.max_restarts, spec.max_restarts)
-        now = self._wall()
+        now = self._clock.wall()
         ticket_members: list[Member] = []
         ticket_secrets: list[str] = []
         join_call = job.join_calls
@@ -494,7 +175,7 @@ class Membership:
             secret = secrets.token_urlsafe(24)
             member = Member(
                 member_id=secrets.token_hex(8),
-                secret_digest=_digest(secret),
+                secret_digest=digest(secret),
                 host=spec.host,
                 local_rank=request.local_rank,
                 requested_rank=request.rank,
@@ -510,7 +191,7 @@ class Membership:
         # The last join forms the world: choose ranks and interfaces before anything changes, so
         # that a choice that fails leaves the job as it was instead of full and never formed.
         plan = (
-            self._plan(job, [*job.members, *ticket_members])
+            plan_world(job.world_size, [*job.members, *ticket_members])
             if len(job.members) + len(ticket_members) == job.world_size
             else None
         )
@@ -553,8 +234,7 @@ class Membership:
 
     def missing_description(self, job: Job) -> str:
         """Which ranks a forming job still lacks, as if it formed now."""
-        ranks = _deal_ranks(job.world_size, job.members)
-        missing = sorted(set(range(job.world_size)) - set(ranks.values()))
+        missing = missing_ranks(job.world_size, job.members)
         shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
         return f"{len(job.members)} of {job.world_size} members joined; ranks missing: {shown}"
 
@@ -573,7 +253,7 @@ class Membership:
                 f"job {spec.job!r}: the coordinator already holds {active} active jobs, its limit "
                 f"max_jobs {self._max_jobs}"
             )
-        previous = job.generation if job is not None else self._store.last_generation(spec.job)
+        previous = job.generation if job is not None else self._generations.get(spec.job, 0)
         # A world formed right after a failed one is a restart (an agent's --max-restarts, or the
         # user running the job again): counted so status and the restarts metric can show it.
         restarts = job.restart_count + 1 if job is not None and job.state is JobState.FAILED else 0
@@ -582,7 +262,7 @@ class Membership:
             name=spec.job,
             generation=previous + 1,
             world_size=spec.world_size,
-            created=self._wall(),
+            created=self._clock.wall(),
             backend=spec.backend,
             restart_count=restarts,
             history=[*ended.history, ended.generation_record()][-MAX_HISTORY:] if ended else [],
@@ -603,7 +283,7 @@ class Membership:
         """Keep at most ``max_ended_jobs`` finished or failed jobs in memory, the newest.
 
         Without this, every distinct job name ever used would stay in memory for ever. Forgotten
-        jobs stay in the state store, which also keeps their generation numbers growing.
+        jobs stay in the state store; their generation numbers stay here, so they keep growing.
         """
         # Only jobs that are over for every member: a failed job's live members still report.
         ended = [j for j in self._jobs.values() if j.state.ended and j.ended]
@@ -613,57 +293,23 @@ class Membership:
         ended.sort(key=lambda j: (j.ended or j.formed or j.created, j.name))
         for job in ended[:excess]:
             del self._jobs[job.name]
+            self._generations[job.name] = job.generation
             for member in job.members:
                 self._members.pop(member.member_id, None)
         log.debug("forgot %d ended job(s) beyond max_ended_jobs %d", excess, self._max_ended_jobs)
 
-    def _plan(self, job: Job, members: Sequence[Member]) -> _Plan:
-        """Ranks and interfaces for a world of ``members``; raises before anything changes.
-
-        Members of one host share the interface choice: computed once per host, not once per rank.
-        (validation.join_spec already ensured each host has a dialable address.)
-        """
-        single_host = all(_is_loopback(m.peer_address) for m in members)
-        ranks = _deal_ranks(job.world_size, members)
-        per_host: dict[tuple[str, str | None, str], tuple[str, str]] = {}
-        for m in members:
-            key = (m.host, m.peer_address, m.socket_name)
-            if key not in per_host:
-                iface = choose_interface(
-                    m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
-                )
-                address = address_on(iface)
-                # Every address handed out (MASTER_ADDR above all) must be one that the member
-                # itself reported on that interface: nothing else a client sends, and nothing of
-                # another job, can steer ranks elsewhere. The choice rules guarantee it; this keeps
-                # it guaranteed should they change.
-                if parse_address(address) not in {parse_address(a) for a in iface.addresses}:
-                    raise InvalidArgumentError(
-                        f"interfaces of host {m.host!r}: address {address!r} chosen on {iface.name!r} "
-                        f"is not one the host reported there"
-                    )
-                per_host[key] = (iface.name, address)
-        return _Plan(ranks, per_host)
-
-    def _form(self, job: Job, plan: _Plan) -> None:
+    def _form(self, job: Job, plan: Plan) -> None:
         ranks, per_host = plan.ranks, plan.per_host
-        now_mono = self._clock()
+        now_mono = self._clock.monotonic()
+        self._machine.members_running(job, job.members)
         for member in job.members:
-            member.interface, member.address = per_host[
-                (member.host, member.peer_address, member.socket_name)
-            ]
+            member.interface, member.address = per_host[host_key(member)]
             member.rank = ranks[member.member_id]
-            member.state = MemberState.RUNNING
             member.last_seen = now_mono
             self._members[member.member_id] = (job, member)
         master = next(m for m in job.members if m.rank == 0)
         job.master_addr = master.address
         job.master_port = master.store_port
-        job.state = JobState.RUNNING
-        job.formed = self._wall()
-        job.previous = None  # the new world replaces the ended one for good
-        self._persist(job)
-        job.formed_event.set()
         log.info(
             "%s: world formed, %d ranks, master %s:%d on %s",
             job.label,
@@ -672,7 +318,9 @@ class Membership:
             job.master_port,
             master.interface,
         )
-        self._emit(JobEvent(EventKind.WORLD_FORMED, job.name, job.generation, job.formed))
+        self._machine.job_to(job, JobState.RUNNING)
+        # Marked before any Join waiting on the event resumes: its answer awaits this write.
+        self._persist(job)
 
     # -- running members -------------------------------------------------------------------------
 
@@ -709,12 +357,12 @@ class Membership:
         wedged). ``stream`` identifies the stream that carried the report (see :meth:`stream_lost`).
         """
         job, member = self.authenticate(member_id, secret)
-        now = self._clock()
+        now = self._clock.monotonic()
         seen = now - age
         # max: a report delayed in transit, or reordered with a fresher one, never moves it back;
         # but the first report of a restored member ends its grace (a last_seen in the future).
         member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
-        member.last_heartbeat = max(member.last_heartbeat, self._wall() - age)
+        member.last_heartbeat = max(member.last_heartbeat, self._clock.wall() - age)
         member.lost_at = None
         member.stream = stream
         if progress is not None:
@@ -734,23 +382,18 @@ class Membership:
             return job
         member.exit_code = exit_code
         if exit_code == 0:
-            member.state = MemberState.LEFT
-            member.reason = reason or "exited with code 0"
-            log.debug("%s: rank %s on %s left with code 0", job.label, member.rank, member.host)
+            self._machine.member_to(job, member, MemberState.LEFT, reason or "exited with code 0")
+            log.debug("%s: rank %s on host %s left with code 0", job.label, member.rank, member.host)
         else:
-            own_reason = reason or f"exited with code {exit_code}"
+            failure, own_reason = liveness.exit_verdict(exit_code, reason)
             # A rank whose process died takes its connections with it: its peers' collectives fail
             # at once and their exit may reach us before its broken stream is judged. When a member
             # of this job already has a broken stream, that one is the cause: blame it first.
             for other in job.members:
                 if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
-                    self._fail_member(
-                        job,
-                        other,
-                        f"connection lost: its heartbeat stream broke (process or agent gone), and then "
-                        f"rank {member.rank} on host {member.host} {own_reason}",
-                    )
-            self._fail_member(job, member, own_reason)
+                    blame, text = liveness.connection_lost_blame(member.rank, member.host, own_reason)
+                    self._machine.member_to(job, other, MemberState.FAILED, text, blame)
+            self._machine.member_to(job, member, MemberState.FAILED, own_reason, failure)
         self._settle(job)
         self._persist(job)
         return job
@@ -760,7 +403,7 @@ class Membership:
         end: its process (or the agent reporting for it) most likely died, since the kernel closes
         a dead process's connections. Each of those members that no newer stream reports fails
         once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
-        now = self._clock()
+        now = self._clock.monotonic()
         lost: list[Member] = []
         for member_id in member_ids:
             found = self._members.get(member_id)
@@ -771,15 +414,16 @@ class Membership:
                 member.lost_at = now
                 lost.append(member)
         if lost:
+            ranks = rank_list(sorted(member_rank(m) for m in lost))
             log.info(
                 "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
-                "report again", _rank_list(sorted(_rank(m) for m in lost)), lost[0].host, self._lost_grace,
+                "report again", ranks, lost[0].host, self._lost_grace,
             )  # fmt: skip
 
     def sweep(self) -> list[tuple[Job, Member]]:
         """Fail every running member silent for longer than the liveness timeout, or whose stream
         broke ``lost_grace`` ago without a report since; log stalls (once each)."""
-        now = self._clock()
+        now = self._clock.monotonic()
         failed: list[tuple[Job, Member]] = []
         # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
         # four times an interval, and comparing every rank's progress is the costly part of them).
@@ -795,17 +439,11 @@ class Membership:
             for member in job.members:
                 if member.state is not MemberState.RUNNING:
                     continue
-                silent = now - member.last_seen
-                if member.lost_at is not None and now - member.lost_at > self._lost_grace:
-                    reason = (
-                        f"connection lost: its heartbeat stream broke and no report came within "
-                        f"{self._lost_grace:g} s (process or agent gone)"
-                    )
-                elif silent > self._liveness_timeout:
-                    reason = f"missed heartbeats: silent for {silent:.1f} s"
-                else:
+                verdict = liveness.silence_verdict(member, now, self._liveness_timeout, self._lost_grace)
+                if verdict is None:
                     continue
-                self._fail_member(job, member, reason)
+                failure, reason = verdict
+                self._machine.member_to(job, member, MemberState.FAILED, reason, failure)
                 failed.append((job, member))
                 changed = True
             if changed:
@@ -816,39 +454,9 @@ class Membership:
         return failed
 
     def stall(self, job: Job) -> Stall | None:
-        """The ranks of running ``job`` that the others wait for, or None.
-
-        Ranks make the same sequence of collectives, so sequence numbers line up across them: when
-        ranks have been inside collective #k (the highest number any rank reports) for longer than
-        ``stall_threshold``, the live ranks whose last collective is below k have not entered it.
-        None while nobody has waited that long, or when every rank is in #k (then nobody holds it).
-        """
-        if job.state is not JobState.RUNNING:
-            return None
-        live = [m for m in job.members if m.state is MemberState.RUNNING and m.rank is not None]
-        if not live:
-            return None
-        top = max(m.progress.seq for m in live)
-        if top == 0:
-            return None
-        waiting = [m for m in live if m.progress.seq == top and m.progress.in_collective]
-        if not waiting:
-            return None
-        since = min(m.progress.since for m in waiting)
-        waited = self._wall() - since
-        if waited < self.stall_threshold:
-            return None
-        blocking = [m for m in live if m.progress.seq < top]
-        if not blocking:
-            return None
-        return Stall(
-            seq=top,
-            op=waiting[0].progress.op,
-            since=since,
-            waited=waited,
-            waiting=tuple(sorted(_rank(m) for m in waiting)),
-            blocking=tuple(sorted(_rank(m) for m in blocking)),
-        )
+        """The ranks of running ``job`` that the others wait for, or None (see
+        :func:`liveness.find_stall`; the threshold is ``stall_threshold``)."""
+        return liveness.find_stall(job, self._clock.wall(), self.stall_threshold)
 
     def _log_stall(self, job: Job) -> None:
         stall = self.stall(job)
@@ -857,57 +465,27 @@ class Membership:
             hosts = sorted({m.host for m in job.members if m.rank in stall.blocking})
             log.warning("%s: %s (on host(s) %s)", job.label, stall.describe(), ", ".join(hosts))
 
-    def _fail_member(self, job: Job, member: Member, reason: str) -> None:
-        member.state = MemberState.FAILED
-        member.reason = reason
-        now = self._wall()
-        log.warning("%s: rank %s on host %s failed: %s", job.label, member.rank, member.host, reason)
-        if job.state is JobState.RUNNING:
-            job.state = JobState.FAILED
-            job.failed_rank = member.rank
-            job.reason = f"rank {member.rank} on host {member.host} failed: {reason}"
-            self._emit(
-                JobEvent(
-                    EventKind.MEMBER_FAILED, job.name, job.generation, now, member.rank, member.host, reason
-                )
-            )
-            self._emit(
-                JobEvent(
-                    EventKind.JOB_FAILED, job.name, job.generation, now, member.rank, member.host, job.reason
-                )
-            )
-
     def _settle(self, job: Job) -> None:
         """Finish a job whose members are all gone."""
         if any(m.state is MemberState.RUNNING for m in job.members):
             return
         if job.state is JobState.RUNNING:
-            job.state = JobState.FINISHED
-            job.ended = self._wall()
-            log.info("%s: finished, every rank exited with code 0", job.label)
-            self._emit(JobEvent(EventKind.JOB_FINISHED, job.name, job.generation, job.ended))
+            self._machine.job_to(job, JobState.FINISHED)
         elif job.state is JobState.FAILED and not job.ended:
-            job.ended = self._wall()
+            job.ended = self._clock.wall()
         for member in job.members:
             self._members.pop(member.member_id, None)
         self._forget_old_ended_jobs()
 
-    def _emit(self, event: JobEvent) -> None:
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:  # a broken listener must not stop the others from hearing
-                log.exception("event listener failed on %s", event)
+    # -- start -----------------------------------------------------------------------------------
 
-    # -- persistence -----------------------------------------------------------------------------
-
-    def _restore(self) -> None:
+    def _restore(self, stored: StoredState) -> None:
         # A restored member is judged only after restore_grace: its reporter needs time to notice
         # the outage and reconnect (backoff with jitter), and the liveness timeout alone can be
         # shorter than that.
-        now = self._clock() + self._restore_grace - self._liveness_timeout
-        for record in self._store.load_jobs():
-            job = Job.from_record(record)
+        now = self._clock.monotonic() + self._restore_grace - self._liveness_timeout
+        self._generations.update(stored.generations)
+        for job in stored.jobs:
             if job.state is JobState.FORMING:
                 continue
             self._jobs[job.name] = job
@@ -918,75 +496,3 @@ class Membership:
         if self._jobs:
             log.info("restored %d job(s) from the state store", len(self._jobs))
         self._forget_old_ended_jobs()
-
-
-def _rank(member: Member) -> int:
-    if member.rank is None:  # only members of formed worlds reach here; None would be a bug
-        raise RuntimeError(f"member {member.member_id} of a formed world has no rank")
-    return member.rank
-
-
-def _rank_list(ranks: Sequence[int], limit: int = 16) -> str:
-    shown = ", ".join(str(r) for r in ranks[:limit])
-    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
-
-
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _is_loopback(address: str | None) -> bool:
-    import ipaddress
-
-    if not address:
-        return False
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped.is_loopback
-    return ip.is_loopback
-
-
-def _deal_ranks(world_size: int, members: Sequence[Member]) -> dict[str, int]:
-    """Ranks for ``members``: requested ranks as asked, the rest dealt so each host's are contiguous.
-
-    Hosts are served in the order they first joined; within a host, by local rank. A host gets the
-    first run of free ranks long enough for all its members, or the lowest free ranks if no run
-    is long enough (requested ranks can fragment the range).
-    """
-    ranks = {m.member_id: m.requested_rank for m in members if m.requested_rank is not None}
-    free = sorted(set(range(world_size)) - set(ranks.values()))
-    by_host: dict[str, list[Member]] = {}
-    for member in members:
-        if member.requested_rank is None:
-            by_host.setdefault(member.host, []).append(member)
-    if not ranks:
-        # The common case, nobody asked for a rank: deal in one pass, host by host in join order.
-        dealt = (m for host_members in by_host.values() for m in _by_local_rank(host_members))
-        return {m.member_id: rank for rank, m in enumerate(dealt)}
-    for host_members in by_host.values():
-        want = len(host_members)
-        start = _first_run(free, want)
-        chosen = free[start : start + want] if start is not None else free[:want]
-        for member, rank in zip(_by_local_rank(host_members), chosen, strict=False):
-            ranks[member.member_id] = rank
-        taken = set(chosen)
-        free = [r for r in free if r not in taken]
-    return ranks
-
-
-def _by_local_rank(members: list[Member]) -> list[Member]:
-    return sorted(members, key=lambda m: (m.join_call, m.local_rank))
-
-
-def _first_run(free: list[int], length: int) -> int | None:
-    """Index in sorted ``free`` where ``length`` consecutive integers start, or None."""
-    run_start = 0
-    for i in range(len(free)):
-        if i > 0 and free[i] != free[i - 1] + 1:
-            run_start = i
-        if i - run_start + 1 >= length:
-            return run_start
-    return None

@@ -26,14 +26,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sarcomm.coordinator.membership import JobState, Membership, MemberState
+from sarcomm.common.constants import FailureReason
+from sarcomm.coordinator.membership import Membership
+from sarcomm.coordinator.model import JobState, MemberState
 
 RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 600)
-#: Every value :func:`failure_reason_label` returns; each is exported from the start (at 0), so a
-#: rate or increase over failures has a series to work on before the first failure.
-FAILURE_REASONS = ("missed_heartbeats", "connection_lost", "killed", "exit_code", "reported")
+#: Every ``reason`` label value (the :class:`FailureReason` values); each is exported from the start
+#: (at 0), so a rate or increase over failures has a series to work on before the first failure.
+FAILURE_REASONS = tuple(reason.value for reason in FailureReason)
 #: How long after its job failed the rank that failed it is still exported as down. Long enough
 #: for an alert to fire and be seen; bounded so that a coordinator that has seen many failed job
 #: names over months does not export a series for each of them for ever.
@@ -232,16 +234,3 @@ class CoordinatorMetrics:
             # Built, formatted and dropped in one step: nothing of the 4096-sample family lives on
             # while the caller lets other work run (see http.collector_paused).
             yield generate_latest(_Families([build(snapshot)]))
-
-
-def failure_reason_label(reason: str) -> str:
-    """A bounded label value for a failure reason (free text would explode the series count)."""
-    if reason.startswith("missed heartbeats"):
-        return "missed_heartbeats"
-    if reason.startswith("connection lost"):
-        return "connection_lost"
-    if "signal" in reason:
-        return "killed"
-    if reason.startswith("exited with code"):
-        return "exit_code"
-    return "reported"

@@ -24,7 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sarcomm.common.errors import CoordinatorUnavailableError
-from sarcomm.coordinator.membership import Job
+from sarcomm.coordinator.model import Job
+from sarcomm.coordinator.records import job_record
 from sarcomm.coordinator.store import StateStore, encode_job
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class WriteBehind:
         """Note that ``job``'s record changed; it is written in the next flush."""
         if self._closed:
             # After close (shutdown) nothing may be lost: write at once.
-            self._store.save_job(job.to_record())
+            self._store.write_rows([encode_job(job_record(job))])
             return
         self._dirty[(job.name, job.generation)] = job
         self._schedule(max(self._delay, min(MAX_FLUSH_DELAY_S, COST_FACTOR * self._last_cost)))
@@ -101,7 +102,7 @@ class WriteBehind:
         # its job (see store.encode_job for why the JSON is not left to the writer thread); SQLite's
         # part, the transaction, runs in the writer thread.
         began = time.perf_counter()
-        rows = [encode_job(job.to_record()) for job in jobs]
+        rows = [encode_job(job_record(job)) for job in jobs]
         self._last_cost = time.perf_counter() - began
         self._in_flight = done
         written = asyncio.get_running_loop().run_in_executor(self._writer, self._store.write_rows, rows)
@@ -139,6 +140,6 @@ class WriteBehind:
                 await asyncio.shield(self._in_flight)
         self._writer.shutdown(wait=True)
         # Anything a failed batch left marked is written now, synchronously: the last chance.
-        for job in self._dirty.values():
-            self._store.save_job(job.to_record())
+        if self._dirty:
+            self._store.write_rows([encode_job(job_record(job)) for job in self._dirty.values()])
         self._dirty.clear()

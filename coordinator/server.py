@@ -22,17 +22,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sarcomm.common.addresses import parse_host_port
+from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
 from sarcomm.coordinator import systemd
+from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.events import EventHub
+from sarcomm.coordinator.events import EventHub, FormedWaiters
 from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
-from sarcomm.coordinator.membership import EventKind, JobEvent, Membership
-from sarcomm.coordinator.metrics import CoordinatorMetrics, failure_reason_label
+from sarcomm.coordinator.membership import Membership
+from sarcomm.coordinator.metrics import CoordinatorMetrics
+from sarcomm.coordinator.model import JobEvent
 from sarcomm.coordinator.persistence import WriteBehind
+from sarcomm.coordinator.records import load_state
 from sarcomm.coordinator.service import CoordinatorService
-from sarcomm.coordinator.store import SqliteStore
+from sarcomm.coordinator.store import SqliteStore, StateStore
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,14 +67,20 @@ def _stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> It
 
 
 class Coordinator:
-    """One running coordinator; ``grpc_port``/``http_port`` are the bound ports once started."""
+    """One running coordinator; ``grpc_port``/``http_port`` are the bound ports once started.
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    ``clock`` is what liveness, stalls and timestamps read (tests pass a fake one; see
+    ``tests/coordinator_fixture.py``); the timers of the service itself stay on the event loop.
+    """
+
+    def __init__(self, config: CoordinatorConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
-        self.store = SqliteStore(config.state)
+        self.clock = clock
+        self.store: StateStore = SqliteStore(config.state)
         self.writes = WriteBehind(self.store)
         self.membership = Membership(
-            self.store,
+            stored=load_state(self.store),
+            clock=clock,
             persist=self.writes.mark,
             liveness_timeout=config.liveness_timeout,
             max_jobs=config.limits.max_jobs,
@@ -81,8 +91,10 @@ class Coordinator:
             restore_grace=config.reconnect_grace,
             stall_threshold=config.stall_threshold,
         )
-        self.metrics = CoordinatorMetrics(self.membership)
+        self.metrics = CoordinatorMetrics(self.membership, wall=clock.wall)
         self.events = EventHub()
+        self.formed = FormedWaiters()
+        self.membership.add_listener(self.formed.publish)
         self.membership.add_listener(self.events.publish)
         self.membership.add_listener(self._count_event)
         # grpc-stubs predates the asyncio health servicer, hence the ignore.
@@ -108,7 +120,8 @@ class Coordinator:
 
     def _count_event(self, event: JobEvent) -> None:
         if event.kind is EventKind.MEMBER_FAILED:
-            self.metrics.member_failures.labels(failure_reason_label(event.reason)).inc()
+            # Every member failure carries its reason; REPORTED is only a guard for a bug.
+            self.metrics.member_failures.labels((event.failure or FailureReason.REPORTED).value).inc()
         elif event.kind is EventKind.WORLD_FORMED:
             job = self.membership.job(event.job)
             if job is not None:
@@ -136,7 +149,9 @@ class Coordinator:
             ],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorService(self.membership, self.events, self.metrics, self.config, self.writes.durable),
+            CoordinatorService(
+                self.membership, self.events, self.metrics, self.config, self.writes.durable, self.formed
+            ),
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -22,10 +22,11 @@ from sarcomm.common.errors import (
 from sarcomm.common.interfaces import parse_peer
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.events import EventHub
-from sarcomm.coordinator.membership import EventKind, JobEvent, JobState, Membership, Progress
+from sarcomm.coordinator.events import EventHub, FormedWaiters
+from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.views import event_message, jobs_message
+from sarcomm.coordinator.model import EventKind, JobEvent, JobState, Progress
+from sarcomm.coordinator.views import event_message, failure_message, jobs_message
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -47,8 +48,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         metrics: CoordinatorMetrics,
         config: CoordinatorConfig,
         durable: Callable[[], Awaitable[None]],
+        formed: FormedWaiters,
     ) -> None:
         self._membership = membership
+        # Join calls wait here for their world; the membership's WORLD_FORMED events set it.
+        self._formed = formed
         # Awaited before an answer that reports a change (a formed world, a leave): what a client
         # was told must survive a crash (see persistence.WriteBehind.durable).
         self._durable = durable
@@ -74,7 +78,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
         self._join_waiters += 1
         try:
-            await asyncio.wait_for(job.formed_event.wait(), timeout)
+            await self._formed.wait(job, timeout)
         except TimeoutError:
             missing = self._membership.missing_description(job)
             self._membership.abandon(ticket)
@@ -228,10 +232,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         job = self._membership.job(job_name)
         assert job is not None
         # The member whose failure failed the job, not a peer that its agent stopped afterwards.
-        failed = next(
-            (m for m in job.members if m.rank == job.failed_rank and m.state.value == "FAILED"),
-            next((m for m in job.members if m.state.value == "FAILED"), None),
-        )
+        failed = job.failed_member()
         return pb.JobEvent(
             kind=pb.JobEvent.JOB_FAILED,
             job=job.name,
@@ -240,6 +241,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             host=failed.host if failed else "",
             reason=job.reason,
             time=job.ended or job.formed,
+            failure=failure_message(failed.failure if failed else None),
         )
 
     async def Leave(

@@ -6,13 +6,11 @@ import json
 import time
 from collections.abc import Sequence
 
-import grpc
 from google.protobuf import json_format
 
-from sarcomm.common.errors import from_rpc_error
+from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
-from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 async def fetch_jobs(
@@ -26,21 +24,13 @@ async def fetch_jobs(
     """The coordinator's view of ``job`` (all jobs when empty); waits up to ``timeout`` seconds.
 
     ``token`` is sent as ``authorization: Bearer <token>``; ``tls`` makes the channel TLS.
+
+    Raises:
+        SarcommError: as :meth:`CoordinatorClient.list_jobs` raises it (a refused token, a TLS
+            failure named by side, a coordinator not reached within ``timeout`` ...).
     """
-    channel = (
-        grpc.aio.secure_channel(target, tls.channel_credentials())
-        if tls is not None
-        else grpc.aio.insecure_channel(target)
-    )
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        try:
-            return await stub.ListJobs(
-                pb.ListJobsRequest(job=job), timeout=timeout, metadata=metadata, wait_for_ready=True
-            )
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from error
+    async with CoordinatorClient(target, token, timeout=timeout, tls=tls) as client:
+        return pb.ListJobsResponse(jobs=await client.list_jobs(job))
 
 
 def _ago(timestamp: float, now: float) -> str:

@@ -2,7 +2,7 @@
 
 The store knows nothing of the domain: it keeps JSON records keyed by job name and generation.
 WAL mode with ``synchronous=NORMAL`` makes every committed write survive a SIGKILL of the
-coordinator (the write is in the OS before ``save_job`` returns); only a power loss can cost the
+coordinator (the write is in the OS before ``write_rows`` returns); only a power loss can cost the
 last transactions, which a restarted cluster would re-form anyway.
 """
 
@@ -40,25 +40,28 @@ def encode_job(record: dict[str, Any]) -> JobRow:
 
 
 class StateStore(Protocol):
-    """The three things the membership logic needs from storage."""
+    """The storage boundary: what the coordinator needs from wherever its jobs live.
+
+    Records are JSON-ready dicts (see :mod:`records`), keyed by job name and generation; nothing
+    here knows the domain. SQLite (:class:`SqliteStore`) is the embedded one; another backend
+    (etcd) implements the same four methods and nothing else changes.
+    """
 
     def load_jobs(self) -> list[dict[str, Any]]:
-        """The latest generation of every job name."""
+        """The latest generation of every job name; called once at start."""
         ...
 
-    def save_job(self, record: dict[str, Any]) -> None:
-        """Insert or replace one generation of a job; durable when it returns."""
+    def last_generations(self) -> dict[str, int]:
+        """The highest generation ever stored for each job name; called once at start."""
         ...
 
     def write_rows(self, rows: list[JobRow]) -> None:
-        """Records encoded by :func:`encode_job`, in one transaction: all or none are written.
-
-        Called from the writer thread (see :mod:`persistence`) while the loop may read.
-        """
+        """Records encoded by :func:`encode_job`, in one transaction: all or none are written;
+        durable when it returns. Called from the writer thread (see :mod:`persistence`)."""
         ...
 
-    def last_generation(self, name: str) -> int:
-        """The highest generation ever stored for ``name`` (0 when none)."""
+    def close(self) -> None:
+        """Release the store; nothing is written after this."""
         ...
 
 
@@ -69,8 +72,8 @@ class SqliteStore:
         self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection shared by the event loop (reads at start and when a generation begins)
-        # and the writer thread (see persistence.WriteBehind), one of them at a time.
+        # One connection shared by the event loop (reads at start) and the writer thread (see
+        # persistence.WriteBehind), one of them at a time.
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             str(path) if path is not None else ":memory:", isolation_level=None, check_same_thread=False
@@ -88,9 +91,6 @@ class SqliteStore:
             ).fetchall()
         return [json.loads(row[0]) for row in rows]
 
-    def save_job(self, record: dict[str, Any]) -> None:
-        self.write_rows([encode_job(record)])
-
     def write_rows(self, rows: list[JobRow]) -> None:
         with self._lock:
             self._db.execute("BEGIN")
@@ -103,10 +103,10 @@ class SqliteStore:
                 raise
             self._db.execute("COMMIT")
 
-    def last_generation(self, name: str) -> int:
+    def last_generations(self) -> dict[str, int]:
         with self._lock:
-            row = self._db.execute("SELECT MAX(generation) FROM jobs WHERE name = ?", (name,)).fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+            rows = self._db.execute("SELECT name, MAX(generation) FROM jobs GROUP BY name").fetchall()
+        return {str(name): int(generation) for name, generation in rows}
 
     def close(self) -> None:
         with self._lock:

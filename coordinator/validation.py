@@ -8,14 +8,15 @@ letter or digit``.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import math
 import re
 
+from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
+from sarcomm.common.messages import Progress
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Progress
+from sarcomm.coordinator.model import JoinSpec, MemberRequest
 from sarcomm.v1 import coordinator_pb2 as pb
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -261,21 +262,19 @@ def metrics_address(value: str, field: str) -> str:
 # visible share of the coordinator's CPU at 4096 reports a second.
 @functools.lru_cache(maxsize=16384)
 def _is_ip(text: str) -> bool:
-    """An IPv4 or IPv6 address; a zone (``fe80::1%eth0``) must look like an interface name.
+    """An IPv4 or IPv6 address as :func:`~sarcomm.common.addresses.parse_address` reads it, written
+    strictly: no brackets or surrounding space, and a zone only on an IPv6 address and shaped like
+    an interface name (``fe80::1%eth0``).
 
-    ``ipaddress`` takes any text after '%', control characters included, and these strings reach
-    logs, ``status`` and ``/sd``.
+    ``parse_address`` drops any zone, control characters included, and these strings reach logs,
+    ``status`` and ``/sd``.
     """
-    if len(text) > MAX_ADDRESS_CHARS:
+    if len(text) > MAX_ADDRESS_CHARS or text != text.strip() or text.startswith("["):
         return False
-    _, percent, zone = text.partition("%")
-    if percent and not _IFACE_NAME.fullmatch(zone):
+    address, percent, zone = text.partition("%")
+    if percent and not (":" in address and _IFACE_NAME.fullmatch(zone)):
         return False
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
+    return parse_address(text) is not None
 
 
 def exit_code(value: int) -> int:

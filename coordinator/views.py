@@ -8,26 +8,25 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from sarcomm.coordinator.membership import EventKind, Job, JobEvent, Member, Stall
+from sarcomm.common.messages import failure_to_proto
+from sarcomm.coordinator.model import Job, JobEvent, Member, Stall
 from sarcomm.v1 import coordinator_pb2 as pb
 
-_EVENT_KINDS = {
-    EventKind.WORLD_FORMED: pb.JobEvent.WORLD_FORMED,
-    EventKind.MEMBER_FAILED: pb.JobEvent.MEMBER_FAILED,
-    EventKind.JOB_FINISHED: pb.JobEvent.JOB_FINISHED,
-    EventKind.JOB_FAILED: pb.JobEvent.JOB_FAILED,
-}
+#: The proto's number of a failure reason (shared with the clients, which read it back).
+failure_message = failure_to_proto
 
 
 def event_message(event: JobEvent) -> pb.JobEvent:
     return pb.JobEvent(
-        kind=_EVENT_KINDS[event.kind],
+        # EventKind's numbers are the proto's (sarcomm.common.constants).
+        kind=pb.JobEvent.Kind.ValueType(event.kind),
         job=event.job,
         generation=event.generation,
         rank=event.rank if event.rank is not None else -1,
         host=event.host,
         reason=event.reason,
         time=event.time,
+        failure=failure_message(event.failure),
     )
 
 
@@ -50,6 +49,7 @@ def member_status(member: Member) -> pb.MemberStatus:
             since=member.progress.since,
         ),
         metrics_address=member.metrics_address,
+        failure=failure_message(member.failure),
     )
 
 

@@ -244,6 +244,13 @@ class FakeClock:
     def __call__(self) -> float:
         return self.now
 
+    # The coordinator's Clock protocol (sarcomm.coordinator.clock): both read the one ``now``.
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
 
 def assigned_rank(member: Member) -> int:
     """``member.rank``, which a member of a formed world always has (fails otherwise)."""

@@ -31,7 +31,6 @@ from sarcomm.common.errors import SarcommError
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, Membership
-from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
@@ -147,11 +146,17 @@ class _Clock:
     def __call__(self) -> float:
         return self.now
 
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
 
 def _world() -> tuple[Membership, list[tuple[str, str]]]:
     """A membership with a running job ``victim`` (2 ranks) and ``forming`` (1 of 3 joined)."""
     clock = _Clock()
-    membership = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, clock=clock)
     limits = Limits()
     secrets: list[tuple[str, str]] = []
     for job, world, hosts in (("victim", 2, ("a", "b")), ("forming", 3, ("c",))):

@@ -42,6 +42,7 @@ from sarcomm.coordinator.membership import (
 from sarcomm.coordinator.store import SqliteStore
 from tests.conftest import CoordinatorProcess, StartCoordinator, netns_unavailable
 from tests.helpers import LO, FakeClock, assigned_rank, free_port, stays_false, wait_for
+from tests.test_membership import stored_membership
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "health_rank.py")
@@ -622,7 +623,7 @@ def _formed(membership: Membership, world_size: int = 3) -> list[str]:
 
 
 def _membership(clock: FakeClock, **kwargs: float) -> Membership:
-    return Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock, **kwargs)  # type: ignore[arg-type]
+    return Membership(liveness_timeout=3.0, clock=clock, **kwargs)  # type: ignore[arg-type]
 
 
 def _secret_free(membership: Membership, member_id: str) -> None:
@@ -674,8 +675,8 @@ def test_a_broken_stream_fails_its_members_after_the_grace_unless_a_newer_stream
 def test_restored_members_get_the_reconnect_grace_then_the_silence_rule(tmp_path: Path) -> None:
     clock = FakeClock()
     store = SqliteStore(tmp_path / "state.sqlite")
-    ids = _formed(Membership(store, liveness_timeout=3.0, clock=clock, wall=clock))
-    restored = Membership(store, liveness_timeout=3.0, restore_grace=10.0, clock=clock, wall=clock)
+    ids = _formed(stored_membership(store, clock))
+    restored = stored_membership(store, clock, restore_grace=10.0)
     clock.now += 9.0
     assert restored.sweep() == []
     _report(restored, ids[0])  # rank 0 reconnected: from now on the usual rule

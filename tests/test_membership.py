@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +24,16 @@ from sarcomm.coordinator.membership import (
     MemberState,
     Ticket,
 )
-from sarcomm.coordinator.store import SqliteStore
+from sarcomm.coordinator.records import load_state, write_at_once
+from sarcomm.coordinator.store import SqliteStore, StateStore
 from tests.helpers import FakeClock, assigned_rank, spec
+
+
+def stored_membership(store: StateStore, clock: FakeClock, **settings: Any) -> Membership:
+    """A membership restored from ``store`` that writes every change to it at once."""
+    return Membership(
+        stored=load_state(store), persist=write_at_once(store), clock=clock, liveness_timeout=3.0, **settings
+    )
 
 
 @pytest.fixture
@@ -39,7 +48,7 @@ def events() -> list[JobEvent]:
 
 @pytest.fixture
 def membership(clock: FakeClock, events: list[JobEvent]) -> Membership:
-    m = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    m = Membership(liveness_timeout=3.0, clock=clock)
     m.add_listener(events.append)
     return m
 
@@ -48,10 +57,13 @@ def form(membership: Membership, *specs: JoinSpec) -> list[Ticket]:
     return [membership.join(s) for s in specs]
 
 
-def test_join_forms_world_with_contiguous_ranks_per_host(membership: Membership) -> None:
+def test_join_forms_world_with_contiguous_ranks_per_host(
+    membership: Membership, events: list[JobEvent]
+) -> None:
     a, b = form(membership, spec("a", None, None), spec("b", None, None))
     assert a.job.state is JobState.RUNNING
-    assert a.job.formed_event.is_set()
+    # What the waiting joins hear (the service's waiters; no asyncio object in the domain).
+    assert [(e.kind, e.generation) for e in events] == [(EventKind.WORLD_FORMED, 1)]
     assert [m.rank for m in a.members] == [0, 1]
     assert [m.rank for m in b.members] == [2, 3]
     assert a.job.master_addr == "127.0.0.1"
@@ -155,7 +167,7 @@ def test_join_raises_failed_precondition_if_generation_is_stale(membership: Memb
 
 
 def test_join_raises_resource_exhausted_if_max_jobs_active(clock: FakeClock) -> None:
-    membership = Membership(SqliteStore(None), liveness_timeout=3.0, max_jobs=2, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, max_jobs=2, clock=clock)
     membership.join(spec("a", job="one"))
     membership.join(spec("a", job="two"))
     with pytest.raises(ResourceExhaustedError, match=r"already holds 2 active jobs, its limit max_jobs 2"):
@@ -243,9 +255,9 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
 
 def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "state.sqlite"
-    first = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    first = stored_membership(SqliteStore(path), clock)
     a, _ = form(first, spec("a", None, None), spec("b", None, None))
-    restored = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    restored = stored_membership(SqliteStore(path), clock)
     job = restored.job("gnn")
     assert job is not None
     assert (job.state, job.generation, job.master_port) == (JobState.RUNNING, 1, 29500)
@@ -257,10 +269,10 @@ def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: Fa
 
 def test_generation_grows_across_restart_and_name_reuse(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "state.sqlite"
-    first = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    first = stored_membership(SqliteStore(path), clock)
     tickets = form(first, spec("a", None, None), spec("b", None, None))
     first.leave(tickets[0].members[0].member_id, tickets[0].secrets[0], 1)
-    restored = Membership(SqliteStore(path), liveness_timeout=3.0, clock=clock, wall=clock)
+    restored = stored_membership(SqliteStore(path), clock)
     assert restored.join(spec("a")).job.generation == 2
 
 

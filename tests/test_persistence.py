@@ -54,7 +54,7 @@ async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it
     store: CountingStore,
 ) -> None:
     writes = WriteBehind(store)
-    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
     tickets = [membership.join(spec(f"h{i}", job="big", world_size=64)) for i in range(64)]
     assert tickets[0].job.formed
     # Every member leaves, each a change of the job's record, all before the flush runs.
@@ -79,7 +79,7 @@ async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingSt
 
 async def test_changes_marked_while_a_batch_is_written_go_into_the_next_one(store: CountingStore) -> None:
     writes = WriteBehind(store)
-    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
     a = membership.join(spec("a", job="one", world_size=1))
     waiting_for_one = asyncio.ensure_future(writes.durable())
     await wait_for_async(lambda: store.batches, 5, what="the first batch to be taken and written")
@@ -98,7 +98,7 @@ async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
 ) -> None:
     monkeypatch.setattr("sarcomm.coordinator.persistence.RETRY_DELAY_S", 0.05)
     writes = WriteBehind(store)
-    membership = Membership(store, liveness_timeout=30.0, persist=writes.mark)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
     store.fail_next = 1
     membership.join(spec("a", job="j", world_size=1))
     with pytest.raises(CoordinatorUnavailableError, match=r"could not write its state.*disk is full"):
@@ -113,7 +113,7 @@ async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
 async def test_close_writes_what_is_still_marked_and_later_marks_write_at_once(store: CountingStore) -> None:
     writes = WriteBehind(store, delay=60.0)  # a flush that would not come on its own
     clock = FakeClock()
-    membership = Membership(store, liveness_timeout=3.0, persist=writes.mark, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, persist=writes.mark, clock=clock)
     membership.join(spec("a", job="j", world_size=1))
     await writes.close()
     assert store.batches == [["j#1:1"]]

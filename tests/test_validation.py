@@ -15,7 +15,6 @@ from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator import validation
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
-from sarcomm.coordinator.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from tests.helpers import LO_PB as LO
 
@@ -95,6 +94,12 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
 
 def spec(host: str, job: str = "j", world_size: int = 2, generation: int = 0, **kw: Any) -> JoinSpec:
     fields: dict[str, Any] = {
@@ -115,7 +120,7 @@ def finished(membership: Membership, job: str) -> None:
 
 
 def test_a_refused_join_leaves_the_ended_generation_as_it_was(clock: Clock) -> None:
-    membership = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, clock=clock)
     finished(membership, "j")
     before = membership.job("j")
     assert before is not None
@@ -127,7 +132,7 @@ def test_a_refused_join_leaves_the_ended_generation_as_it_was(clock: Clock) -> N
 
 
 def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(clock: Clock) -> None:
-    membership = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, clock=clock)
     first = membership.join(spec("a"))
     # A host whose loopback has no address (and nothing else): every member connected over
     # loopback, so the single-host rule looks at loopback, which has nothing to hand out.
@@ -149,7 +154,7 @@ def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(cloc
 
 
 def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_interface(clock: Clock) -> None:
-    membership = Membership(SqliteStore(None), liveness_timeout=3.0, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, clock=clock)
     interfaces = (
         InterfaceInfo("lo", (), InterfaceKind.LOOPBACK),
         InterfaceInfo("eth0", ("10.1.2.3",), InterfaceKind.PHYSICAL, default_route=True),
@@ -161,8 +166,7 @@ def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_inte
 
 
 def test_ended_jobs_beyond_max_ended_jobs_are_forgotten_oldest_first(clock: Clock) -> None:
-    store = SqliteStore(None)
-    membership = Membership(store, liveness_timeout=3.0, max_ended_jobs=2, clock=clock, wall=clock)
+    membership = Membership(liveness_timeout=3.0, max_ended_jobs=2, clock=clock)
     for name in ("one", "two", "three"):
         clock.now += 10
         finished(membership, name)

@@ -45,6 +45,42 @@ INTERFACE_KIND_VETH: InterfaceKind.ValueType  # 4
 INTERFACE_KIND_VIRTUAL: InterfaceKind.ValueType  # 5
 Global___InterfaceKind: _TypeAlias = InterfaceKind  # noqa: Y015
 
+class _FailureReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FailureReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAILURE_REASON_UNSPECIFIED: _FailureReason.ValueType  # 0
+    FAILURE_REASON_MISSED_HEARTBEATS: _FailureReason.ValueType  # 1
+    """Silent for longer than --heartbeat-interval x --heartbeat-misses."""
+    FAILURE_REASON_CONNECTION_LOST: _FailureReason.ValueType  # 2
+    """Its heartbeat stream broke and no report came within one interval (process or agent gone)."""
+    FAILURE_REASON_KILLED: _FailureReason.ValueType  # 3
+    """It left with a negative exit code: killed by that signal."""
+    FAILURE_REASON_EXIT_CODE: _FailureReason.ValueType  # 4
+    """It left with a non-zero exit code."""
+    FAILURE_REASON_REPORTED: _FailureReason.ValueType  # 5
+    """It left with a non-zero exit code and a reason of its own (an uncaught exception ...)."""
+
+class FailureReason(_FailureReason, metaclass=_FailureReasonEnumTypeWrapper):
+    """Why a member failed, as a bounded value beside the free-text reason (the `reason` label of the
+    coordinator's sar_coordinator_member_failures_total, in lower case without the prefix).
+    """
+
+FAILURE_REASON_UNSPECIFIED: FailureReason.ValueType  # 0
+FAILURE_REASON_MISSED_HEARTBEATS: FailureReason.ValueType  # 1
+"""Silent for longer than --heartbeat-interval x --heartbeat-misses."""
+FAILURE_REASON_CONNECTION_LOST: FailureReason.ValueType  # 2
+"""Its heartbeat stream broke and no report came within one interval (process or agent gone)."""
+FAILURE_REASON_KILLED: FailureReason.ValueType  # 3
+"""It left with a negative exit code: killed by that signal."""
+FAILURE_REASON_EXIT_CODE: FailureReason.ValueType  # 4
+"""It left with a non-zero exit code."""
+FAILURE_REASON_REPORTED: FailureReason.ValueType  # 5
+"""It left with a non-zero exit code and a reason of its own (an uncaught exception ...)."""
+Global___FailureReason: _TypeAlias = FailureReason  # noqa: Y015
+
 @_typing.final
 class NetworkInterface(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -478,6 +514,7 @@ class JobEvent(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     kind: Global___JobEvent.Kind.ValueType
     job: _builtins.str
     generation: _builtins.int
@@ -486,6 +523,8 @@ class JobEvent(_message.Message):
     host: _builtins.str
     reason: _builtins.str
     time: _builtins.float
+    failure: Global___FailureReason.ValueType
+    """For MEMBER_FAILED and JOB_FAILED: why the member failed (UNSPECIFIED otherwise)."""
     def __init__(
         self,
         *,
@@ -496,10 +535,11 @@ class JobEvent(_message.Message):
         host: _builtins.str = ...,
         reason: _builtins.str = ...,
         time: _builtins.float = ...,
+        failure: Global___FailureReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "host", b"host", "job", b"job", "kind", b"kind", "rank", b"rank", "reason", b"reason", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "generation", b"generation", "host", b"host", "job", b"job", "kind", b"kind", "rank", b"rank", "reason", b"reason", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -541,6 +581,7 @@ class MemberStatus(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     rank: _builtins.int
     local_rank: _builtins.int
@@ -552,6 +593,8 @@ class MemberStatus(_message.Message):
     reason: _builtins.str
     last_heartbeat: _builtins.float
     metrics_address: _builtins.str
+    failure: Global___FailureReason.ValueType
+    """Why the member failed (UNSPECIFIED unless state is FAILED); `reason` says it in words."""
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     def __init__(
@@ -569,10 +612,11 @@ class MemberStatus(_message.Message):
         last_heartbeat: _builtins.float = ...,
         progress: Global___Progress | None = ...,
         metrics_address: _builtins.str = ...,
+        failure: Global___FailureReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "exit_code", b"exit_code", "host", b"host", "interface", b"interface", "last_heartbeat", b"last_heartbeat", "local_rank", b"local_rank", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "rank", b"rank", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "exit_code", b"exit_code", "failure", b"failure", "host", b"host", "interface", b"interface", "last_heartbeat", b"last_heartbeat", "local_rank", b"local_rank", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "rank", b"rank", "reason", b"reason", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
