@@ -86,6 +86,8 @@ class _Rank:
     proc: asyncio.subprocess.Process | None = None
     returncode: int | None = None
     stale: bool = False
+    #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
+    failed: bool = False
 
     @property
     def running(self) -> bool:
@@ -214,7 +216,7 @@ class Agent:
             return await _Run(self, client, joined, restarts, label, Path(progress_dir)).run()
 
     async def _leave(self, client: CoordinatorClient, r: _Rank, code: int, reason: str, label: str) -> None:
-        if code != 0 and r.output.files is not None:
+        if r.failed and r.output.files is not None:
             # Where to read all of it: shown by `status` and in the failure line of every rank.
             reason = f"{reason}; log: {self._host}:{r.output.files[1]}"
         try:
@@ -319,6 +321,7 @@ class _Run:
             elif isinstance(action, SignalRanks):
                 _signal_ranks(self.ranks, action.signum)
             elif isinstance(action, ShowTail):
+                self.ranks[action.index].failed = True
                 self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[action.index])))
             elif isinstance(action, ReportLeave):
                 r = self.ranks[action.index]

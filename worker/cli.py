@@ -282,7 +282,7 @@ def parse(
         token=token,
         tls=tls,
         output_tag=values["output_tag"],
-        log_dir=values["log_dir"],
+        log_dir=values["log_dir"].absolute() if values["log_dir"] is not None else None,
         tee=values["tee"] or (Tee.BOTH if values["log_dir"] is not None else Tee.CONSOLE),
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
     )
