@@ -266,24 +266,16 @@ def parse(
             "COMMAND is missing: put it after '--', e.g. sar-worker --coord head:50051 --job gnn "
             "--world-size 8 -- python train.py"
         )
+    log_dir: Path | None = values.pop("log_dir")
+    tee: Tee | None = values.pop("tee")
+    # Every other option's dest is the AgentConfig field of the same name.
     config = AgentConfig(
-        coord=values["coord"],
-        job=values["job"],
-        world_size=values["world_size"],
         command=tuple(command),
-        rank=values["rank"],
-        nproc_per_node=values["nproc_per_node"],
-        backend=values["backend"],
-        socket_name=values["socket_name"],
-        max_restarts=values["max_restarts"],
-        metrics_port=values["metrics_port"],
-        join_timeout=values["join_timeout"],
-        heartbeat_interval=values["heartbeat_interval"],
         token=token,
         tls=tls,
-        output_tag=values["output_tag"],
-        log_dir=values["log_dir"].absolute() if values["log_dir"] is not None else None,
-        tee=values["tee"] or (Tee.BOTH if values["log_dir"] is not None else Tee.CONSOLE),
+        log_dir=log_dir.absolute() if log_dir is not None else None,
+        tee=tee or (Tee.BOTH if log_dir is not None else Tee.CONSOLE),
+        **values,
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
     )
     return config, subcommand, args, log_level
@@ -309,7 +301,7 @@ def _slurm_settings(
     return settings
 
 
-def _slurm_placement(slurm: SlurmTask, nproc: int) -> dict[str, int]:
+def _slurm_placement(slurm: SlurmTask, nproc: int) -> dict[str, Any]:
     """This task's node-local ranks: its share of the node's tasks, ``nproc`` ranks each."""
     return {"local_rank": slurm.localid * nproc, "local_world_size": slurm.node_tasks * nproc}
 

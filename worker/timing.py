@@ -15,6 +15,7 @@ this module's globals directly rather than through another module's attributes.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -100,6 +101,7 @@ class Completed:
         return future
 
 
+@dataclasses.dataclass(slots=True, eq=False, repr=False)
 class CollectiveHandle:
     """What the collectives return with ``async_op=True``, in place of torch's ``Work``.
 
@@ -108,22 +110,12 @@ class CollectiveHandle:
     backend raises, or the recorded :class:`PeerFailedError` when a peer is known to have failed.
     """
 
-    __slots__ = ("_after", "_nbytes", "_recorded", "_start_ns", "_stats", "_work")
-
-    def __init__(
-        self,
-        work: _Waitable,
-        stats: CollectiveStats,
-        start_ns: int,
-        nbytes: int,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        self._work = work
-        self._stats = stats
-        self._start_ns = start_ns
-        self._nbytes = nbytes
-        self._after = after
-        self._recorded = False
+    _work: _Waitable
+    _stats: CollectiveStats
+    _start_ns: int
+    _nbytes: int
+    _after: Callable[[], None] | None = None
+    _recorded: bool = False
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until done; True when it completed. Idempotent."""
