@@ -22,8 +22,10 @@ from pathlib import Path
 
 from sarcomm.common.constants import BACKENDS, PROGRESS_FILE_VARIABLE
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.messages import Assignment
 from sarcomm.worker import comm
 from sarcomm.worker.launch_env import (
+    LaunchEnv,
     agent_pid_setting,
     detect_launcher,
     heartbeat_interval_setting,
@@ -56,6 +58,13 @@ class WorkerInfo:
     generation: int
     job: str
     restart_count: int
+
+
+def _worker_info(source: Assignment | LaunchEnv, backend: str) -> WorkerInfo:
+    """A join's assignment or a launcher's variables as a :class:`WorkerInfo`: every field but
+    ``backend`` has the same name there (the caller checked that a launcher set the master)."""
+    shared = {f.name: getattr(source, f.name) for f in dataclasses.fields(WorkerInfo) if f.name != "backend"}
+    return WorkerInfo(backend=backend, **shared)
 
 
 def init(
@@ -124,19 +133,7 @@ def init(
             heartbeat_interval=None,
             environ=env,
         )
-        member = result.assignments[0]
-        info = WorkerInfo(
-            rank=member.rank,
-            world_size=result.world_size,
-            local_rank=member.local_rank,
-            local_world_size=member.local_world_size,
-            master_addr=result.master_addr,
-            master_port=result.master_port,
-            backend=chosen_backend,
-            generation=result.generation,
-            job=result.job,
-            restart_count=result.restart_count,
-        )
+        info = _worker_info(result.assignments[0], chosen_backend)
     else:
         launch = parse_launch_env(env)
         if launch.master_addr is None or launch.master_port is None:
@@ -157,18 +154,7 @@ def init(
                 f"world_size={world_size!r} does not match WORLD_SIZE={launch.world_size} set by the "
                 f"launcher ({launch.launcher})."
             )
-        info = WorkerInfo(
-            rank=launch.rank,
-            world_size=launch.world_size,
-            local_rank=launch.local_rank,
-            local_world_size=launch.local_world_size,
-            master_addr=launch.master_addr,
-            master_port=launch.master_port,
-            backend=backend or launch.backend or "auto",
-            generation=launch.generation,
-            job=launch.job,
-            restart_count=launch.restart_count,
-        )
+        info = _worker_info(launch, backend or launch.backend or "auto")
 
     progress_file = env.get(PROGRESS_FILE_VARIABLE)
     if coord is None and progress_file:
