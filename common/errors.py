@@ -64,6 +64,14 @@ class CoordinatorUnavailableError(SarcommError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StateError(SarcommError):
+    """Raised when the coordinator's state cannot be used: another coordinator holds it, it is not
+    a sarcomm state, or it cannot be read or written. The message names the path and the cause
+    and says what to do."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class PeerFailedError(SarcommError, RuntimeError):
     """Raised in a rank when another rank of its job failed, instead of hanging in a collective.
 

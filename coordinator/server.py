@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -137,6 +138,9 @@ class Coordinator:
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
                 # Clients ping every 20 s to keep long Join/Watch calls alive through NATs.
+                # One coordinator per port: gRPC sets SO_REUSEPORT by default, and the kernel would
+                # split new connections between two coordinators on one port.
+                ("grpc.so_reuseport", 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
                 # A connection that has not finished its (TLS and HTTP/2) handshake after this is
@@ -163,23 +167,36 @@ class Coordinator:
             ),
             server,
         )
-        if self._grpc_credentials is not None:
-            self.grpc_port = server.add_secure_port(self.config.listen, self._grpc_credentials)
-        else:
-            self.grpc_port = server.add_insecure_port(self.config.listen)
-        if self.grpc_port == 0:
-            raise OSError(f"listen {self.config.listen!r}: the gRPC port could not be bound")
-        await server.start()
+        # Stopped on any failure below: a gRPC server left for the garbage collector tries to stop
+        # itself on a loop that is gone ("Exception ignored in Server.__del__").
         self._server = server
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        try:
+            _check_free("--listen", self.config.listen)
+            try:
+                if self._grpc_credentials is not None:
+                    self.grpc_port = server.add_secure_port(self.config.listen, self._grpc_credentials)
+                else:
+                    self.grpc_port = server.add_insecure_port(self.config.listen)
+            except RuntimeError:  # grpc: "Failed to bind to address"
+                self.grpc_port = 0
+            if self.grpc_port == 0:
+                raise OSError(_in_use("--listen", self.config.listen))
+            await server.start()
+            await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
-        host, port = parse_host_port("http", self.config.http)
-        runner = web.AppRunner(self.http.app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=self.tls_context)
-        await site.start()
-        self._runner = runner
+            host, port = parse_host_port("http", self.config.http)
+            runner = web.AppRunner(self.http.app, access_log=None, handle_signals=False)
+            await runner.setup()
+            self._runner = runner
+            site = web.TCPSite(runner, host, port, ssl_context=self.tls_context)
+            try:
+                await site.start()
+            except OSError as error:
+                raise OSError(_in_use("--http", self.config.http, error)) from None
+        except BaseException:
+            await self._close_listeners()
+            raise
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
         self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
@@ -236,6 +253,14 @@ class Coordinator:
             await asyncio.sleep(LOOP_LAG_PERIOD_S)
             self.metrics.loop_lag.observe(max(0.0, loop.time() - began - LOOP_LAG_PERIOD_S))
 
+    async def _close_listeners(self, grace: float | None = None) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
     async def stop(self) -> None:
         log.info(
             "shutting down: health NOT_SERVING, %g s grace for in-flight calls", self.config.shutdown_grace
@@ -249,13 +274,37 @@ class Coordinator:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._server is not None:
-            await self._server.stop(self.config.shutdown_grace)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._close_listeners(self.config.shutdown_grace)
         await self.writes.close()
         self.store.close()
         log.info("coordinator stopped")
+
+
+def _check_free(flag: str, address: str) -> None:
+    """Bind ``address`` for a moment, as the listener will, to fail with one line before gRPC
+    logs its own multi-line complaint. A port that is taken raises OSError naming ``flag``."""
+    host, port = parse_host_port(flag, address)
+    if port == 0:
+        return
+    for family, kind, proto, _, where in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as error:
+                raise OSError(_in_use(flag, address, error)) from None
+
+
+def _in_use(flag: str, address: str, error: OSError | None = None) -> str:
+    cause = "address already in use"
+    if error is not None and error.errno:
+        cause = os.strerror(error.errno).lower()
+    return (
+        f"{flag} {address}: cannot listen there ({cause}); another process (another sar-coordinator?) "
+        f"holds the port: stop it or choose another {flag}"
+    )
 
 
 async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from sarcomm.coordinator.state_file import StateLock, open_state
+
 log = logging.getLogger(__name__)
 
 _SCHEMA = """
@@ -66,22 +68,34 @@ class StateStore(Protocol):
 
 
 class SqliteStore:
-    """:class:`StateStore` in a SQLite file (``path``), or in memory when ``path`` is None."""
+    """:class:`StateStore` in a SQLite file (``path``), or in memory when ``path`` is None.
+
+    A file is checked before anything is written to it (see :mod:`.state_file`): it is locked for
+    as long as this store is open, so a second coordinator on the same file stops at once, and a
+    file that is not a sarcomm state is refused untouched.
+
+    Raises:
+        StateError: the file is held by another coordinator, is not a sarcomm state, or cannot be
+            read or written (the message names the path, the cause and what to do).
+    """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by the event loop (reads at start) and the writer thread (see
         # persistence.WriteBehind), one of them at a time.
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            str(path) if path is not None else ":memory:", isolation_level=None, check_same_thread=False
-        )
-        if path is not None:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._holder: StateLock | None = None
+        if path is None:
+            self._db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            self._db.executescript(_SCHEMA)
+            return
+        self._holder = StateLock.acquire(path)
+        try:
+            self._db = open_state(path, _SCHEMA)
+        except BaseException:
+            self._holder.release()
+            raise
+        self._holder.restrict()
 
     def load_jobs(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -111,3 +125,6 @@ class SqliteStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._holder is not None:
+                self._holder.release()
+                self._holder = None

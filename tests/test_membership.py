@@ -255,8 +255,10 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
 
 def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "state.sqlite"
-    first = stored_membership(SqliteStore(path), clock)
+    store = SqliteStore(path)
+    first = stored_membership(store, clock)
     a, _ = form(first, spec("a", None, None), spec("b", None, None))
+    store.close()  # the first coordinator is gone: a second one may not share its state
     restored = stored_membership(SqliteStore(path), clock)
     job = restored.job("gnn")
     assert job is not None
@@ -269,9 +271,11 @@ def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: Fa
 
 def test_generation_grows_across_restart_and_name_reuse(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "state.sqlite"
-    first = stored_membership(SqliteStore(path), clock)
+    store = SqliteStore(path)
+    first = stored_membership(store, clock)
     tickets = form(first, spec("a", None, None), spec("b", None, None))
     first.leave(tickets[0].members[0].member_id, tickets[0].secrets[0], 1)
+    store.close()
     restored = stored_membership(SqliteStore(path), clock)
     assert restored.join(spec("a")).job.generation == 2
 

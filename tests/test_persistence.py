@@ -38,11 +38,14 @@ class CountingStore(SqliteStore):
 
 
 def stored(path: Path) -> dict[str, dict[str, Any]]:
-    reader = SqliteStore(path)
+    """What another process would read from the state file now (read-only, without the lock the
+    writing store holds)."""
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        return {r["name"]: r for r in reader.load_jobs()}
+        rows = reader.execute("SELECT record FROM jobs ORDER BY generation").fetchall()
     finally:
         reader.close()
+    return {record["name"]: record for record in (json.loads(row[0]) for row in rows)}
 
 
 @pytest.fixture
