@@ -43,7 +43,8 @@ def _env() -> dict[str, str]:
 
 def _job(coord: CoordinatorProcess, job: str) -> dict[str, object]:
     found = coord.get_json(f"/v1/jobs?job={job}")["jobs"]  # type: ignore[index]
-    assert isinstance(found, list) and len(found) == 1, found
+    assert isinstance(found, list)
+    assert len(found) == 1, found
     assert isinstance(found[0], dict)
     return found[0]
 
@@ -51,7 +52,9 @@ def _job(coord: CoordinatorProcess, job: str) -> dict[str, object]:
 def test_ranks_holding_the_gil_for_30s_are_never_failed_by_agent_or_by_their_own_heartbeats(
     start_coordinator: StartCoordinator, procs: list[subprocess.Popen[str]], tmp_path: Path
 ) -> None:
-    coord = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--join-timeout", "90")
+    coord = start_coordinator(
+        "--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--join-timeout", "90"
+    )
     agent = subprocess.Popen(
         [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", "gil8",
          "--world-size", str(RANKS), "--nproc-per-node", str(RANKS), "--heartbeat-interval", "0.25",
@@ -65,7 +68,9 @@ def test_ranks_holding_the_gil_for_30s_are_never_failed_by_agent_or_by_their_own
         env={**_env(), "SARCOMM_HEARTBEAT_INTERVAL": "0.25"},
     )  # fmt: skip
     procs.append(own)
-    holding = [tmp_path / f"gil8.rank{r}.holding" for r in range(RANKS)] + [tmp_path / "gilself.rank0.holding"]
+    holding = [tmp_path / f"gil8.rank{r}.holding" for r in range(RANKS)] + [
+        tmp_path / "gilself.rank0.holding"
+    ]
     wait_for(
         lambda: all(f.exists() for f in holding),
         DEADLINE_S,

@@ -124,7 +124,8 @@ def _exit_like(status: int) -> None:
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)  # a signal that does not kill (cannot happen for a WTERMSIG)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
@@ -150,10 +151,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except _AgentGone:
         # Its stderr is most likely a pipe to the dead agent: a failed write must not stop the end.
         with contextlib.suppress(OSError):
-            sys.stderr.write(f"sar-worker: its agent (pid {agent_pid}) is gone; ending the rank's processes\n")
+            sys.stderr.write(
+                f"sar-worker: its agent (pid {agent_pid}) is gone; ending the rank's processes\n"
+            )
             sys.stderr.flush()
         _end_tree(LEFTOVER_GRACE_S)
-        os.killpg(os.getpgrp(), signal.SIGKILL)  # anything of the group that left our tree; and us
+        if os.getpgrp() == os.getpid():  # we lead the rank's group (the agent starts a new session)
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # anything of the group that left our tree; and us
         return
     _end_tree(LEFTOVER_GRACE_S)
     _exit_like(status)
@@ -179,6 +183,7 @@ def _run(agent_pid: int, command: list[str]) -> int:
         pid, status = os.waitpid(-1, 0)
         if pid == child.pid:
             return status
+
 
 if __name__ == "__main__":
     main()
