@@ -113,7 +113,7 @@ class _Rank:
         # The record names the process that stamps it (the rank itself, below its launcher).
         pid = record.pid if record is not None and record.pid > 0 else self.proc.pid if self.proc else 0
         state = process_state(pid) if pid > 0 else None
-        if process_runs(state):
+        if pid <= 0 or process_runs(state):  # no process to ask: alive while the agent runs it
             self.seen_running = now
         age = liveness_age(now, record.stamp if record is not None else None, self.seen_running)
         if record is None:
