@@ -48,6 +48,10 @@ def parse_address(text: str) -> IPAddress | None:
 _TARGET_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.%a-zA-Z]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
+#: Target schemes gRPC's resolvers know (``dns:///head:50051``, ``unix:/run/sar.sock`` ...).
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:", "vsock:", "xds:", "google-c2p:")
+
+
 def validate_target(target: str) -> str:
     """Check a coordinator address and return it unchanged.
 
@@ -57,8 +61,15 @@ def validate_target(target: str) -> str:
     Raises:
         InvalidArgumentError: when the address has neither form.
     """
-    if "://" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "dns:")):
+    if target.startswith(_GRPC_SCHEMES):
         return target
+    if "://" in target:
+        scheme = target.split("://", 1)[0]
+        raise InvalidArgumentError(
+            f"The coordinator address {shorten(target)} has the scheme {shorten(scheme)}, which gRPC "
+            "does not dial: give HOST:PORT of sar-coordinator's --listen (e.g. head:50051), not a URL "
+            "of its --http port."
+        )
     match = _TARGET_RE.match(target)
     if match is None or not 1 <= int(match.group(1)) <= 65535:
         raise InvalidArgumentError(

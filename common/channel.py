@@ -10,16 +10,17 @@ Robustness comes from gRPC itself rather than from hand-written loops:
 - keepalive pings notice a dead connection during long blocking calls such as ``Join``.
 
 A failed call becomes the :mod:`sarcomm.common.errors` class its status maps to
-(:meth:`CoordinatorChannel.translate`); when the coordinator was never reached, the TLS handshake is
-tried by hand to say which side rejected what. :class:`~sarcomm.common.client.CoordinatorClient`
-makes the calls over this; :class:`~sarcomm.common.heartbeats.HeartbeatStream` keeps its stream
-on it.
+(:meth:`CoordinatorChannel.translate`); when the coordinator was never reached, the address
+is probed by hand (:mod:`sarcomm.common.reach`) to say what is wrong with it.
+:class:`~sarcomm.common.client.CoordinatorClient` makes the calls over this;
+:class:`~sarcomm.common.heartbeats.HeartbeatStream` keeps its stream on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from types import TracebackType
 from typing import Any, TypeVar
@@ -36,10 +37,13 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
     from_rpc_error,
 )
-from sarcomm.common.tls import ClientTls, Diagnosis, Rejection, diagnose
+from sarcomm.common.reach import Problem, Unreachable, probe
+from sarcomm.common.tls import ClientTls, Rejection
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["CoordinatorChannel"]
+
+log = logging.getLogger(__name__)
 
 
 _SERVICE = "sarcomm.v1.Coordinator"
@@ -70,10 +74,11 @@ _KEEPALIVE_TIME_MS = 300_000
 _KEEPALIVE_TIMEOUT_MS = 20_000
 _MAX_RECONNECT_BACKOFF_MS = 2_000
 
-# While a join cannot connect, how often the TLS handshake is tried by hand, and how long a try
-# may take (see CoordinatorClient._diagnosed).
+# While a call cannot connect, how often the address is probed by hand, how long a probe may take,
+# and how often a waiting call says it still tries (see CoordinatorChannel._diagnosed).
 _PROBE_EVERY_S = 1.0
 _PROBE_TIMEOUT_S = 3.0
+_STILL_TRYING_EVERY_S = 15.0
 
 _Response = TypeVar("_Response")
 _Self = TypeVar("_Self", bound="CoordinatorChannel")
@@ -199,64 +204,90 @@ class CoordinatorChannel:
             )
         return from_rpc_error(err)
 
-    # -- TLS diagnosis ---------------------------------------------------------------------------
+    # -- diagnosis of an address that cannot be used -----------------------------------------------
 
-    async def _diagnose(self) -> Diagnosis | None:
-        """Why the connection fails at the TLS layer (see :func:`~sarcomm.common.tls.diagnose`),
-        or None: not a TLS problem, a target that is not HOST:PORT, or ready-made credentials."""
+    async def _probe(self) -> Unreachable | None:
+        """What is wrong with the address (see :func:`~sarcomm.common.reach.probe`), or None:
+        nothing found, a target that is not HOST:PORT, or ready-made credentials."""
         split = split_target(self.target)
         if split is None or (self._credentials is not None and self.tls is None):
             return None
         host, port = split
         try:
             return await asyncio.wait_for(
-                asyncio.to_thread(diagnose, host, port, self.tls, _PROBE_TIMEOUT_S),
+                asyncio.to_thread(probe, host, port, self.tls, _PROBE_TIMEOUT_S),
                 _PROBE_TIMEOUT_S * 3,
             )
         except (TimeoutError, OSError):
             return None
 
-    def _tls_error(self, diagnosis: Diagnosis) -> SarcommError:
-        message = f"TLS with the coordinator at {self.target} failed: {diagnosis.message}."
-        if diagnosis.rejection is Rejection.PROTOCOL_MISMATCH:
-            return CoordinatorUnavailableError(message)
-        return UnauthenticatedError(message)
+    def _unreachable_error(self, found: Unreachable) -> SarcommError:
+        if found.problem is Problem.TLS:
+            message = f"TLS with the coordinator at {self.target} failed: {found.message}."
+            if found.rejection is Rejection.PROTOCOL_MISMATCH:
+                return CoordinatorUnavailableError(message)
+            return UnauthenticatedError(message)
+        return CoordinatorUnavailableError(
+            f"Cannot use the coordinator address {self.target} ({found.problem.value}): {found.message}."
+        )
 
     async def _explained(self, error: SarcommError) -> SarcommError:
-        """``error``, or the TLS problem behind it when the coordinator was never reached."""
+        """``error``, or the problem behind it when the coordinator was never reached."""
         if not isinstance(error, CoordinatorUnavailableError) or self._connected():
             return error
-        diagnosis = await self._diagnose()
-        return error if diagnosis is None else self._tls_error(diagnosis)
+        found = await self._probe()
+        if found is None:
+            return error
+        if found.problem is Problem.TLS:
+            return self._unreachable_error(found)
+        return CoordinatorUnavailableError(f"{error} Found: {found.problem.value}: {found.message}.")
 
-    async def _diagnosed(self, call: grpc.aio.UnaryUnaryCall[Any, _Response]) -> _Response:
-        """Await ``call``; while the channel cannot connect, find out whether TLS is the reason.
+    async def _diagnosed(
+        self, call: grpc.aio.UnaryUnaryCall[Any, _Response], method: str, *, fail_fast: bool = False
+    ) -> _Response:
+        """Await ``call``; while the channel cannot connect, find out why and say so.
 
         A call with ``wait_for_ready`` waits through connection failures until its deadline, which
-        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but a
-        wrong certificate never heals. So while the channel is in TRANSIENT_FAILURE the handshake
-        is tried again by :meth:`_diagnose`, and a TLS rejection ends the call at once.
+        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but
+        the coordinator's HTTP port or a wrong certificate never heals. So while the channel is in
+        TRANSIENT_FAILURE the address is probed (:meth:`_probe`): a lasting problem (not gRPC, TLS)
+        ends the call at once, and so does any problem with ``fail_fast`` (a one-shot command such
+        as ``status``); otherwise the problem is logged at once and then every
+        ``_STILL_TRYING_EVERY_S`` seconds while the call keeps waiting.
         """
-        found: list[Diagnosis] = []
+        found: list[Unreachable] = []
+        started = time.monotonic()
 
         async def watch() -> None:
+            said_at: float | None = None
             while True:
                 await asyncio.sleep(_PROBE_EVERY_S)
                 channel = self._channel
                 if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                     continue
-                diagnosis = await self._diagnose()
-                if diagnosis is not None:
-                    found.append(diagnosis)
+                problem = await self._probe()
+                if problem is None:
+                    continue
+                if problem.lasting or fail_fast:
+                    found.append(problem)
                     call.cancel()
                     return
+                now = time.monotonic()
+                if said_at is None or now - said_at >= _STILL_TRYING_EVERY_S:
+                    said_at = now
+                    left = call.time_remaining()
+                    log.warning(
+                        "%s: cannot reach the coordinator at %s (%s): %s; still trying (%.0f s so far, "
+                        "%s left)", method, self.target, problem.problem.value, problem.message,
+                        now - started, "no deadline" if left is None else f"{left:.0f} s",
+                    )  # fmt: skip
 
         watcher = asyncio.ensure_future(watch())
         try:
             return await call
         except asyncio.CancelledError:
             if found:  # our watcher cancelled the call, not the caller its task
-                raise self._tls_error(found[0]) from None
+                raise self._unreachable_error(found[0]) from None
             raise
         finally:
             watcher.cancel()

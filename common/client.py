@@ -220,7 +220,8 @@ class CoordinatorClient(CoordinatorChannel):
         )  # fmt: skip
         try:
             resp = await self._diagnosed(
-                self.stub.Join(request, timeout=deadline, metadata=self._metadata, wait_for_ready=True)
+                self.stub.Join(request, timeout=deadline, metadata=self._metadata, wait_for_ready=True),
+                "Join",
             )
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "Join", deadline, started)) from err
@@ -363,11 +364,15 @@ class CoordinatorClient(CoordinatorChannel):
         """
         started = time.monotonic()
         try:
-            resp = await self.stub.ListJobs(
-                pb.ListJobsRequest(job=job),
-                timeout=self.timeout,
-                metadata=self._metadata,
-                wait_for_ready=True,
+            resp = await self._diagnosed(
+                self.stub.ListJobs(
+                    pb.ListJobsRequest(job=job),
+                    timeout=self.timeout,
+                    metadata=self._metadata,
+                    wait_for_ready=True,
+                ),
+                "ListJobs",
+                fail_fast=True,
             )
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -161,7 +162,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     status_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status_parser.add_argument(
         "--watch",
-        type=float,
+        type=_positive_seconds,
         nargs="?",
         const=2.0,
         default=None,
@@ -169,6 +170,19 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="refresh every SECONDS (default 2) until interrupted",
     )
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of ``--watch``: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a positive number of seconds between refreshes (e.g. --watch 2)"
+        )
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:

@@ -9,6 +9,14 @@ agent ages). It fails when that sign is older than the liveness timeout (interva
 sooner, when the stream that carried its reports broke (its process or agent died: the kernel
 closes the connection) and no report about it arrived within ``lost_grace``.
 
+A reporter that sends nothing while its stream stays open is busy, not dead: a self-registered
+process whose Python holds the GIL (a long C call, a CPU-starved host) cannot send its reports, but
+gRPC's core threads, which need no GIL, still answer the coordinator's keepalive pings
+(:func:`keepalive_settings`: the server pings every connection and closes one whose ping is not
+answered in time, so a stopped or vanished process's stream breaks within about the liveness
+timeout). So a member is judged for silence only from reports that arrive (an agent's report
+carries the rank's own age) or once its stream is gone: not while its stream is open and quiet.
+
 Stalls: the progress each report carries (the sequence number of the collective a rank is in or
 finished last) shows, when some ranks have waited in collective #k for longer than the stall
 threshold, which ranks have not entered #k: the ones everybody waits for (:func:`find_stall`).
@@ -27,18 +35,36 @@ MAX_SIGNAL = 64
 Verdict = tuple[FailureReason, str]
 
 
+def keepalive_settings(liveness_timeout: float) -> tuple[float, float]:
+    """(ping every, answer within) seconds for the server's keepalive pings: a connection whose
+    process stopped answering breaks at most ``liveness_timeout`` after its last answer, so that a
+    quiet reporter (see the module's docstring) is judged in the time a silent one is."""
+    return liveness_timeout / 4, liveness_timeout * 3 / 4
+
+
 def silence_verdict(member: Member, now: float, liveness_timeout: float, lost_grace: float) -> Verdict | None:
     """Why running ``member`` has failed at monotonic time ``now``, or None while it is alive."""
-    if member.lost_at is not None and now - member.lost_at > lost_grace:
+    silent = now - member.last_seen
+    # A stream that broke long after its last report broke for want of keepalive answers (the
+    # process is stopped or cut off: judged by its silence), not because the process died (the
+    # kernel closes a dead process's connections at once: judged after lost_grace).
+    quiet_when_lost = (
+        member.lost_at is not None
+        and member.lost_at - member.last_report >= 0.9 * keepalive_settings(liveness_timeout)[1]
+    )
+    if member.lost_at is not None and not quiet_when_lost and now - member.lost_at > lost_grace:
         return (
             FailureReason.CONNECTION_LOST,
             f"connection lost: its heartbeat stream broke and no report came within {lost_grace:g} s "
             f"(process or agent gone)",
         )
-    silent = now - member.last_seen
-    if silent > liveness_timeout:
-        return FailureReason.MISSED_HEARTBEATS, f"missed heartbeats: silent for {silent:.1f} s"
-    return None
+    if silent <= liveness_timeout:
+        return None
+    if member.stream is not None and member.lost_at is None and now - member.last_report > liveness_timeout:
+        # No report arrived, but its stream is open: the transport still answers keepalive pings.
+        return None
+    why = "; its connection stopped answering keepalive pings" if quiet_when_lost else ""
+    return FailureReason.MISSED_HEARTBEATS, f"missed heartbeats: silent for {silent:.1f} s{why}"
 
 
 def describe_exit(exit_code: int) -> str:

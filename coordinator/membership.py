@@ -363,6 +363,7 @@ class Membership:
         # but the first report of a restored member ends its grace (a last_seen in the future).
         member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
         member.last_heartbeat = max(member.last_heartbeat, self._clock.wall() - age)
+        member.last_report = now
         member.lost_at = None
         member.stream = stream
         if progress is not None:
@@ -419,6 +420,14 @@ class Membership:
                 "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
                 "report again", ranks, lost[0].host, self._lost_grace,
             )  # fmt: skip
+
+    def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream`` ended in order: its members are judged by their reports alone
+        from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
+        for member_id in member_ids:
+            found = self._members.get(member_id)
+            if found is not None and found[1].stream is stream:
+                found[1].stream = None
 
     def sweep(self) -> list[tuple[Job, Member]]:
         """Fail every running member silent for longer than the liveness timeout, or whose stream

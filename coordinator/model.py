@@ -144,6 +144,8 @@ class Member:
     # Why it failed, as a bounded value (None unless FAILED); ``reason`` is the text for people.
     failure: FailureReason | None = None
     last_heartbeat: float = 0.0
+    # Monotonic time the last report about this member arrived (its age aside). Not persisted.
+    last_report: float = 0.0
     progress: Progress = field(default_factory=Progress)
     metrics_address: str = ""
     # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from sarcomm.common.addresses import parse_host_port
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
-from sarcomm.coordinator import systemd
+from sarcomm.coordinator import liveness, systemd
 from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub, FormedWaiters
@@ -132,6 +132,7 @@ class Coordinator:
 
     async def start(self) -> None:
         limits = self.config.limits
+        ping_every, answer_within = liveness.keepalive_settings(self.config.liveness_timeout)
         server = grpc.aio.server(
             interceptors=[StatusInterceptor(self.metrics, self.token, limits.max_streams)],
             options=[
@@ -143,6 +144,13 @@ class Coordinator:
                 ("grpc.so_reuseport", 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Pings from here tell a busy reporter (its gRPC core answers without the GIL)
+                # from a stopped or gone one (see liveness.keepalive_settings); gRPC would stop
+                # pinging a quiet stream after 2 pings without data.
+                ("grpc.keepalive_time_ms", int(ping_every * 1000)),
+                ("grpc.keepalive_timeout_ms", int(answer_within * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(answer_within * 1000)),
+                ("grpc.http2.max_pings_without_data", 0),
                 # A connection that has not finished its (TLS and HTTP/2) handshake after this is
                 # dropped: half-open connections from scanners must not pile up (default 120 s).
                 ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),

@@ -175,6 +175,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._events.unsubscribe(job, events)
             if broken and reported:
                 self._membership.stream_lost(stream, reported)
+            elif reported:
+                self._membership.stream_closed(stream, reported)
 
     def _handle_reports(
         self,

@@ -23,9 +23,10 @@ from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progre
 from sarcomm.worker import cli
 from sarcomm.worker.agent import _Rank
 from sarcomm.worker.agent_config import AgentConfig, omp_threads, rank_environment
-from sarcomm.worker.agent_decisions import exit_code_of
+from sarcomm.worker.agent_decisions import exit_code_of, liveness_age, process_runs
 from sarcomm.worker.output import RankOutput
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
+from sarcomm.worker.rank_process import process_state
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import free_port_run, stays_false, wait_for
 
@@ -421,40 +422,62 @@ def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatc
 # -- pure helpers ------------------------------------------------------------------------------
 
 
-def test_rank_report_carries_progress_and_the_age_of_the_ranks_own_stamp(tmp_path: Path) -> None:
+def test_rank_report_carries_progress_and_the_age_of_the_ranks_last_sign_of_life(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
     rank = _Rank(
         0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path), RankOutput(0, 0, tag="", console=None, files=None)
     )
     # No record yet (a program without sarcomm's library): alive while its process is.
     assert rank.report(time.time(), 1.0) == MemberReport("m0", "s0", None, "")
-    writer = ProgressWriter(path)
-    seq = writer.enter("all_to_all")
-    record = writer.publish(stamp=100.0)
-    report = rank.report(100.5, 1.0)
-    assert report is not None
-    assert report.progress == Progress(seq, "all_to_all", True, record.since)
-    assert report.metrics_address == ""  # no endpoint yet
-    # The port the rank bound reaches the report with the next stamp, on the rank's address.
-    writer.metrics_port = 9001
-    writer.publish(stamp=100.6)
-    report = rank.report(100.7, 1.0)
-    assert report is not None
-    assert report.metrics_address == "10.0.0.2:9001"
-    assert report.age == pytest.approx(0.1)
-    # A stopped rank stamps no more: its reports age, and the coordinator judges it by that age.
-    assert rank.report(101.7, 1.0).age == pytest.approx(1.1)
-    stale_while_stopped = rank.stale
-    writer.publish(stamp=102.0)
-    assert rank.report(102.1, 1.0).age == pytest.approx(0.1)
-    stale_after_a_stamp = rank.stale
-    assert stale_while_stopped
-    assert not stale_after_a_stamp
-    # A stamp in the future vouches for an exiting rank: age 0, never negative.
-    writer.publish(stamp=200.0)
-    assert rank.report(102.2, 1.0).age == 0.0
-    writer.close()
+    # The record names the rank's process: here a `sleep` the test stops and continues.
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        writer = ProgressWriter(path)
+        writer._pid = sleeper.pid
+        seq = writer.enter("all_to_all")
+        record = writer.publish(stamp=100.0)
+        report = rank.report(100.5, 1.0)
+        assert report.progress == Progress(seq, "all_to_all", True, record.since)
+        assert report.metrics_address == ""  # no endpoint yet
+        # The port the rank bound reaches the report with the next stamp, on the rank's address.
+        writer.metrics_port = 9001
+        writer.publish(stamp=100.6)
+        report = rank.report(100.7, 1.0)
+        assert report.metrics_address == "10.0.0.2:9001"
+        assert report.age == 0.0  # its process runs
+        # A busy rank (its Python holds the GIL) stamps no more but runs: alive, logged as stale.
+        assert rank.report(150.0, 1.0).age == 0.0
+        stale_while_busy = rank.stale
+        # A stopped rank: its age grows from when the kernel last said it ran.
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(sleeper.pid) == "T", 10, what="the sleep to stop")
+        assert rank.report(151.5, 1.0).age == pytest.approx(1.5)
+        os.kill(sleeper.pid, signal.SIGCONT)
+        wait_for(lambda: process_state(sleeper.pid) != "T", 10, what="the sleep to continue")
+        writer.publish(stamp=152.0)
+        assert rank.report(152.1, 1.0).age == 0.0
+        stale_after_a_stamp = rank.stale
+        assert stale_while_busy
+        assert not stale_after_a_stamp
+        # A dead one likewise (gone from the process table once reaped).
+        sleeper.kill()
+        sleeper.wait(10)
+        writer.publish(stamp=153.0)
+        assert rank.report(155.0, 1.0).age == pytest.approx(2.0)
+        writer.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
     rank.progress.close()
+
+
+def test_liveness_age_takes_the_newest_sign_of_life() -> None:
+    assert liveness_age(10.0, None, 7.0) == 3.0
+    assert liveness_age(10.0, 9.0, 7.0) == 1.0
+    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future vouches for an exiting rank
+    assert [process_runs(s) for s in ("R", "S", "D", "T", "t", "Z", None)] == [
+        True, True, True, False, False, False, False,
+    ]  # fmt: skip
 
 
 def test_exit_code_of_maps_signals_like_a_shell() -> None:

@@ -64,9 +64,12 @@ from sarcomm.worker.agent_decisions import (
     StopRequested,
     StreamBroke,
     decide,
+    liveness_age,
+    process_runs,
 )
 from sarcomm.worker.output import Console, RankOutput, log_paths
 from sarcomm.worker.progress import ProgressReader
+from sarcomm.worker.rank_process import command_problem, launch_command, process_state
 
 __all__ = ["Agent"]
 
@@ -88,32 +91,43 @@ class _Rank:
     stale: bool = False
     #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
     failed: bool = False
+    #: Unix time the kernel last said this rank's process runs (set when it starts).
+    seen_running: float = 0.0
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.returncode is None
 
     def report(self, now: float, stale_after: float, label: str = "") -> MemberReport:
-        """This rank's heartbeat report, with the age of its own last sign of life.
+        """This rank's heartbeat report, with the age of its last sign of life (Unix time ``now``).
 
-        A rank whose library keeps a progress record is reported with its progress and the age of
-        the record's alive stamp: a rank that is stopped or wedged (its process exists, so the agent
-        is fine) stops stamping, its age grows, and the coordinator judges it by the same
-        interval x misses rule as a silent reporter, counted from the rank's own last stamp. Once
-        the age passes ``stale_after`` the agent logs it. A rank without a record (a program that
-        does not use sarcomm's library) is alive while its process is (age 0).
+        Signs of life (:func:`~sarcomm.worker.agent_decisions.liveness_age`): the alive stamp of
+        the rank's progress record, and the kernel's word that the rank's process runs (its state
+        in ``/proc``, read once per report). A rank that is stopped or dead stops both, its age
+        grows and the coordinator judges it by the interval x misses rule, counted from its last
+        sign. A rank whose Python is busy (the GIL held by a long C call) stops stamping but runs:
+        it stays alive, and once its stamp is older than ``stale_after`` the agent logs it. The
+        stamped progress is what tells the coordinator about stalls.
         """
         record = self.progress.read()
+        # The record names the process that stamps it (the rank itself, below its launcher).
+        pid = record.pid if record is not None and record.pid > 0 else self.proc.pid if self.proc else 0
+        state = process_state(pid) if pid > 0 else None
+        if pid <= 0 or process_runs(state):  # no process to ask: alive while the agent runs it
+            self.seen_running = now
+        age = liveness_age(now, record.stamp if record is not None else None, self.seen_running)
         if record is None:
-            return MemberReport(self.member_id, self.secret)
+            return MemberReport(self.member_id, self.secret, age=age)
         # A stamp in the future vouches for an exiting rank (see services.EXIT_GRACE_S).
-        age = max(0.0, now - record.stamp)
-        if age > stale_after:
+        stamp_age = max(0.0, now - record.stamp)
+        if stamp_age > stale_after:
             if not self.stale:
                 self.stale = True
                 log.warning(
-                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); it is stopped "
-                    "or wedged", label, self.rank, age, record.op or "no collective", record.seq,
+                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); its process "
+                    "is %s", label, self.rank, stamp_age, record.op or "no collective", record.seq,
+                    "running (busy: its Python does not get the GIL)" if process_runs(state)
+                    else f"not running (state {state or 'gone'})",
                 )  # fmt: skip
         elif self.stale:
             self.stale = False
@@ -339,9 +353,13 @@ class _Run:
                 env = rank_environment(
                     self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
                 )
+                problem = command_problem(config.command, env)
                 try:
+                    if problem is not None:
+                        raise OSError(problem)
+                    # Through the launcher: the rank's whole process tree ends with this agent.
                     r.proc = await asyncio.create_subprocess_exec(
-                        *config.command,
+                        *launch_command(config.command),
                         env=env,
                         start_new_session=True,
                         stdout=asyncio.subprocess.PIPE,
@@ -351,8 +369,9 @@ class _Run:
                     r.returncode = 127  # never ran
                     self.apply(SpawnFailed(r.index, f"could not start {shorten(config.command[0])}: {exc}"))
                     break
+                r.seen_running = time.time()
                 log.info(
-                    "%s: started rank %d (pid %d): %s",
+                    "%s: started rank %d (process group %d): %s",
                     self.label,
                     r.rank,
                     r.proc.pid,

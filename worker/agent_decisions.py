@@ -26,6 +26,11 @@ The rules:
    none runs yet); a second one kills them. An interrupted run is never restarted.
 5. Restarts: a failed run that was not interrupted joins the next generation again, up to
    ``--max-restarts`` times; otherwise the agent exits with the failure's code.
+6. Liveness (:func:`liveness_age`): a rank shows a sign of life by its library's stamp or by the
+   kernel's word that its process runs (:func:`process_runs`: any state but stopped, zombie or
+   gone). The stamp needs the rank's Python, the kernel's word does not: a rank whose Python holds
+   the GIL for minutes (a long C call, 8 ranks on 2 cores) is alive, a stopped or dead one is not.
+   The stamp alone still tells progress and stalls.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ __all__ = [
     "decide",
     "describe_exit",
     "exit_code_of",
+    "liveness_age",
+    "process_runs",
 ]
 
 #: Exit code of an agent whose own ranks were fine but which stopped them because a rank on
@@ -78,6 +85,21 @@ EXIT_PEER_FAILED = 1
 EXIT_SPAWN_FAILED = 127
 
 _V = TypeVar("_V")
+
+#: The kernel's states of a process that does not run: stopped, traced, zombie, dead.
+_NOT_RUNNING = frozenset("TtZXx")
+
+
+def process_runs(state: str | None) -> bool:
+    """Whether a process in kernel state ``state`` (``/proc/PID/stat``; None: gone) runs."""
+    return state is not None and state not in _NOT_RUNNING
+
+
+def liveness_age(now: float, stamp: float | None, seen_running: float) -> float:
+    """Seconds before ``now`` that a rank last showed a sign of life: its own ``stamp`` (None: it
+    keeps none) or ``seen_running``, when the kernel last said its process runs (Unix times)."""
+    newest = seen_running if stamp is None else max(stamp, seen_running)
+    return max(0.0, now - newest)
 
 
 @dataclass(frozen=True)
