@@ -205,14 +205,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
                 checked.append((member_id, secret, progress, address, age))
             known: list[tuple[str, str, Progress | None, str, float]] = []
-            for report_fields in checked:
+            for i, report_fields in enumerate(checked):
                 try:
-                    self._membership.authenticate(report_fields[0], report_fields[1])
+                    _, member = self._membership.authenticate(report_fields[0], report_fields[1])
                 except SarcommError as error:
                     if error.code is not grpc.StatusCode.NOT_FOUND:
                         raise
                     response.unknown_members.append(report_fields[0])
                     continue
+                if report_fields[3] != member.metrics_address:  # checked once per endpoint
+                    validation.own_metrics_address(
+                        report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
+                    )
                 known.append(report_fields)
             for member_id, secret, progress, address, age in known:
                 job, _ = self._membership.heartbeat(

@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Sequence
 
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
-from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, usable_addresses
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
 from sarcomm.common.messages import Progress
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.model import JoinSpec, MemberRequest
@@ -256,6 +257,23 @@ def metrics_address(value: str, field: str) -> str:
     ):
         raise invalid(field, value, "must be IP:PORT of the rank's metrics endpoint")
     return value
+
+
+def own_metrics_address(value: str, field: str, host: str, interfaces: Sequence[InterfaceInfo]) -> str:
+    """``value`` (already :func:`metrics_address`) if its IP is one the member's host reported as
+    its own, or the wildcard (which ``/sd`` replaces by the member's address): a report must not
+    make Prometheus scrape somewhere else (the same rule as the master address)."""
+    ip = value.rpartition(":")[0].strip("[]")
+    parsed = parse_address(ip)
+    if not value or (parsed is not None and parsed.is_unspecified) or interface_with_address(interfaces, ip):
+        return value
+    own = ", ".join(a for i in interfaces for a in i.addresses)[:200]
+    raise invalid(
+        field,
+        value,
+        f"must be on an address of the member's own host {host!r} (it reported {own or 'none'}), or on "
+        "0.0.0.0; a rank's metrics endpoint is where it listens",
+    )
 
 
 # Cached: every heartbeat report repeats its rank's metrics endpoint, and parsing it each time was a

@@ -148,6 +148,29 @@ async def test_sd_serves_json_with_every_live_rank_and_drops_those_that_leave_or
         assert [g["targets"] for g in remaining] == [groups[0]["targets"], ["127.0.0.1:9201"]]
 
 
+async def test_sd_never_lists_an_address_the_member_does_not_have(
+    start_coordinator: StartCoordinator,
+) -> None:
+    coord: CoordinatorProcess = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
+    async with grpc.aio.insecure_channel(coord.grpc_target) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        a, b = await join_two(stub, "forged")
+        forged = pb.MemberReport(member_id=a.member_id, secret=a.secret, metrics_address="169.254.169.254:80")
+        fine = pb.MemberReport(member_id=b.member_id, secret=b.secret, metrics_address="127.0.0.1:9102")
+        call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[fine, forged])]), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "reports[1].metrics_address '169.254.169.254:80' must be on an address of the member's own "
+            "host 'ha' (it reported 127.0.0.1), or on 0.0.0.0; a rank's metrics endpoint is where it listens"
+        )
+        # Taken whole or not at all: the fine report of the same request was not recorded either.
+        groups = json.loads(http_get(f"{coord.http_url}/sd")[1])
+        assert [g["labels"]["job"] for g in groups] == ["sar-coordinator"]
+
+
 async def test_coordinator_exports_rank_up_and_time_inside_the_current_collective(
     start_coordinator: StartCoordinator,
 ) -> None:
