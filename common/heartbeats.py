@@ -15,7 +15,7 @@ import grpc.aio
 
 from sarcomm.common.channel import CoordinatorChannel
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.common.messages import HeartbeatReply, MemberReport
+from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
 from sarcomm.v1 import coordinator_pb2 as pb
 
 __all__ = ["HeartbeatStream"]
@@ -61,6 +61,10 @@ class HeartbeatStream:
         self._client = client
         self._reports = reports
         self.interval = float(interval)
+        # What the caller asked for; the coordinator's answers may make the beats faster (never
+        # slower than this): a coordinator restarted with a shorter interval is followed at once.
+        self._configured = self.interval
+        self._wake = asyncio.Event()
         self.stream_timeout = float(stream_timeout)
         # None marks the end of the iteration.
         self._queue: asyncio.Queue[HeartbeatReply | Exception | None] = asyncio.Queue()
@@ -92,6 +96,7 @@ class HeartbeatStream:
         task, self._task = self._task, None
         self._ended = True
         self._closing.set()
+        self._wake.set()
         if task is not None and not task.done():
             # The writer half-closes and the coordinator ends the stream; the shield keeps the
             # timeout from cancelling the task half-way.
@@ -130,7 +135,8 @@ class HeartbeatStream:
             if request.reports:
                 await call.write(request)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.interval)
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
         await call.write(pb.HeartbeatRequest(closing=True))
         await call.done_writing()
 
@@ -139,7 +145,16 @@ class HeartbeatStream:
     ) -> None:
         async for resp in call:
             self.connected = True
-            self._queue.put_nowait(HeartbeatReply.from_proto(resp))
+            reply = HeartbeatReply.from_proto(resp)
+            paced = paced_interval(self._configured, reply.heartbeat_interval)
+            if paced != self.interval:
+                log.info(
+                    "heartbeating every %g s: the coordinator at %s expects reports every %g s",
+                    paced, self._client.target, reply.heartbeat_interval,
+                )  # fmt: skip
+                self.interval = paced
+                self._wake.set()  # the next report goes at the new pace, not after the old interval
+            self._queue.put_nowait(reply)
 
     async def _one_stream(self) -> bool:
         """Run one stream until it ends; True when another one should be opened."""

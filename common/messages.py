@@ -157,15 +157,21 @@ class MemberReport:
 
 @dataclass(frozen=True)
 class HeartbeatReply:
-    """The coordinator's answer to one heartbeat: members it no longer knows, and job events
-    (a ``MEMBER_FAILED`` here means the reporters should stop)."""
+    """The coordinator's answer to one heartbeat: members it no longer knows, job events (a
+    ``MEMBER_FAILED`` here means the reporters should stop), and its current heartbeat interval
+    (0: not told), which the reporters follow (see :func:`paced_interval`)."""
 
     unknown_members: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
+    heartbeat_interval: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
-        return cls(tuple(msg.unknown_members), tuple(Event.from_proto(e) for e in msg.events))
+        return cls(
+            tuple(msg.unknown_members),
+            tuple(Event.from_proto(e) for e in msg.events),
+            msg.heartbeat_interval_seconds,
+        )
 
 
 _PROTO_PREFIX = "FAILURE_REASON_"

@@ -146,7 +146,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while True:
                 event = await events.get()
                 await credit.acquire()
-                outbox.put_nowait(pb.HeartbeatResponse(events=[event_message(event)]))
+                outbox.put_nowait(
+                    pb.HeartbeatResponse(
+                        events=[event_message(event)],
+                        heartbeat_interval_seconds=self._config.heartbeat_interval,
+                    )
+                )
 
         reader = asyncio.create_task(read_reports())
         forwarder = asyncio.create_task(forward_events())
@@ -186,7 +191,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         stream: object,
         reported: set[str],
     ) -> pb.HeartbeatResponse | SarcommError:
-        response = pb.HeartbeatResponse()
+        response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
         try:
             # A request is taken whole or not at all: every field of every report is checked, and
             # every known member's secret, before the first report is recorded.

@@ -271,6 +271,40 @@ def test_ranks_keep_running_while_the_coordinator_restarts(
         agents.kill()
 
 
+def test_a_coordinator_restarted_with_a_shorter_interval_fails_no_healthy_member(
+    start_coordinator: StartCoordinator, tmp_path: Path
+) -> None:
+    coord = start_coordinator("--heartbeat-interval", "1", "--heartbeat-misses", "3", "--join-timeout", "60")
+    agents = Agents(coord)
+    try:
+        # The agents beat once a second, as the coordinator asked when they joined.
+        command = [sys.executable, RANK_SCRIPT, "sleep", str(tmp_path), "8"]
+        a = agents.start("a", "repaced", "--world-size", "2", "--rank", "0", "--heartbeat-interval", "1",
+                         command=command)  # fmt: skip
+        b = agents.start("b", "repaced", "--world-size", "2", "--rank", "1", "--heartbeat-interval", "1",
+                         command=command)  # fmt: skip
+        wait_for(
+            lambda: all((tmp_path / f"rank{r}.started").exists() for r in (0, 1)),
+            AGENT_DEADLINE_S,
+            what="ranks 0 and 1 to start",
+        )
+        coord.stop()
+        # Back with a silence limit (0.2 s x 2) shorter than the agents' interval: the answers to
+        # their first reports tell them the new interval, and they follow it.
+        coord.args = ["--heartbeat-interval", "0.2", "--heartbeat-misses", "2", "--join-timeout", "60"]
+        coord.start()
+        for proc in (a, b):
+            code, stderr = agents.wait(proc)
+            assert code == 0, stderr
+            assert "the coordinator at" in stderr
+            assert "expects reports every 0.2 s" in stderr
+        state = job_state(coord, "repaced")
+        assert state["state"] == "FINISHED"
+        assert "missed heartbeats" not in coord.log()
+    finally:
+        agents.kill()
+
+
 def test_max_restarts_rejoins_the_next_generation_and_reruns_every_rank(
     agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
 ) -> None:

@@ -388,6 +388,11 @@ class HeartbeatResponse(_message.Message):
 
     UNKNOWN_MEMBERS_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    heartbeat_interval_seconds: _builtins.float
+    """The coordinator's current --heartbeat-interval: reporters beat at least this often, also after
+    the coordinator was restarted with other liveness settings.
+    """
     @_builtins.property
     def unknown_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Members of the request the coordinator no longer knows (left, failed, stale generation)."""
@@ -401,10 +406,11 @@ class HeartbeatResponse(_message.Message):
         *,
         unknown_members: _abc.Iterable[_builtins.str] | None = ...,
         events: _abc.Iterable[Global___JobEvent] | None = ...,
+        heartbeat_interval_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "unknown_members", b"unknown_members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "unknown_members", b"unknown_members"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
