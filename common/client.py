@@ -17,7 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -43,6 +45,11 @@ from sarcomm.v1 import coordinator_pb2 as pb
 __all__ = ["CoordinatorClient"]
 
 log = logging.getLogger(__name__)
+
+#: While the coordinator answers a Join with UNAVAILABLE (it cannot write its state: a full disk),
+#: the same Join is sent again this often, and said so at most this often.
+_STATE_RETRY_S = 2.0
+_STATE_WARN_EVERY_S = 15.0
 
 
 class CoordinatorClient(CoordinatorChannel):
@@ -211,6 +218,8 @@ class CoordinatorClient(CoordinatorChannel):
         except (ValueError, TypeError) as exc:  # protobuf: int32 overflow, wrong types
             raise InvalidArgumentError(f"A Join field does not fit its protobuf type: {exc}") from exc
 
+        # The same on every try of this join: a retried Join gets the first one's answer.
+        request.join_id = secrets.token_hex(16)
         deadline = (join_timeout if join_timeout is not None else DEFAULT_JOIN_TIMEOUT) + self.timeout
         started = time.monotonic()
         log.info(
@@ -218,13 +227,7 @@ class CoordinatorClient(CoordinatorChannel):
             job, list(ranks) if ranks is not None else "any", generation,
             self.target, world_size, nproc, deadline,
         )  # fmt: skip
-        try:
-            resp = await self._diagnosed(
-                self.stub.Join(request, timeout=deadline, metadata=self._metadata, wait_for_ready=True),
-                "Join",
-            )
-        except grpc.aio.AioRpcError as err:
-            raise await self._explained(self.translate(err, "Join", deadline, started)) from err
+        resp = await self._join_until_answered(request, deadline, started)
         if len(resp.assignments) != nproc:
             raise SarcommError(
                 f"The coordinator at {self.target} answered Join for job {resp.job!r} with "
@@ -268,6 +271,32 @@ class CoordinatorClient(CoordinatorChannel):
         return result
 
     # -- Heartbeat -------------------------------------------------------------------------------
+
+    async def _join_until_answered(
+        self, request: pb.JoinRequest, deadline: float, started: float
+    ) -> pb.JoinResponse:
+        """Send ``request`` until the coordinator answers it or the deadline passes. The coordinator
+        answers UNAVAILABLE while it cannot write its state (a full disk): the same Join (same
+        ``join_id``) is sent again, at most every :data:`_STATE_RETRY_S` seconds, saying so."""
+        warned = float("-inf")
+        while True:
+            left = deadline - (time.monotonic() - started)
+            try:
+                return await self._diagnosed(
+                    self.stub.Join(
+                        request, timeout=max(left, 0.001), metadata=self._metadata, wait_for_ready=True
+                    ),
+                    "Join",
+                )
+            except grpc.aio.AioRpcError as err:
+                error = await self._explained(self.translate(err, "Join", deadline, started))
+                answered = err.code() is grpc.StatusCode.UNAVAILABLE and self._connected()
+                if not answered or deadline - (time.monotonic() - started) < _STATE_RETRY_S:
+                    raise error from err
+                if time.monotonic() - warned >= _STATE_WARN_EVERY_S:
+                    warned = time.monotonic()
+                    log.warning("job=%s: %s; trying again until the join deadline", request.job, error)
+                await asyncio.sleep(_STATE_RETRY_S)
 
     async def heartbeat(self, reports: Sequence[MemberReport]) -> HeartbeatReply:
         """Send one batch of reports over a short-lived stream and return the coordinator's answer.

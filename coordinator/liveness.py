@@ -24,6 +24,8 @@ threshold, which ranks have not entered #k: the ones everybody waits for (:func:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sarcomm.common.constants import FailureReason
 from sarcomm.coordinator.model import Job, JobState, Member, MemberState, Stall, member_rank
 
@@ -42,9 +44,22 @@ def keepalive_settings(liveness_timeout: float) -> tuple[float, float]:
     return liveness_timeout / 4, liveness_timeout * 3 / 4
 
 
-def silence_verdict(member: Member, now: float, liveness_timeout: float, lost_grace: float) -> Verdict | None:
-    """Why running ``member`` has failed at monotonic time ``now``, or None while it is alive."""
+def silence_verdict(
+    member: Member, now: float, liveness_timeout: float, lost_grace: float, answer_timeout: float = 600.0
+) -> Verdict | None:
+    """Why running ``member`` has failed at monotonic time ``now``, or None while it is alive.
+
+    A member whose Join has not been answered yet (its world's state could not be written, e.g. a
+    full disk, while its client sends the same Join again) cannot report: it is judged only once
+    ``answer_timeout`` (the join timeout) has passed since the world formed."""
     silent = now - member.last_seen
+    if not member.answered:
+        if silent <= answer_timeout:
+            return None
+        return (
+            FailureReason.MISSED_HEARTBEATS,
+            f"missed heartbeats: its Join was not answered (its state not written) in {silent:.1f} s",
+        )
     # A stream that broke long after its last report broke for want of keepalive answers (the
     # process is stopped or cut off: judged by its silence), not because the process died (the
     # kernel closes a dead process's connections at once: judged after lost_grace).
@@ -134,3 +149,21 @@ def find_stall(job: Job, now_wall: float, threshold: float) -> Stall | None:
         waiting=tuple(sorted(member_rank(m) for m in waiting)),
         blocking=tuple(sorted(member_rank(m) for m in blocking)),
     )
+
+
+def mark_answered(members: Iterable[Member], now: float, answered: bool = True) -> None:
+    """Whether the members' Join was answered (at monotonic ``now``): their liveness counts from
+    the answer; unanswered, they are judged by the join timeout (see :func:`silence_verdict`)."""
+    for member in members:
+        if member.answered != answered:
+            member.answered = answered
+            member.last_seen = max(member.last_seen, now)
+
+
+def new_stall_line(job: Job, stall: Stall | None) -> str:
+    """The log line for ``stall`` of ``job`` the first time it is seen (then "")."""
+    if stall is None or stall.seq == job.logged_stall:
+        return ""
+    job.logged_stall = stall.seq
+    hosts = sorted({m.host for m in job.members if m.rank in stall.blocking})
+    return f"{job.label}: {stall.describe()} (on host(s) {', '.join(hosts)})"

@@ -5,12 +5,9 @@ their silence, and names stalls. It decides; :mod:`transitions` makes every stat
 against the diagram there) and emits the events; :mod:`ranks` lays out a world;
 :mod:`liveness` holds the judging rules. What it needs from storage is given to it at start
 (:class:`records.StoredState`), and every job whose stored record changed is handed to
-``persist`` before the method returns. Time comes from a :class:`clock.Clock`.
-
-A restored member gets ``restore_grace`` to reconnect before it is judged.
-
-All methods are synchronous and run on the event loop thread; callers that wait for a world to
-form (the service's Join) listen for the WORLD_FORMED event.
+``persist`` before the method returns. Time comes from a :class:`clock.Clock`. A restored member
+gets ``restore_grace`` to reconnect before it is judged. All methods are synchronous (the event
+loop's thread); the service's Join waits for the WORLD_FORMED event.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from sarcomm.coordinator.model import (
     member_rank,
     rank_list,
 )
-from sarcomm.coordinator.ranks import Plan, host_key, missing_ranks, plan_world
+from sarcomm.coordinator.ranks import Plan, host_key, plan_world
 from sarcomm.coordinator.records import StoredState
 from sarcomm.coordinator.transitions import EventListener, StateMachine
 
@@ -93,6 +90,7 @@ class Membership:
         self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
         self._restore_grace = max(restore_grace, liveness_timeout)
         self.stall_threshold = stall_threshold
+        self.answer_timeout = 600.0  # a formed world's wait for its Join answers (Member.answered)
         self._max_jobs = max_jobs
         self._max_ended_jobs = max_ended_jobs
         self._clock = clock
@@ -215,6 +213,11 @@ class Membership:
             self._form(job, plan)
         return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
 
+    def answered(self, ticket: Ticket, answered: bool = True) -> None:
+        """Whether ``ticket``'s Join was answered: not while its world's state cannot be written
+        (see Member.answered); once it is, its members' liveness starts."""
+        liveness.mark_answered(ticket.members, self._clock.monotonic(), answered)
+
     def abandon(self, ticket: Ticket) -> None:
         """Withdraw a join whose caller gave up (deadline, cancel) before the world formed."""
         job = ticket.job
@@ -231,12 +234,6 @@ class Membership:
                 self._jobs[job.name] = job.previous
             else:
                 del self._jobs[job.name]
-
-    def missing_description(self, job: Job) -> str:
-        """Which ranks a forming job still lacks, as if it formed now."""
-        missing = missing_ranks(job.world_size, job.members)
-        shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
-        return f"{len(job.members)} of {job.world_size} members joined; ranks missing: {shown}"
 
     def _forming_job(self, spec: JoinSpec) -> Job:
         job = self._jobs.get(spec.job)
@@ -448,7 +445,9 @@ class Membership:
             for member in job.members:
                 if member.state is not MemberState.RUNNING:
                     continue
-                verdict = liveness.silence_verdict(member, now, self._liveness_timeout, self._lost_grace)
+                verdict = liveness.silence_verdict(
+                    member, now, self._liveness_timeout, self._lost_grace, self.answer_timeout
+                )
                 if verdict is None:
                     continue
                 failure, reason = verdict
@@ -468,11 +467,9 @@ class Membership:
         return liveness.find_stall(job, self._clock.wall(), self.stall_threshold)
 
     def _log_stall(self, job: Job) -> None:
-        stall = self.stall(job)
-        if stall is not None and stall.seq != job.logged_stall:
-            job.logged_stall = stall.seq
-            hosts = sorted({m.host for m in job.members if m.rank in stall.blocking})
-            log.warning("%s: %s (on host(s) %s)", job.label, stall.describe(), ", ".join(hosts))
+        line = liveness.new_stall_line(job, self.stall(job))
+        if line:
+            log.warning("%s", line)
 
     def _settle(self, job: Job) -> None:
         """Finish a job whose members are all gone."""

@@ -150,6 +150,10 @@ class Member:
     metrics_address: str = ""
     # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
     last_seen: float = 0.0
+    # False from the world's formation until the member's Join was answered (its state written):
+    # until then it cannot report, and is judged by the join timeout instead. Not persisted: a
+    # restored member was written, so it was (or is being) answered.
+    answered: bool = True
     # Monotonic time the stream that last carried this member's reports broke, while no newer
     # report came; None while its stream is up. Not persisted.
     lost_at: float | None = None

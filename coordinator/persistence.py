@@ -46,8 +46,10 @@ RETRY_DELAY_S = 1.0
 class WriteBehind:
     """Coalescing, ordered writer of job records to ``store``; use from the event loop only."""
 
-    def __init__(self, store: StateStore, delay: float = FLUSH_DELAY_S) -> None:
+    def __init__(self, store: StateStore, delay: float = FLUSH_DELAY_S, where: str = "its state") -> None:
         self._store = store
+        # What a failed write names, e.g. "its state file /var/lib/sarcomm/state.sqlite".
+        self._where = where
         self._delay = delay
         # One thread: batches reach the store in the order they were taken, never two at once.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
@@ -89,7 +91,7 @@ class WriteBehind:
             await asyncio.shield(waiting)
         except (OSError, sqlite3.Error) as error:
             raise CoordinatorUnavailableError(
-                f"the coordinator could not write its state ({error}); the change is kept and "
+                f"the coordinator could not write {self._where} ({error}); the change is kept and "
                 f"written again in {RETRY_DELAY_S:g} s, retry the call"
             ) from error
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.interfaces import address_on, choose_interface
-from sarcomm.coordinator.model import Member
+from sarcomm.coordinator.model import Job, Member
 
 #: (host, the address it connected from, its forced interface): members sharing it share a choice.
 HostKey = tuple[str, str | None, str]
@@ -115,3 +115,10 @@ def _first_run(free: list[int], length: int) -> int | None:
         if i - run_start + 1 >= length:
             return run_start
     return None
+
+
+def describe_missing(job: Job) -> str:
+    """Which ranks a forming job still lacks, as if it formed now."""
+    missing = missing_ranks(job.world_size, job.members)
+    shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
+    return f"{len(job.members)} of {job.world_size} members joined; ranks missing: {shown}"

@@ -78,7 +78,8 @@ class Coordinator:
         self.config = config
         self.clock = clock
         self.store: StateStore = SqliteStore(config.state)
-        self.writes = WriteBehind(self.store)
+        where = f"its state file {config.state}" if config.state is not None else "its state"
+        self.writes = WriteBehind(self.store, where=where)
         self.membership = Membership(
             stored=load_state(self.store),
             clock=clock,
@@ -92,6 +93,7 @@ class Coordinator:
             restore_grace=config.reconnect_grace,
             stall_threshold=config.stall_threshold,
         )
+        self.membership.answer_timeout = config.join_timeout
         self.metrics = CoordinatorMetrics(self.membership, wall=clock.wall)
         self.events = EventHub()
         self.formed = FormedWaiters()

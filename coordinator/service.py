@@ -14,18 +14,19 @@ from typing import Any
 import grpc
 
 from sarcomm.common.errors import (
+    CoordinatorUnavailableError,
     FailedPreconditionError,
     JoinTimeoutError,
     ResourceExhaustedError,
     SarcommError,
 )
 from sarcomm.common.interfaces import parse_peer
-from sarcomm.coordinator import validation
+from sarcomm.coordinator import ranks, validation
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub, FormedWaiters
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.model import EventKind, JobEvent, JobState, Progress
+from sarcomm.coordinator.model import EventKind, JobEvent, JobState, Progress, Ticket
 from sarcomm.coordinator.views import event_message, failure_message, jobs_message
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
@@ -61,6 +62,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._config = config
         # Join calls waiting for their world now (see Limits.max_join_waiters).
         self._join_waiters = 0
+        # Joins by (job, join_id) while their generation is current: a retried Join (gRPC resends
+        # one answered UNAVAILABLE, e.g. while the state cannot be written) gets the same members,
+        # and so the same answer, instead of joining again into a generation it already filled.
+        self._tickets: dict[tuple[str, str], Ticket] = {}
+
+    def _forget(self, key: tuple[str, str] | None) -> None:
+        if key is not None:
+            self._tickets.pop(key, None)
+
+    def _retried(self, key: tuple[str, str] | None) -> Ticket | None:
+        """The ticket of an earlier try of this Join, while its generation is the job's current one."""
+        if key is None:
+            return None
+        ticket = self._tickets.get(key)
+        if ticket is not None and self._membership.job(key[0]) is ticket.job and not ticket.job.state.ended:
+            return ticket
+        self._tickets.pop(key, None)
+        # Drop what belongs to generations that are over (bounded by the live jobs' members).
+        if len(self._tickets) > 4 * self._config.limits.max_world_size:
+            self._tickets = {
+                k: t
+                for k, t in self._tickets.items()
+                if self._membership.job(k[0]) is t.job and not t.job.state.ended
+            }
+        return None
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -72,28 +98,42 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
                 f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
             )
-        ticket = self._membership.join(spec)
-        self._metrics.joins.inc(len(spec.members))
+        key = (spec.job, validation.join_id(request.join_id)) if request.join_id else None
+        ticket = self._retried(key)
+        if ticket is None:
+            ticket = self._membership.join(spec)
+            self._metrics.joins.inc(len(spec.members))
+            if key is not None:
+                self._tickets[key] = ticket
         job = ticket.job
         timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
         self._join_waiters += 1
         try:
             await self._formed.wait(job, timeout)
         except TimeoutError:
-            missing = self._membership.missing_description(job)
+            missing = ranks.describe_missing(job)
             self._membership.abandon(ticket)
+            self._forget(key)
             raise JoinTimeoutError(
                 f"join_timeout_seconds {timeout:g}: {job.label} did not form in time: {missing}"
             ) from None
         except asyncio.CancelledError:
             # The caller hung up or its own deadline passed: its members must not count any more.
             self._membership.abandon(ticket)
+            self._forget(key)
             raise
         finally:
             self._join_waiters -= 1
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
-        await self._durable()
+        try:
+            await self._durable()
+        except CoordinatorUnavailableError:
+            # The state cannot be written (a full disk): no answer, and so no liveness yet; the
+            # client sends this Join again (same join_id) and gets the answer once it is written.
+            self._membership.answered(ticket, False)
+            raise
+        self._membership.answered(ticket)
         first = ticket.members[0]
         return pb.JoinResponse(
             job=job.name,

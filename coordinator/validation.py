@@ -259,6 +259,15 @@ def metrics_address(value: str, field: str) -> str:
     return value
 
 
+_JOIN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def join_id(value: str, field: str = "join_id") -> str:
+    if not _JOIN_ID.fullmatch(value):
+        raise invalid(field, value, "must be 1 to 64 letters, digits, '_' or '-' (a random id per join)")
+    return value
+
+
 def own_metrics_address(value: str, field: str, host: str, interfaces: Sequence[InterfaceInfo]) -> str:
     """``value`` (already :func:`metrics_address`) if its IP is one the member's host reported as
     its own, or the wildcard (which ``/sd`` replaces by the member's address): a report must not

@@ -24,6 +24,7 @@ from sarcomm.coordinator.membership import (
     MemberState,
     Ticket,
 )
+from sarcomm.coordinator.ranks import describe_missing
 from sarcomm.coordinator.records import load_state, write_at_once
 from sarcomm.coordinator.store import SqliteStore, StateStore
 from tests.helpers import FakeClock, assigned_rank, spec
@@ -183,7 +184,7 @@ def test_abandon_frees_requested_rank_and_forgets_empty_job(membership: Membersh
 
 def test_missing_description_names_joined_count_and_free_ranks(membership: Membership) -> None:
     ticket = membership.join(spec("a", 0, None))
-    assert membership.missing_description(ticket.job) == "2 of 4 members joined; ranks missing: 2, 3"
+    assert describe_missing(ticket.job) == "2 of 4 members joined; ranks missing: 2, 3"
 
 
 def test_leave_finishes_job_when_all_exit_zero(membership: Membership, events: list[JobEvent]) -> None:

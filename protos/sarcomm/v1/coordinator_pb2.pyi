@@ -154,6 +154,7 @@ class JoinRequest(_message.Message):
     JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    JOIN_ID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
     host: _builtins.str
@@ -170,6 +171,10 @@ class JoinRequest(_message.Message):
     max_restarts: _builtins.int
     """How often the joining agent restarts the job after a failure (its --max-restarts); the
     coordinator shows it beside restart_count, so `status` can say when none are left.
+    """
+    join_id: _builtins.str
+    """Chosen by the client once per join (the same on every retry of it): a Join the coordinator
+    has seen before gets the answer the first one would have had. Empty: no such guarantee.
     """
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterface]: ...
@@ -191,10 +196,11 @@ class JoinRequest(_message.Message):
         join_timeout_seconds: _builtins.float = ...,
         backend: _builtins.str = ...,
         max_restarts: _builtins.int = ...,
+        join_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_timeout_seconds", b"join_timeout_seconds", "max_restarts", b"max_restarts", "members", b"members", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_id", b"join_id", "join_timeout_seconds", b"join_timeout_seconds", "max_restarts", b"max_restarts", "members", b"members", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
