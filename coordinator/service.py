@@ -65,27 +65,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Joins by (job, join_id) while their generation is current: a retried Join (gRPC resends
         # one answered UNAVAILABLE, e.g. while the state cannot be written) gets the same members,
         # and so the same answer, instead of joining again into a generation it already filled.
-        self._tickets: dict[tuple[str, str], Ticket] = {}
+        self._tickets: dict[str, dict[str, Ticket]] = {}
+        # Dropped when the generation ends: they hold the job and its members' secrets.
+        membership.add_listener(self._forget_ended)
+
+    def _forget_ended(self, event: JobEvent) -> None:
+        if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
+            self._tickets.pop(event.job, None)
 
     def _forget(self, key: tuple[str, str] | None) -> None:
         if key is not None:
-            self._tickets.pop(key, None)
+            self._tickets.get(key[0], {}).pop(key[1], None)
 
     def _retried(self, key: tuple[str, str] | None) -> Ticket | None:
         """The ticket of an earlier try of this Join, while its generation is the job's current one."""
         if key is None:
             return None
-        ticket = self._tickets.get(key)
+        ticket = self._tickets.get(key[0], {}).get(key[1])
         if ticket is not None and self._membership.job(key[0]) is ticket.job and not ticket.job.state.ended:
             return ticket
-        self._tickets.pop(key, None)
-        # Drop what belongs to generations that are over (bounded by the live jobs' members).
-        if len(self._tickets) > 4 * self._config.limits.max_world_size:
-            self._tickets = {
-                k: t
-                for k, t in self._tickets.items()
-                if self._membership.job(k[0]) is t.job and not t.job.state.ended
-            }
+        self._forget(key)
         return None
 
     async def Join(
@@ -104,7 +103,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             ticket = self._membership.join(spec)
             self._metrics.joins.inc(len(spec.members))
             if key is not None:
-                self._tickets[key] = ticket
+                self._tickets.setdefault(key[0], {})[key[1]] = ticket
         job = ticket.job
         timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
         self._join_waiters += 1
