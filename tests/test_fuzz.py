@@ -34,7 +34,7 @@ from sarcomm.coordinator.membership import JobState, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import FakeClock, free_port, wait_for
 
 #: Every status a request may get: those of sarcomm's error hierarchy (errors.py), and OK.
 DOCUMENTED = {
@@ -139,23 +139,9 @@ def _victims_state(membership: Membership) -> list[str]:
     return rows
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return self.now
-
-
 def _world() -> tuple[Membership, list[tuple[str, str]]]:
     """A membership with a running job ``victim`` (2 ranks) and ``forming`` (1 of 3 joined)."""
-    clock = _Clock()
+    clock = FakeClock()
     membership = Membership(liveness_timeout=3.0, clock=clock)
     limits = Limits()
     secrets: list[tuple[str, str]] = []

@@ -17,6 +17,7 @@ from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
 from tests.helpers import LO_PB as LO
+from tests.helpers import FakeClock
 
 
 def join(**fields: Any) -> pb.JoinRequest:
@@ -87,20 +88,6 @@ def test_limits_refuse_nonsense_values() -> None:
 # -- membership: a refused change changes nothing ------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return self.now
-
-
 def spec(host: str, job: str = "j", world_size: int = 2, generation: int = 0, **kw: Any) -> JoinSpec:
     fields: dict[str, Any] = {
         "interfaces": (InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK),),
@@ -119,7 +106,7 @@ def finished(membership: Membership, job: str) -> None:
             membership.leave(member.member_id, secret, 0)
 
 
-def test_a_refused_join_leaves_the_ended_generation_as_it_was(clock: Clock) -> None:
+def test_a_refused_join_leaves_the_ended_generation_as_it_was(clock: FakeClock) -> None:
     membership = Membership(liveness_timeout=3.0, clock=clock)
     finished(membership, "j")
     before = membership.job("j")
@@ -131,7 +118,7 @@ def test_a_refused_join_leaves_the_ended_generation_as_it_was(clock: Clock) -> N
     assert before.state is JobState.FINISHED
 
 
-def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(clock: Clock) -> None:
+def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(clock: FakeClock) -> None:
     membership = Membership(liveness_timeout=3.0, clock=clock)
     first = membership.join(spec("a"))
     # A host whose loopback has no address (and nothing else): every member connected over
@@ -153,7 +140,9 @@ def test_a_world_whose_interface_choice_fails_is_not_left_full_and_unformed(cloc
     assert formed.state is JobState.RUNNING
 
 
-def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_interface(clock: Clock) -> None:
+def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_interface(
+    clock: FakeClock,
+) -> None:
     membership = Membership(liveness_timeout=3.0, clock=clock)
     interfaces = (
         InterfaceInfo("lo", (), InterfaceKind.LOOPBACK),
@@ -165,7 +154,7 @@ def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_inte
     assert job.master_addr == "10.1.2.3"
 
 
-def test_ended_jobs_beyond_max_ended_jobs_are_forgotten_oldest_first(clock: Clock) -> None:
+def test_ended_jobs_beyond_max_ended_jobs_are_forgotten_oldest_first(clock: FakeClock) -> None:
     membership = Membership(liveness_timeout=3.0, max_ended_jobs=2, clock=clock)
     for name in ("one", "two", "three"):
         clock.now += 10
@@ -179,5 +168,5 @@ def test_ended_jobs_beyond_max_ended_jobs_are_forgotten_oldest_first(clock: Cloc
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock()
