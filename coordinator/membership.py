@@ -104,8 +104,6 @@ class Membership:
         self._stall_checked = float("-inf")
         self._restore(stored or StoredState())
 
-    # -- queries ---------------------------------------------------------------------------------
-
     def jobs(self) -> list[Job]:
         return sorted(self._jobs.values(), key=lambda j: j.name)
 
@@ -214,8 +212,7 @@ class Membership:
         return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
 
     def answered(self, ticket: Ticket, answered: bool = True) -> None:
-        """Whether ``ticket``'s Join was answered: not while its world's state cannot be written
-        (see Member.answered); once it is, its members' liveness starts."""
+        """Whether ``ticket``'s Join was answered (see :func:`liveness.mark_answered`)."""
         liveness.mark_answered(ticket.members, self._clock.monotonic(), answered)
 
     def abandon(self, ticket: Ticket) -> None:
@@ -482,8 +479,6 @@ class Membership:
         for member in job.members:
             self._members.pop(member.member_id, None)
         self._forget_old_ended_jobs()
-
-    # -- start -----------------------------------------------------------------------------------
 
     def _restore(self, stored: StoredState) -> None:
         # A restored member is judged only after restore_grace: its reporter needs time to notice
