@@ -87,14 +87,14 @@ def test_a_failed_ranks_last_lines_follow_its_failure_line_and_status_names_its_
     rank = failure[1]
     stderr_log = logs / "tail" / "1" / f"rank-{rank}.stderr"
     tail = re.search(
-        rf"last 20 line\(s\) of rank {rank}'s output; all of it in \S+rank-{rank}.stdout and "
+        rf"last 20 line\(s\) of rank {rank}'s stderr; all of it in \S+rank-{rank}.stdout and "
         rf"{re.escape(str(stderr_log))}:\n((?:    \| .*\n){{20}})",
         err,
     )
     assert tail is not None, err
     shown = [line.removeprefix("    | ") for line in tail[1].splitlines()]
-    assert shown[-1] == f"last words {rank}"
-    assert shown[-2] == f"err {rank} 29"
+    # Its stderr's last 20 lines, where a traceback would be, in the order written.
+    assert shown == [f"err {rank} {i}" for i in range(11, 30)] + [f"last words {rank}"]
     # The final line stays the one-line verdict, and the coordinator's reason points to the log.
     assert err.splitlines()[-1].startswith("sar-worker: job tail generation 1: rank ")
     jobs = coord.get_json("/v1/jobs")

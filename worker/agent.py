@@ -407,14 +407,14 @@ class _Run:
     async def _show_tail(self, r: _Rank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
         await r.output.drained()
-        lines = r.output.tail()
+        stream, lines = r.output.tail()
         where = f"; all of it in {r.output.files[0]} and {r.output.files[1]}" if r.output.files else ""
         if not lines:
             log.error("%s: rank %d wrote no output%s", self.label, r.rank, where)
             return
         shown = "\n".join(f"    | {line}" for line in lines)
         log.error(
-            "%s: last %d line(s) of rank %d's output%s:\n%s", self.label, len(lines), r.rank, where, shown
+            "%s: last %d line(s) of rank %d's %s%s:\n%s", self.label, len(lines), r.rank, stream, where, shown
         )
 
     async def _await_verdict(self) -> None:

@@ -11,9 +11,9 @@ The agent starts every rank with its stdout and stderr on pipes of their own and
   wait in ``write``, as they would on a terminal), never the agent's heartbeats.
 - Files (``--log-dir DIR``, ``--tee files`` or ``both``): ``DIR/JOB/GENERATION/rank-R.stdout`` and
   ``.stderr`` get exactly the bytes the rank wrote, untagged.
-- Tail: the last :data:`TAIL_LINES` lines of each rank (both streams, in the order read, at most
+- Tail: the last :data:`TAIL_LINES` lines of each rank's stderr and stdout (at most
   :data:`TAIL_BYTES`) are kept, so that when a rank fails the agent can print them under the
-  failure line.
+  failure line: stderr's, where a traceback goes, or stdout's when it wrote no stderr.
 
 A line longer than :data:`MAX_LINE_BYTES` is passed on in pieces of that size (each a line of the
 console), so that a rank that never writes a newline cannot make the agent hold unbounded memory.
@@ -162,6 +162,7 @@ class Console:
 class _Sink:
     console: _ConsoleStream | None
     file: BinaryIO | None
+    tail: collections.deque[bytes]
 
 
 class RankOutput:
@@ -184,7 +185,10 @@ class RankOutput:
         self.prefix = tag.format(rank=rank, local_rank=local_rank).encode()
         self.files = files
         self._console = console
-        self._tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        # The last lines of stdout and of stderr, each in its own order (two pipes have no common one).
+        self._tails: tuple[collections.deque[bytes], ...] = tuple(
+            collections.deque(maxlen=TAIL_LINES) for _ in range(2)
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._handles: list[BinaryIO] = []
 
@@ -202,7 +206,8 @@ class RankOutput:
             if self._console is not None:
                 console = self._console.stdout if index == 0 else self._console.stderr
             file = self._open(self.files[index]) if self.files is not None else None
-            self._tasks.append(asyncio.ensure_future(self._pump(stream, _Sink(console, file))))
+            sink = _Sink(console, file, self._tails[index])
+            self._tasks.append(asyncio.ensure_future(self._pump(stream, sink)))
 
     async def _pump(self, stream: asyncio.StreamReader, sink: _Sink) -> None:
         pending = b""
@@ -224,7 +229,7 @@ class RankOutput:
 
     async def _emit(self, lines: Iterable[bytes], sink: _Sink) -> None:
         lines = list(lines)
-        self._tail.extend(lines)
+        sink.tail.extend(lines)
         if sink.console is not None:
             await sink.console.write(b"".join(self.prefix + line for line in lines))
 
@@ -234,16 +239,19 @@ class RankOutput:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=timeout)
 
-    def tail(self) -> list[str]:
-        """The rank's last lines (newest last), at most :data:`TAIL_LINES` and :data:`TAIL_BYTES`."""
+    def tail(self) -> tuple[str, list[str]]:
+        """The rank's last lines (newest last, at most :data:`TAIL_LINES` and :data:`TAIL_BYTES`)
+        of stderr, where a failure's traceback goes, or of stdout when it wrote no stderr; and
+        which stream they are from."""
+        stream, tail = ("stderr", self._tails[1]) if self._tails[1] else ("stdout", self._tails[0])
         kept: list[str] = []
         size = 0
-        for line in reversed(self._tail):
+        for line in reversed(tail):
             size += len(line)
             if size > TAIL_BYTES and kept:
                 break
             kept.append(line[-TAIL_BYTES:].decode(errors="replace").rstrip("\n"))
-        return kept[::-1]
+        return stream, kept[::-1]
 
     async def close(self) -> None:
         for task in self._tasks:
