@@ -64,6 +64,22 @@ class CoordinatorUnavailableError(SarcommError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotLeaderError(CoordinatorUnavailableError):
+    """Raised by a standby coordinator (one of several sharing an etcd store) for every
+    Coordinator RPC: only the leader serves them. ``leader`` is the leader's advertised gRPC
+    address (``HOST:PORT``), or ``""`` while no leader is known. On the wire it is UNAVAILABLE with
+    the address in the trailing metadata :data:`LEADER_METADATA_KEY`; clients follow it."""
+
+    def __init__(self, message: str, *, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+#: Trailing-metadata key of an UNAVAILABLE answer from a standby: the leader's ``HOST:PORT``
+#: (empty while none is known). Defined once here for both sides.
+LEADER_METADATA_KEY = "sarcomm-leader"
+
+
 class StateError(SarcommError):
     """Raised when the coordinator's state cannot be used: another coordinator holds it, it is not
     a sarcomm state, or it cannot be read or written. The message names the path and the cause
