@@ -48,12 +48,13 @@ from sarcomm.common.reach import Problem, Unreachable, probe
 from sarcomm.common.tls import ClientTls, Rejection
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["STILL_TRYING_EVERY_S", "CoordinatorChannel", "leader_hint"]
+__all__ = ["COORDINATOR_SERVICE", "STILL_TRYING_EVERY_S", "CoordinatorChannel", "leader_hint"]
 
 log = logging.getLogger(__name__)
 
 
-_SERVICE = "sarcomm.v1.Coordinator"
+#: The gRPC service of the coordinator (also its name in ``grpc.health.v1.Health``).
+COORDINATOR_SERVICE = "sarcomm.v1.Coordinator"
 
 # gRPC retries UNAVAILABLE answers itself, with exponential backoff and jitter; wait_for_ready
 # (set on every call) covers the "nothing listens yet" case, which never produces an answer.
@@ -61,7 +62,7 @@ _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": _SERVICE}],
+                "name": [{"service": COORDINATOR_SERVICE}],
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.2s",

@@ -30,13 +30,14 @@ from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sarcomm.common.channel import STILL_TRYING_EVERY_S, CoordinatorChannel, leader_hint
+from sarcomm.common.channel import COORDINATOR_SERVICE, STILL_TRYING_EVERY_S, CoordinatorChannel, leader_hint
 from sarcomm.common.errors import CoordinatorUnavailableError, shorten
 from sarcomm.common.reach import Unreachable
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CONNECT_S", "ReplicaChannel"]
+__all__ = ["CONNECT_S", "ReplicaChannel", "ReplicaRole"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,17 @@ class _Attempt:
     def left(self) -> float:
         """Seconds to the deadline (infinite without one)."""
         return math.inf if self.ends is None else self.ends - time.monotonic()
+
+
+@dataclass(frozen=True)
+class ReplicaRole:
+    """What one replica is now: ``role`` "leader" (its health says SERVING for the Coordinator
+    service), "standby" (NOT_SERVING: it stands by, or it shuts down) or "down" (not reached;
+    ``reason`` says why and what to do)."""
+
+    address: str
+    role: str
+    reason: str = ""
 
 
 class ReplicaChannel(CoordinatorChannel):
@@ -233,3 +245,22 @@ class ReplicaChannel(CoordinatorChannel):
         return CoordinatorUnavailableError(
             f"No coordinator of {', '.join(self._failover.targets)} led {within}: {self._reasons(found)}."
         )
+
+    async def roles(self, timeout: float) -> list[ReplicaRole]:
+        """Each given replica's role, from its ``grpc.health.v1.Health`` answer for the
+        Coordinator service, asked of all at once; waits at most ``timeout`` seconds."""
+
+        async def role(target: str) -> ReplicaRole:
+            stub = health_pb2_grpc.HealthStub(self._connection(target)[0])
+            request = health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE)
+            try:
+                answer = await stub.Check(request, timeout=timeout, metadata=self.metadata)
+            except grpc.aio.AioRpcError as err:
+                found = await self._probe(target)
+                if found is not None:
+                    return ReplicaRole(target, "down", f"{found.problem.value}: {found.message}")
+                return ReplicaRole(target, "down", f"{err.code().name}: {err.details() or 'no details'}")
+            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+            return ReplicaRole(target, "leader" if serving else "standby")
+
+        return list(await asyncio.gather(*(role(t) for t in self.targets)))
