@@ -203,9 +203,9 @@ class ReplicaChannel(CoordinatorChannel):
                     raise await self._none_led(attempt, found)
                 left = attempt.left()
                 log.warning(
-                    "%s: no coordinator of %s leads yet (%s); still trying (%.0f s so far, %s left)",
+                    "%s: no coordinator of %s leads yet (%s); still trying (%.0f s so far%s)",
                     attempt.method, ", ".join(self._failover.targets), self._reasons(found),
-                    now - attempt.started, "no deadline" if math.isinf(left) else f"{left:.0f} s",
+                    now - attempt.started, "" if math.isinf(left) else f", {left:.0f} s left",
                 )  # fmt: skip
         if attempt.left() <= delay:
             await asyncio.sleep(max(0.0, attempt.left()))
