@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -238,6 +239,38 @@ async def test_no_leader_among_the_replicas_ends_the_call_naming_each_ones_probl
         f"sar-coordinator there, or give the port of its --listen (default 50051)); {standby.target} "
         "is a standby that knows no leader."
     )
+
+
+def test_sar_worker_given_replicas_it_cannot_use_names_each_ones_problem_within_seconds(
+    tmp_path: Path,
+) -> None:
+    refused = f"127.0.0.1:{free_port()}"
+    unresolved = f"no-such-coordinator.invalid:{free_port()}"
+    log = tmp_path / "worker.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", f"{refused},{unresolved}",
+             "--job", "lost", "--world-size", "1", "--join-timeout", "120", "--", "true"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        said = wait_for(
+            lambda: next((line for line in log.read_text().splitlines() if "leads yet" in line), None),
+            10.0,
+            what=lambda: f"the worker saying what is wrong with each replica; it wrote:\n{log.read_text()}",
+        )
+        assert worker.poll() is None  # still trying: a refused port or an unknown name may heal
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert (
+        f"Join: no coordinator of {refused}, {unresolved} leads yet ({refused} is unreachable (connection "
+        f"refused: nothing accepts connections on {refused}: start sar-coordinator there, or give the port "
+        f"of its --listen (default 50051)); {unresolved} is unreachable (name not resolved: the host name "
+        "'no-such-coordinator.invalid' does not resolve"
+    ) in said, said
+    assert re.search(r"still trying \(\d+ s so far, \d+ s left\)$", said), said
 
 
 # -- heartbeat and watch streams across a failover -------------------------------------------------
