@@ -137,6 +137,11 @@ class ReplicaChannel(CoordinatorChannel):
             return self._failover.unreachable(target, f"unavailable ({shorten(err.details(), 200)})")
         return self._failover.unreachable(target, "unreachable (its connection broke)")
 
+    def unreachable(self, target: str, reason: str) -> float:
+        """Note that ``target`` cannot be used (``reason``, e.g. a stream it stopped answering)
+        and move on; returns the seconds to wait before the next try."""
+        return self._failover.unreachable(target, reason)
+
     def answered(self, target: str) -> None:
         """Note that ``target`` answered as leader; says so when that is a change of leader."""
         line = self._failover.succeeded(target)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError
 from sarcomm.common.failover import BACKOFF_MAX_S, Failover
+from sarcomm.common.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
 from sarcomm.common.messages import Event, HeartbeatReply, MemberReport
 from sarcomm.common.replicas import CONNECT_S
 from sarcomm.worker import cli as worker_cli
@@ -355,6 +357,44 @@ async def test_heartbeats_and_watch_reattach_to_the_coordinator_on_the_other_add
     assert [e.kind for e in events] == [EventKind.WORLD_FORMED, EventKind.JOB_FINISHED]
 
 
+async def test_a_heartbeat_stream_whose_coordinator_stops_answering_moves_to_the_other(
+    start_coordinator: StartCoordinator,
+) -> None:
+    # A SIGSTOPped coordinator is a hung or vanished host: its kernel keeps the connection up, so
+    # only the missing answers tell. The other address is an independent coordinator here (the
+    # subject is the client leaving a silent leader, not a shared state): it answers the reports
+    # with "unknown member", which is an answer.
+    a = start_coordinator(*LIVENESS)
+    b = start_coordinator(*LIVENESS)
+    async with CoordinatorClient(f"{a.grpc_target},{b.grpc_target}", timeout=10.0) as client:
+        member = await asyncio.wait_for(client.join("hung", 1, host="h", interfaces=[LO]), DEADLINE_S)
+        answered_by: list[str] = []
+
+        def reports() -> list[MemberReport]:
+            return [MemberReport(member.member_id, member.secret)]
+
+        async with client.heartbeats(reports, 0.25) as stream:
+
+            async def read() -> None:
+                async for _ in stream:
+                    answered_by.append(client.target)
+
+            reader = asyncio.ensure_future(read())
+            await wait_for_async(lambda: a.grpc_target in answered_by, DEADLINE_S, what="an answer from a")
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                await wait_for_async(
+                    lambda: b.grpc_target in answered_by, HEARTBEAT_SILENT_S + 3.0, what="an answer from b"
+                )
+                moved = time.monotonic() - stopped
+            finally:
+                a.proc.send_signal(signal.SIGCONT)
+            reader.cancel()
+    assert HEARTBEAT_SILENT_S <= moved < HEARTBEAT_SILENT_S + 3.0, moved
+
+
 # -- status --------------------------------------------------------------------------------------
 
 
@@ -368,8 +408,10 @@ async def _status(*args: str) -> tuple[int, str, str]:
 
 
 async def test_status_with_a_list_shows_each_replicas_role_and_the_leaders_jobs(
-    leader: CoordinatorProcess,
+    start_coordinator: StartCoordinator,
 ) -> None:
+    # The member never reports: a long liveness keeps its job running while status looks.
+    leader = start_coordinator("--heartbeat-interval", "0.5", "--heartbeat-misses", "600")
     dead = f"127.0.0.1:{free_port()}"
     async with Standby(leader.grpc_target) as standby, CoordinatorClient(leader.grpc_target) as client:
         member = await asyncio.wait_for(client.join("seen", 1, host="h", interfaces=[LO]), DEADLINE_S)
