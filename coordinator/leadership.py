@@ -242,7 +242,9 @@ class Elector:
             )
 
     def _check_lease(self, reason: str) -> None:
-        if self.decision.role is Role.LEADER and not self.clock.valid(self._monotonic()):
+        # Without a live lease this replica cannot tell what etcd holds: a leader stops leading, and
+        # a standby stops naming a leader it can no longer see.
+        if self.decision != STANDBY_UNKNOWN and not self.clock.valid(self._monotonic()):
             self._apply(STANDBY_UNKNOWN, reason)
 
     def _apply(self, decision: Decision, reason: str) -> None:

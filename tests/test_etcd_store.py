@@ -187,5 +187,5 @@ def test_etcd_settings_name_the_flag_value_and_rule(tmp_path: Path) -> None:
         EtcdSettings("etcd://h:1", cacert=tmp_path, cert=tmp_path / "c.pem")
     with pytest.raises(InvalidArgumentError, match="--etcd-user 'u' and --etcd-password-file"):
         EtcdSettings("etcd://h:1", user="u")
-    with pytest.raises(InvalidArgumentError, match="--etcd-cacert .* must be a readable file"):
+    with pytest.raises(InvalidArgumentError, match=r"--etcd-cacert .* must be a readable file"):
         EtcdSettings("etcd://h:1", cacert=tmp_path / "missing.pem")
