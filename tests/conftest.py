@@ -48,22 +48,26 @@ class CoordinatorProcess:
     http_ssl: ssl.SSLContext | None = None
     # How to start it; the default is this checkout's module under this interpreter.
     command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sarcomm.coordinator.cli"])
+    # The address tests reach it at (gRPC and HTTP), e.g. a network namespace's, and the one it
+    # listens on when that differs (0.0.0.0).
+    host: str = "127.0.0.1"
+    listen_host: str | None = None
 
     @property
     def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"{'https' if self.http_ssl else 'http'}://127.0.0.1:{self.http_port}"
+        return f"{'https' if self.http_ssl else 'http'}://{self.host}:{self.http_port}"
 
     def start(self, timeout: float = 20.0) -> None:
         cmd = [
             *self.command,
             "--listen",
-            self.grpc_target,
+            f"{self.listen_host or self.host}:{self.grpc_port}",
             "--http",
-            f"127.0.0.1:{self.http_port}",
+            f"{self.listen_host or self.host}:{self.http_port}",
             *(["--state", str(self.state_path)] if self.state_path else []),
             *self.args,
         ]
