@@ -17,6 +17,8 @@ from typing import Protocol
 
 import pytest
 
+from sarcomm.coordinator.etcd_config import EtcdSettings
+
 # The three-member etcd cluster of the etcd store and failover tests, as a fixture for every file.
 from tests.etcd_cluster import etcd_cluster  # noqa: F401
 from tests.helpers import WaitTimeout, free_port, wait_for
@@ -130,6 +132,26 @@ class StartCoordinator(Protocol):
         env: dict[str, str] | None = None,
         http_ssl: ssl.SSLContext | None = None,
     ) -> CoordinatorProcess: ...
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def state_backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    """Where a coordinator keeps its jobs, once per store: ``{"state": PATH}`` (SQLite) or
+    ``{"store": EtcdSettings}`` on a fresh three-member etcd cluster (skipped without etcd), as
+    keyword arguments of :class:`CoordinatorConfig` (and of ``in_process_coordinator``)."""
+    if request.param == "sqlite":
+        return {"state": tmp_path / "state.sqlite"}
+    cluster = request.getfixturevalue("etcd_cluster")
+    return {"store": EtcdSettings(cluster.url("backend"), leader_ttl=1)}
+
+
+def store_args(backend: dict[str, object]) -> list[str]:
+    """The ``sar-coordinator`` flags of a :func:`state_backend`."""
+    if "state" in backend:
+        return ["--state", str(backend["state"])]
+    store = backend["store"]
+    assert isinstance(store, EtcdSettings)
+    return ["--store", store.url, "--leader-ttl", str(store.leader_ttl)]
 
 
 @pytest.fixture

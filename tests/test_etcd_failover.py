@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -118,6 +119,15 @@ def _metric(coord: CoordinatorProcess, name: str) -> float:
     raise AssertionError(f"{name} not in {coord.http_url}/metrics")
 
 
+def leader_hint(error: grpc.RpcError) -> str:
+    """The leader's address in an UNAVAILABLE answer's trailing metadata (as clients read it)."""
+    call = cast(grpc.Call, error)
+    for key, value in call.trailing_metadata() or ():
+        if key == LEADER_METADATA_KEY:
+            return str(value)
+    raise AssertionError(f"no {LEADER_METADATA_KEY} in the trailing metadata of {error!r}")
+
+
 class LeadershipRecorder:
     """Both coordinators' /healthz polled through the test: never two leaders at one moment."""
 
@@ -184,8 +194,7 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
         _call(standby.grpc_target, "ListJobs", pb.ListJobsRequest())
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     assert f"the leader is {leader.grpc_target}" in str(refused.value.details())
-    trailers = dict(refused.value.trailing_metadata() or ())  # type: ignore[attr-defined]
-    assert trailers[LEADER_METADATA_KEY] == leader.grpc_target
+    assert leader_hint(refused.value) == leader.grpc_target
     assert _health(standby.grpc_target, SERVICE) == "NOT_SERVING"
     assert _health(standby.grpc_target, "") == "SERVING"
     assert _health(leader.grpc_target, SERVICE) == "SERVING"

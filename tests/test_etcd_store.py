@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError, LeadershipLostError, StoreUnavailableError
+from sarcomm.coordinator import etcd_client
 from sarcomm.coordinator.etcd_client import EtcdClient
 from sarcomm.coordinator.etcd_config import EtcdSettings, parse_store_url
 from sarcomm.coordinator.etcd_store import EtcdStore
@@ -22,10 +23,8 @@ from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for
 
 
-def _lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
+def lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
     """Take the leader key with a fresh lease, fence the store on it; returns the lease."""
-    from sarcomm.coordinator import etcd_client
-
     lease, _ = client.grant(ttl)
     answer = client.txn(
         "campaign",
@@ -47,7 +46,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateS
     cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
     client = EtcdClient(EtcdSettings(cluster.url("conformance")))
     store = EtcdStore(client, "/conformance")
-    _lead(client, store)
+    lead(client, store)
     yield store
     store.close()
     client.close()
@@ -102,7 +101,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdC
     fenced: list[bool] = []
     store.on_fenced = lambda: fenced.append(True)
     try:
-        lease = _lead(client, store, ttl=1)
+        lease = lead(client, store, ttl=1)
         store.write_rows([encode_job(_formed_job("before"))])
         # Nobody renews the lease: etcd expires it and deletes the leader key with it.
         wait_for(lambda: client.get(store.leader_key) is None, 10, what="etcd to expire the 1 s lease")
@@ -112,7 +111,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdC
         assert fenced == [True]
         assert time.monotonic() - started < 2
         # And a later leader's key does not let the old fence through either.
-        _lead(client, EtcdStore(client, "/fence"))
+        lead(client, EtcdStore(client, "/fence"))
         store.fence(1)
         with pytest.raises(LeadershipLostError):
             store.write_rows([encode_job(_formed_job("after"))])
@@ -126,7 +125,7 @@ def test_a_store_without_the_quorum_raises_unavailable_naming_etcd(etcd_cluster:
     client = EtcdClient(EtcdSettings(etcd_cluster.url("quorum")), timeout=1.0)
     store = EtcdStore(client, "/quorum")
     try:
-        _lead(client, store)
+        lead(client, store)
         stopped = etcd_cluster.lose_quorum()
         with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not write 1 job record"):
             store.write_rows([encode_job(_formed_job("q"))])
