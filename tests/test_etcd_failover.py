@@ -128,6 +128,43 @@ def leader_hint(error: grpc.RpcError) -> str:
     raise AssertionError(f"no {LEADER_METADATA_KEY} in the trailing metadata of {error!r}")
 
 
+class Reporter:
+    """A member's reports, like a failing-over client's (simplified): one short heartbeat stream
+    every 0.2 s to the first coordinator of ``targets`` that takes it; standbys and unreachable
+    ones are skipped. ``answered`` counts the reports a coordinator took."""
+
+    def __init__(self, targets: list[str], member: pb.Assignment) -> None:
+        self._targets = targets
+        self._report = pb.HeartbeatRequest(
+            reports=[pb.MemberReport(member_id=member.member_id, secret=member.secret)], closing=True
+        )
+        self.answered = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        channels = [grpc.insecure_channel(t) for t in self._targets]
+        try:
+            while not self._stop.is_set():
+                for channel in channels:
+                    try:
+                        for _ in pb_grpc.CoordinatorStub(channel).Heartbeat(iter([self._report]), timeout=2):
+                            pass
+                    except grpc.RpcError:
+                        continue
+                    self.answered += 1
+                    break
+                self._stop.wait(0.2)
+        finally:
+            for channel in channels:
+                channel.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class LeadershipRecorder:
     """Both coordinators' /healthz polled through the test: never two leaders at one moment."""
 
@@ -188,6 +225,7 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
     assert _role(standby) == "standby"
     joined = _join(leader.grpc_target, "ha1")
     assert joined.generation == 1
+    reporter = Reporter([leader.grpc_target, standby.grpc_target], joined.assignments[0])
 
     # The standby: every Coordinator RPC UNAVAILABLE with the leader's address in the trailers.
     with pytest.raises(grpc.RpcError) as refused:
@@ -213,11 +251,14 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
     print(f"take-over after a SIGKILL of the leader: {took:.2f} s (leader TTL {TTL_S} s)")
     assert took <= TTL_S + 1
     assert _health(standby.grpc_target, SERVICE) == "SERVING"
+    reported = reporter.answered
+    wait_for(lambda: reporter.answered > reported, 5, what="the member to report to the new leader")
     assert _jobs(standby)["ha1"]["state"] == "RUNNING"  # type: ignore[index]
     assert _metric(standby, "sar_coordinator_leader_changes_total") == 1
     # The new leader serves: the next generation of another job forms there.
     assert _join(standby.grpc_target, "ha2").generation == 1
     recorder.close()
+    reporter.close()
     assert recorder.both == []
 
     history = _leader_history(etcd_cluster, "/ha/leader")
@@ -245,7 +286,7 @@ def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
     pair: list[CoordinatorProcess], etcd_cluster: EtcdCluster
 ) -> None:
     leader = _leader(pair)
-    _join(leader.grpc_target, "kept")
+    reporter = Reporter([c.grpc_target for c in pair], _join(leader.grpc_target, "kept").assignments[0])
     stopped = etcd_cluster.lose_quorum()
     # Within the TTL nobody leads (no lease can be renewed), and nobody names a leader it cannot
     # see any more; calls are refused naming etcd.
@@ -264,7 +305,13 @@ def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
         assert "quorum" in str(refused.value.details())
     etcd_cluster.regain_quorum(stopped)
     back = _leader(pair, timeout=30)
-    assert _jobs(back)["kept"]["state"] == "RUNNING"  # type: ignore[index]
+    # Its member reported to the new leader within the reconnect grace: nothing was lost or failed.
+    reported = reporter.answered
+    wait_for(lambda: reporter.answered > reported, 5, what="the member to report to the leader again")
+    reporter.close()
+    kept = _jobs(back)["kept"]
+    assert kept["state"] == "RUNNING", kept  # type: ignore[index]
+    assert kept["generation"] == 1  # type: ignore[index]
     assert _join(back.grpc_target, "after").generation == 1
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,7 +126,9 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
     recorder = LeadershipRecorder([cut_off, other])
     try:
         assert _role(other) == "standby"
-        _join(cut_off.grpc_target, "before")
+        before = _join(cut_off.grpc_target, "before").assignments[0]
+        # Its member's heartbeat stream, open on the leader through the cut.
+        stream = HeartbeatStream(cut_off.grpc_target, before)
         # A world of 2 forming on the leader: one member waits in its Join.
         channel = grpc.insecure_channel(cut_off.grpc_target)
         waiting = pb_grpc.CoordinatorStub(channel).Join.future(
@@ -158,6 +161,12 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
         assert isinstance(error, grpc.RpcError)
         assert error.code() is grpc.StatusCode.UNAVAILABLE, error
         channel.close()
+        # The open heartbeat stream ends UNAVAILABLE too, with the (empty: unknown) leader hint,
+        # so that its client re-attaches elsewhere.
+        ended = stream.ended(5)
+        assert ended.code() is grpc.StatusCode.UNAVAILABLE
+        assert leader_hint(ended) == ""
+        assert "stands by and no leader is known" in str(ended.details())
         with pytest.raises(grpc.RpcError) as refused:
             _join(cut_off.grpc_target, "during")
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -190,6 +199,42 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
         cut_off.stop()
         other.stop()
     assert recorder.both == []
+
+
+class HeartbeatStream:
+    """One member's long-lived heartbeat stream (a report every 0.2 s), read in a thread."""
+
+    def __init__(self, target: str, member: pb.Assignment) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stop = threading.Event()
+        self._error: grpc.RpcError | None = None
+        report = pb.HeartbeatRequest(
+            reports=[pb.MemberReport(member_id=member.member_id, secret=member.secret)]
+        )
+
+        def reports() -> Iterator[pb.HeartbeatRequest]:
+            while not self._stop.is_set():
+                yield report
+                self._stop.wait(0.2)
+
+        self._call = pb_grpc.CoordinatorStub(self._channel).Heartbeat(reports(), timeout=60)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError as error:
+            self._error = error
+
+    def ended(self, timeout: float) -> grpc.RpcError:
+        """The error the stream ended with, within ``timeout`` seconds."""
+        self._thread.join(timeout)
+        self._stop.set()
+        self._channel.close()
+        assert self._error is not None, "the heartbeat stream did not end with an error"
+        return self._error
 
 
 def _join_pair(target: str) -> list[pb.JoinResponse]:
