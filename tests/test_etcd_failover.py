@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -303,6 +304,11 @@ def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "etcd at" in str(refused.value.details())
         assert "quorum" in str(refused.value.details())
+    # A standby that cannot read etcd says so on /v1/jobs instead of showing stale jobs.
+    with pytest.raises(urllib.error.HTTPError) as unreadable:
+        pair[0].get_json("/v1/jobs")
+    assert unreadable.value.code == 503
+    assert "etcd at" in unreadable.value.read().decode()
     etcd_cluster.regain_quorum(stopped)
     back = _leader(pair, timeout=30)
     # Its member reported to the new leader within the reconnect grace: nothing was lost or failed.

@@ -19,8 +19,9 @@ from sarcomm.coordinator.leadership import LeaderRecord
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.records import job_record, load_state
 from sarcomm.coordinator.store import SqliteStore, StateStore, encode_job
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
+from tests.tls_files import make_tls_files
 
 
 def lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
@@ -188,3 +189,40 @@ def test_etcd_settings_name_the_flag_value_and_rule(tmp_path: Path) -> None:
         EtcdSettings("etcd://h:1", user="u")
     with pytest.raises(InvalidArgumentError, match=r"--etcd-cacert .* must be a readable file"):
         EtcdSettings("etcd://h:1", cacert=tmp_path / "missing.pem")
+
+
+def test_etcd_auth_is_used_and_a_wrong_password_is_named(etcd_cluster: EtcdCluster, tmp_path: Path) -> None:
+    etcd_cluster.etcdctl("user", "add", "root", "--new-user-password", "s3cret")
+    etcd_cluster.etcdctl("auth", "enable")
+    try:
+        client = EtcdClient(EtcdSettings(etcd_cluster.url("auth"), user="root", password="s3cret"))
+        store = EtcdStore(client, "/auth")
+        lead(client, store)
+        store.write_rows([encode_job(_formed_job("authed"))])
+        assert [r["name"] for r in store.load_jobs()] == ["authed"]
+        client.close()
+        wrong = EtcdClient(EtcdSettings(etcd_cluster.url("auth"), user="root", password="nope"))
+        with pytest.raises(StoreUnavailableError, match="check --etcd-user and --etcd-password-file"):
+            EtcdStore(wrong, "/auth").load_jobs()
+        wrong.close()
+    finally:
+        etcd_cluster.etcdctl("--user", "root:s3cret", "auth", "disable")
+
+
+def test_etcd_over_mutual_tls_with_the_coordinators_client_certificate(tmp_path: Path) -> None:
+    if ETCD_MISSING:
+        pytest.skip(ETCD_MISSING)
+    tls = make_tls_files(tmp_path)
+    with running_cluster(tmp_path / "etcd", client_tls=(tls.ca, tls.server_cert, tls.server_key)) as cluster:
+        settings = EtcdSettings(cluster.url("tls"), cacert=tls.ca, cert=tls.client_cert, key=tls.client_key)
+        client = EtcdClient(settings)
+        store = EtcdStore(client, "/tls")
+        lead(client, store)
+        store.write_rows([encode_job(_formed_job("secure"))])
+        assert [r["name"] for r in store.load_jobs()] == ["secure"]
+        client.close()
+        # Without a client certificate etcd refuses the connection.
+        anonymous = EtcdClient(EtcdSettings(cluster.url("tls"), cacert=tls.ca), timeout=1.0)
+        with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not read"):
+            EtcdStore(anonymous, "/tls").load_jobs()
+        anonymous.close()
