@@ -48,7 +48,13 @@ from sarcomm.common.reach import Problem, Unreachable, probe
 from sarcomm.common.tls import ClientTls, Rejection
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["COORDINATOR_SERVICE", "STILL_TRYING_EVERY_S", "CoordinatorChannel", "leader_hint"]
+__all__ = [
+    "COORDINATOR_SERVICE",
+    "STILL_TRYING_EVERY_S",
+    "CoordinatorChannel",
+    "connection_broke",
+    "leader_hint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,9 @@ _Self = TypeVar("_Self", bound="CoordinatorChannel")
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
+# grpc core's text for a call that it could not start or carry on because its connection went
+# away at that moment (seen as INTERNAL on a stream opened as the coordinator died).
+_CORE_INTERNAL_DETAILS = "Internal error from Core"
 
 
 class CoordinatorChannel:
@@ -365,3 +374,13 @@ def leader_hint(err: grpc.RpcError) -> str | None:
     if value is None:
         return None
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def connection_broke(err: grpc.aio.AioRpcError) -> bool:
+    """Whether ``err`` says the connection broke (or the server cancelled the call, e.g. in its
+    shutdown) rather than the coordinator answering: UNAVAILABLE, CANCELLED, or grpc core's own
+    INTERNAL for a call caught by a connection going away."""
+    code = err.code()
+    if code is grpc.StatusCode.INTERNAL:
+        return err.details() == _CORE_INTERNAL_DETAILS
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

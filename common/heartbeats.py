@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 _ORDERLY_CLOSE_S = 1.0
 # With replicas, a stream whose reports go unanswered this long (this many intervals, at least
 # the seconds below) is given up for the other replicas: the leader's host died or hangs, and its
-# connection can look up for minutes. The coordinator answers every report at once; 4 s is well
-# past a busy leader's delay and well inside the grace a new leader gives (10 s by default).
-SILENT_BEATS = 4
-SILENT_MIN_S = 4.0
+# connection can look up for minutes. The coordinator answers every report at once, and judges a
+# member silent for interval x misses (3 x 1 s by default): a leader that has not answered for that
+# long is of no use, and leaving it then keeps inside the grace a new leader gives (10 s default).
+SILENT_BEATS = 3
+SILENT_MIN_S = 3.0
 
 
 class HeartbeatStream:
