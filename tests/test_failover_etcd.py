@@ -5,7 +5,8 @@ What tests/test_failover.py checks with a stand-in standby and a coordinator mov
 with the real thing: joins through the standby's hint, heartbeat and watch streams re-attaching
 to the new leader when the leader is SIGKILLed or hangs (SIGSTOP: its lease runs out, its
 connection stays up), no member failed, ``status`` with both addresses, and a ``sar-worker`` job
-running through a take-over to FINISHED with correct values. Skipped, saying so, only without the
+running through a take-over to FINISHED with correct values, and ``coord_ip_init`` given the list.
+Skipped, saying so, only without the
 etcd binary.
 """
 
@@ -235,4 +236,41 @@ def test_a_sar_worker_job_runs_through_a_take_over_and_finishes(
         assert seen["all_to_all"] == [[float(100 * src + rank)] * (src + rank + 1) for src in range(2)]
     job = {j["job"]: j for j in standby.get_json("/v1/jobs")["jobs"]}["etcd-agent"]  # type: ignore[index]
     assert (job["state"], job["generation"]) == ("FINISHED", 1)
+    assert {m["state"] for m in job["members"]} == {"LEFT"}
+
+
+def test_coord_ip_init_with_the_list_registers_at_the_leader_and_exports_the_whole_list(
+    replicas: tuple[CoordinatorProcess, CoordinatorProcess], tmp_path: Path
+) -> None:
+    leader, standby = replicas
+    coord = f"{standby.grpc_target},{leader.grpc_target}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
+    env["SARCOMM_HEARTBEAT_INTERVAL"] = "0.25"
+    script = str(Path(__file__).parent / "scripts" / "sar_startup_rank.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "train", str(rank), "2", coord, "etcd-sar", str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=AGENT_DEADLINE_S)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank}:\n{outputs[rank]}"
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (seen["rank"], seen["world_size"]) == (rank, 2)
+        assert seen["env"]["SAR_COORD"] == coord
+        assert seen["params"] == [[1.0] * 6, [1.0] * 2]  # rank 0's parameters everywhere
+        assert seen["grads"] == [[3.0] * 6, [3.0] * 2]  # 1 + 2
+    job = {j["job"]: j for j in leader.get_json("/v1/jobs")["jobs"]}["etcd-sar"]  # type: ignore[index]
+    assert job["state"] == "FINISHED"
     assert {m["state"] for m in job["members"]} == {"LEFT"}
