@@ -254,7 +254,7 @@ def test_coord_ip_init_with_the_list_registers_at_the_leader_and_exports_the_who
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for rank in range(2)
     ]
     try:
