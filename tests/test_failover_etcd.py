@@ -4,7 +4,8 @@ a real three-member etcd cluster (tests/etcd_cluster.py), one leading, one stand
 What tests/test_failover.py checks with a stand-in standby and a coordinator moved by hand, here
 with the real thing: joins through the standby's hint, heartbeat and watch streams re-attaching
 to the new leader when the leader is SIGKILLed or hangs (SIGSTOP: its lease runs out, its
-connection stays up), no member failed, ``status`` with both addresses, and a ``sar-worker`` job
+connection stays up), no member failed, a Join waiting at the dying leader resent to the new
+one (the world forms once), ``status`` with both addresses, and a ``sar-worker`` job
 running through a take-over to FINISHED with correct values, and ``coord_ip_init`` given the list.
 Skipped, saying so, only without the
 etcd binary.
@@ -274,3 +275,37 @@ def test_coord_ip_init_with_the_list_registers_at_the_leader_and_exports_the_who
     job = {j["job"]: j for j in leader.get_json("/v1/jobs")["jobs"]}["etcd-sar"]  # type: ignore[index]
     assert job["state"] == "FINISHED"
     assert {m["state"] for m in job["members"]} == {"LEFT"}
+
+
+async def test_a_join_waiting_when_the_leader_dies_is_resent_to_the_new_one_and_the_world_forms_once(
+    replicas: tuple[CoordinatorProcess, CoordinatorProcess],
+) -> None:
+    leader, standby = replicas
+    targets = f"{leader.grpc_target},{standby.grpc_target}"
+    async with (
+        CoordinatorClient(targets, timeout=10.0) as first,
+        CoordinatorClient(targets, timeout=10.0) as second,
+    ):
+        waiting = asyncio.ensure_future(first.join("etcd-forming", 2, host="a", interfaces=[LO]))
+        await wait_for_async(
+            lambda: _members(leader, "etcd-forming") == 1, DEADLINE_S, what="the first member to be joined"
+        )
+        assert leader.proc is not None
+        leader.proc.kill()
+        leader.proc.wait(10)
+        # The Join in flight goes on at the new leader (same join_id: the same member).
+        other = await asyncio.wait_for(second.join("etcd-forming", 2, host="b", interfaces=[LO]), DEADLINE_S)
+        mine = await asyncio.wait_for(waiting, DEADLINE_S)
+    assert (mine.generation, other.generation) == (1, 1)
+    assert sorted([mine.rank, other.rank]) == [0, 1]
+    assert mine.member_id != other.member_id
+    job = {j["job"]: j for j in standby.get_json("/v1/jobs")["jobs"]}["etcd-forming"]  # type: ignore[index]
+    assert (job["state"], job["generation"], len(job["members"])) == ("RUNNING", 1, 2)
+
+
+def _members(coord: CoordinatorProcess, job: str) -> int:
+    try:
+        jobs = {j["job"]: j for j in coord.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
+    except OSError:
+        return 0
+    return len(jobs[job]["members"]) if job in jobs else 0
