@@ -33,6 +33,7 @@ from tests.test_etcd_failover import (
     _jobs,
     _join,
     _leader,
+    _leader_history,
     _role,
     leader_hint,
 )
@@ -199,6 +200,12 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
         cut_off.stop()
         other.stop()
     assert recorder.both == []
+    # etcd's own record: the key was created twice (each creation one lease), in order.
+    history = _leader_history(cluster, "/part/leader")
+    creates = list(dict.fromkeys(rev for kind, rev, _ in history if kind == "PUT"))
+    assert len(creates) == 2, history
+    assert creates == sorted(creates)
+    assert len({(rev, lease) for kind, rev, lease in history if kind == "PUT"}) == 2, history
 
 
 class HeartbeatStream:
