@@ -57,8 +57,10 @@ def _start(cluster: EtcdCluster, tmp_path: Path, index: int, prefix: str) -> Coo
 
 @pytest.fixture
 def pair(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[list[CoordinatorProcess]]:
-    coords = [_start(etcd_cluster, tmp_path, i, "ha") for i in range(2)]
+    coords: list[CoordinatorProcess] = []
     try:
+        for i in range(2):
+            coords.append(_start(etcd_cluster, tmp_path, i, "ha"))
         yield coords
     finally:
         for coord in coords:
