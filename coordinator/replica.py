@@ -91,7 +91,19 @@ class Replica:
 
     @property
     def leading(self) -> bool:
-        return self.term is not None and not self.term.ended
+        return self.serving_term() is not None
+
+    def serving_term(self) -> Term | None:
+        """The term to serve a call from, or None. Checked against the lease at this instant, not
+        only by the watchdog: a process resumed after a pause (SIGSTOP, a VM stall) may see calls
+        before its timers, and must not answer them as leader once its lease is in doubt."""
+        term = self.term
+        if term is None or term.ended or self.elector is None:
+            return None
+        if not self.elector.lease_valid():
+            self.elector.step_down("its lease could not be renewed within its TTL")
+            return None
+        return term
 
     def _step_down(self, reason: str) -> None:
         if self.elector is not None:

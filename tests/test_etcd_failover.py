@@ -355,3 +355,32 @@ def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etc
         assert leader_hint(refused.value) == ""
     finally:
         assert coord.stop() == 0
+
+
+def test_a_leader_paused_past_its_ttl_stands_by_when_it_resumes(pair: list[CoordinatorProcess]) -> None:
+    leader = _leader(pair)
+    standby = next(c for c in pair if c is not leader)
+    assert leader.proc is not None
+    joined = _join(leader.grpc_target, "paused")
+    leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over")
+        # Calls the paused leader took meanwhile wait in its socket; it must not answer them as leader.
+        channel = grpc.insecure_channel(leader.grpc_target)
+        pending = pb_grpc.CoordinatorStub(channel).ListJobs.future(pb.ListJobsRequest(), timeout=10)
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    wait_for(pending.done, 10, what="the resumed coordinator to answer")
+    error = pending.exception()
+    channel.close()
+    assert isinstance(error, grpc.RpcError), pending.result()
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    wait_for(
+        lambda: (
+            leader.get_json("/healthz")
+            == {"status": "SERVING", "role": "standby", "leader": standby.grpc_target}
+        ),
+        10,
+        what="the resumed coordinator to stand by naming the new leader",
+    )
+    assert _jobs(standby)["paused"]["generation"] == joined.generation  # type: ignore[index]
