@@ -177,6 +177,10 @@ class Elector:
             except StoreUnavailableError as error:
                 log.warning("could not give up the leader lease (a standby takes over in its TTL): %s", error)
 
+    def lease_valid(self) -> bool:
+        """Whether this replica's lease is surely alive now (see :class:`LeaseClock`)."""
+        return self.clock.valid(self._monotonic())
+
     def step_down(self, reason: str) -> None:
         """Stop leading now (a fenced write failed); the next round looks again."""
         if self.decision.role is Role.LEADER:

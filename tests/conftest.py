@@ -93,6 +93,7 @@ class CoordinatorProcess:
         try:
             wait_for(healthy, timeout, what=f"{self.http_url}/healthz to answer 200")
         except WaitTimeout as exc:
+            self.kill()  # a start that failed leaves no process behind
             raise TimeoutError(f"coordinator not healthy within {timeout} s: {self.log()}") from exc
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:

@@ -57,8 +57,10 @@ def _start(cluster: EtcdCluster, tmp_path: Path, index: int, prefix: str) -> Coo
 
 @pytest.fixture
 def pair(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[list[CoordinatorProcess]]:
-    coords = [_start(etcd_cluster, tmp_path, i, "ha") for i in range(2)]
+    coords: list[CoordinatorProcess] = []
     try:
+        for i in range(2):
+            coords.append(_start(etcd_cluster, tmp_path, i, "ha"))
         yield coords
     finally:
         for coord in coords:
@@ -264,11 +266,11 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
 
     history = _leader_history(etcd_cluster, "/ha/leader")
     puts = [(rev, lease) for kind, rev, lease in history if kind == "PUT"]
-    creates = [rev for rev, _ in dict.fromkeys(puts)]
+    creates = list(dict.fromkeys(rev for rev, _ in puts))
     assert len(creates) == 2, history
-    assert creates == sorted(set(creates))
-    # Each create revision has one owner (lease) for its whole life.
-    assert len({rev: lease for rev, lease in puts}) == len(set(puts))
+    assert creates == sorted(creates)
+    # Each creation has one owner (lease) for its whole life.
+    assert len(set(puts)) == len(creates), history
 
 
 def test_one_etcd_member_killed_changes_nothing(
@@ -332,3 +334,53 @@ def test_a_leader_stopped_in_order_hands_over_at_once(pair: list[CoordinatorProc
     print(f"take-over after SIGTERM of the leader: {took:.2f} s")
     assert took < TTL_S
     assert _jobs(standby)["orderly"]["state"] == "RUNNING"  # type: ignore[index]
+
+
+def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etcd(tmp_path: Path) -> None:
+    coord = CoordinatorProcess(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        state_path=None,
+        args=["--store", f"etcd://127.0.0.1:{free_port()}/nowhere", "--leader-ttl", "1"],
+        log_path=tmp_path / "coordinator.log",
+    )
+    coord.start()
+    try:
+        assert coord.get_json("/healthz") == {"status": "SERVING", "role": "standby", "leader": ""}
+        assert _health(coord.grpc_target, SERVICE) == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as refused:
+            _join(coord.grpc_target, "nowhere")
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "etcd at 127.0.0.1:" in str(refused.value.details())
+        assert leader_hint(refused.value) == ""
+    finally:
+        assert coord.stop() == 0
+
+
+def test_a_leader_paused_past_its_ttl_stands_by_when_it_resumes(pair: list[CoordinatorProcess]) -> None:
+    leader = _leader(pair)
+    standby = next(c for c in pair if c is not leader)
+    assert leader.proc is not None
+    joined = _join(leader.grpc_target, "paused")
+    leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over")
+        # Calls the paused leader took meanwhile wait in its socket; it must not answer them as leader.
+        channel = grpc.insecure_channel(leader.grpc_target)
+        pending = pb_grpc.CoordinatorStub(channel).ListJobs.future(pb.ListJobsRequest(), timeout=10)
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    wait_for(pending.done, 10, what="the resumed coordinator to answer")
+    error = pending.exception()
+    channel.close()
+    assert isinstance(error, grpc.RpcError), pending.result()
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    wait_for(
+        lambda: (
+            leader.get_json("/healthz")
+            == {"status": "SERVING", "role": "standby", "leader": standby.grpc_target}
+        ),
+        10,
+        what="the resumed coordinator to stand by naming the new leader",
+    )
+    assert _jobs(standby)["paused"]["generation"] == joined.generation  # type: ignore[index]

@@ -33,6 +33,7 @@ from tests.test_etcd_failover import (
     _jobs,
     _join,
     _leader,
+    _leader_history,
     _role,
     leader_hint,
 )
@@ -119,12 +120,13 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
         args=_args(cluster.url("part")),
         log_path=tmp_path / "other.log",
     )
-    cut_off.start()
-    # Only once the first leads, so that the one in the namespace is the leader.
-    wait_for(lambda: _role(cut_off) == "leader", 15, what="the namespaced coordinator to lead")
-    other.start()
-    recorder = LeadershipRecorder([cut_off, other])
+    recorder: LeadershipRecorder | None = None
     try:
+        cut_off.start()
+        # Only once the first leads, so that the one in the namespace is the leader.
+        wait_for(lambda: _role(cut_off) == "leader", 15, what="the namespaced coordinator to lead")
+        other.start()
+        recorder = LeadershipRecorder([cut_off, other])
         assert _role(other) == "standby"
         before = _join(cut_off.grpc_target, "before").assignments[0]
         # Its member's heartbeat stream, open on the leader through the cut.
@@ -195,10 +197,18 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
             _join(cut_off.grpc_target, "after")
         assert leader_hint(hinted.value) == other.grpc_target
     finally:
-        recorder.close()
-        cut_off.stop()
-        other.stop()
+        if recorder is not None:
+            recorder.close()
+        for coord in (cut_off, other):
+            if coord.proc is not None:
+                coord.stop()
     assert recorder.both == []
+    # etcd's own record: the key was created twice (each creation one lease), in order.
+    history = _leader_history(cluster, "/part/leader")
+    creates = list(dict.fromkeys(rev for kind, rev, _ in history if kind == "PUT"))
+    assert len(creates) == 2, history
+    assert creates == sorted(creates)
+    assert len({(rev, lease) for kind, rev, lease in history if kind == "PUT"}) == 2, history
 
 
 class HeartbeatStream:

@@ -45,10 +45,11 @@ class CountingStore:
         if self.fail_next:
             self.fail_next -= 1
             raise sqlite3.OperationalError("database or disk is full")
+        self.inner.write_rows(rows)
+        # Counted once written: a test that waits for a batch may then read it back.
         self.batches.append(
             [f"{name}#{generation}:{len(json.loads(raw)['members'])}" for name, generation, _, raw in rows]
         )
-        self.inner.write_rows(rows)
 
     def close(self) -> None:
         self.inner.close()
