@@ -193,6 +193,8 @@ class ReplicaChannel(CoordinatorChannel):
                 ``fail_fast``, in one round); the message names each one's problem.
         """
         attempt = _Attempt(method, started, started + deadline, fail_fast)
+        # A standby's last refusal: when the deadline cuts the next try, it says more than that.
+        refusal: grpc.aio.AioRpcError | None = None
         while True:
             target = self.target
             try:
@@ -206,8 +208,11 @@ class ReplicaChannel(CoordinatorChannel):
                     result = await (self._diagnosed(call, method, fail_fast=fail_fast) if diagnose else call)
             except grpc.aio.AioRpcError as err:
                 delay = self.after_failure(target, err)
+                if delay is None and refusal is not None and err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise refusal from None
                 if delay is None or (not self.replicated and attempt.left() <= delay):
                     raise
+                refusal = err if leader_hint(err) is not None else None
                 await self._wait_next(attempt, delay)
                 continue
             self.answered(target)

@@ -28,7 +28,7 @@ import pytest
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
-from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError
+from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError, NotLeaderError
 from sarcomm.common.failover import BACKOFF_MAX_S, Failover
 from sarcomm.common.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
 from sarcomm.common.messages import Event, HeartbeatReply, MemberReport
@@ -273,6 +273,20 @@ def test_sar_worker_given_replicas_it_cannot_use_names_each_ones_problem_within_
         "'no-such-coordinator.invalid' does not resolve"
     ) in said, said
     assert re.search(r"still trying \(\d+ s so far, \d+ s left\)$", said), said
+
+
+async def test_a_single_address_that_is_a_standby_knowing_no_leader_ends_in_not_leader_error() -> None:
+    # One address keeps gRPC's own retries (up to 5 tries of a refusal, ~1.5 s): the deadline
+    # leaves room for the client's own tries after them.
+    async with Standby("") as standby, CoordinatorClient(standby.target, timeout=6.0) as client:
+        with pytest.raises(NotLeaderError) as caught:
+            await client.list_jobs()
+    assert caught.value.leader == ""
+    assert str(caught.value) == (
+        f"The coordinator at {standby.target} is a standby (ListJobs): it knows no leader yet; this "
+        "coordinator is a standby: no leader is known yet"
+    )
+    assert standby.calls["ListJobs"] >= 2  # asked again while the deadline lasted
 
 
 # -- heartbeat and watch streams across a failover -------------------------------------------------
