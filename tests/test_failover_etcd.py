@@ -68,7 +68,7 @@ def replicas(
         leader = leading[0]
         standby = next(c for c in coords if c is not leader)
         wait_for(
-            lambda: dict(standby.get_json("/healthz")).get("leader") == leader.grpc_target,  # type: ignore[call-overload]
+            lambda: _named_leader(standby) == leader.grpc_target,
             15,
             what="the standby to know the leader",
         )
@@ -85,6 +85,14 @@ def _role(coord: CoordinatorProcess) -> str:
         return str(dict(coord.get_json("/healthz"))["role"])  # type: ignore[call-overload]
     except OSError:
         return "down"
+
+
+def _named_leader(coord: CoordinatorProcess) -> str:
+    """The leader ``coord``'s /healthz names ("" when it cannot be asked now)."""
+    try:
+        return str(dict(coord.get_json("/healthz")).get("leader", ""))  # type: ignore[call-overload]
+    except OSError:
+        return ""
 
 
 def _failed_anyone(coord: CoordinatorProcess) -> bool:
