@@ -34,6 +34,7 @@ from sarcomm.common.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
 from sarcomm.common.messages import Event, HeartbeatReply, MemberReport
 from sarcomm.common.replicas import CONNECT_S
 from sarcomm.worker import cli as worker_cli
+from sarcomm.worker.agent_config import AgentConfig
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 from tests.standby import Standby
@@ -114,6 +115,13 @@ def test_sar_worker_takes_a_list_from_the_flag_or_sar_coord_and_names_a_bad_item
     with pytest.raises(InvalidArgumentError) as caught:
         worker_cli.parse(["--coord", "a:0", "--job", "j", "--world-size", "1", "--", "true"], {})
     assert str(caught.value) == "--coord 'a:0' must be HOST:PORT with a port in 1..65535."
+
+
+def test_an_agent_config_keeps_one_form_of_the_list_and_refuses_a_bad_one() -> None:
+    config = AgentConfig(coord=" a:1 , b:2", job="j", world_size=1, command=("x",))
+    assert config.coord == "a:1,b:2"  # what the ranks get in SAR_COORD
+    with pytest.raises(InvalidArgumentError, match=r"repeats item 1"):
+        AgentConfig(coord="a:1,a:1", job="j", world_size=1, command=("x",))
 
 
 def test_client_refuses_a_bad_list_before_any_call() -> None:
