@@ -2,9 +2,11 @@
 
 How all_to_all runs
 -------------------
-- **Equal sizes on gloo** (both lists plain lists of host-memory tensors of one shape and dtype,
-  each message at most ``small_message_bytes``) go straight to ``dist.all_to_all``: nothing is
-  packed, copied or checked twice in Python. Each rank decides by its own lists alone, so ranks
+- **Equal sizes on gloo** (both lists plain lists of host-memory tensors of one shape and one
+  non-complex dtype, each message at most ``small_message_bytes``) go straight to gloo's own
+  all_to_all, the process group's call itself: nothing is packed or copied in Python, and what
+  torch's ``dist.all_to_all`` would check again (4 us a call) is not. Each rank decides by its own
+  lists alone, so ranks
   can decide differently (a rank whose messages are all equal can have a peer whose messages are
   not), and that is safe: gloo's equal-size all_to_all and the packed ``all_to_all_single`` of the
   other path are the same exchange on the wire (one message per pair of ranks, on the same slot,
@@ -46,7 +48,7 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.worker import comm
 from sarcomm.worker.alltoall_checks import check_exchange_lists, check_sizes_with_peers, checked_sizes
 from sarcomm.worker.alltoall_gloo import hybrid_all_to_all
-from sarcomm.worker.timing import Unsupported, raise_not_ready, route, timed, timed_call
+from sarcomm.worker.timing import Unsupported, raise_not_ready, route, timed, timed_all_to_all, timed_call
 
 __all__ = [
     "AllToAllConfig",
@@ -185,31 +187,30 @@ def all_to_all(
         and (group is not None or state.backend == "gloo")
         and (_SAR_CONFIG_MODULE not in sys.modules or max_collective_size() == 0)
         and (not move_to_comm_device or state.comm_device.type == "cpu")
+        and isinstance(recv_list, list)
+        and isinstance(send_list, list)
         and _equal_small_cpu(recv_list, send_list, state.world_size)
     ):
         stats = state.stats["all_to_all"] if group is None else state.cpu_stats["all_to_all"]
         nbytes = send_list[0].nbytes * (state.world_size - 1)
         try:
-            timed(stats, nbytes, _native_all_to_all, recv_list, send_list, group)
+            timed_all_to_all(stats, nbytes, recv_list, send_list, group)
             return
         except Unsupported as exc:
             _no_gloo_lists(exc)
     _all_to_all_general(recv_list, send_list, move_to_comm_device)
 
 
-def _equal_small_cpu(
-    recv_list: Sequence[torch.Tensor], send_list: Sequence[torch.Tensor], world: int
-) -> bool:
-    """Whether both lists are lists of ``world`` host-memory tensors of one shape and dtype, each
-    at most ``small_message_bytes``. False for anything else (the general path judges it)."""
-    if type(send_list) is not list or type(recv_list) is not list:
-        return False
+def _equal_small_cpu(recv_list: list[torch.Tensor], send_list: list[torch.Tensor], world: int) -> bool:
+    """Whether both lists hold ``world`` host-memory tensors of one shape and one non-complex
+    dtype, each at most ``small_message_bytes``. False for anything else (the general path judges
+    it). The lists' type is checked by the caller."""
     if len(send_list) != world or len(recv_list) != world:
         return False
     try:
         first = send_list[0]
         shape, dtype = first.shape, first.dtype
-        if first.nbytes > _a2a_config.small_message_bytes:
+        if first.nbytes > _a2a_config.small_message_bytes or dtype.is_complex:
             return False
         for t in send_list:
             if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
@@ -220,18 +221,6 @@ def _equal_small_cpu(
     except AttributeError:  # not a tensor
         return False
     return True
-
-
-def _native_all_to_all(
-    recvs: list[torch.Tensor], sends: list[torch.Tensor], group: dist.ProcessGroup | None
-) -> None:
-    try:
-        dist.all_to_all(recvs, sends, group=group)
-    except RuntimeError as exc:
-        # Older torch: gloo refuses the list all_to_all before sending anything, on every rank.
-        if "does not support alltoall" in str(exc):
-            raise Unsupported(str(exc)) from exc
-        raise
 
 
 def _no_gloo_lists(exc: Unsupported) -> None:
