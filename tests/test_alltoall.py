@@ -177,26 +177,39 @@ def mixed_rows(src: int, dst: int, equal_rows: int) -> int:
     return (3, 5, 8, 1)[(src + 2 * dst) % 4]
 
 
+def mixed_dtype(src: int, dst: int, others: torch.dtype) -> torch.dtype:
+    """float32 to and from rank 0; ``others`` between the other ranks."""
+    return torch.float32 if src == 0 or dst == 0 else others
+
+
 def _mixed_cases(rank: int, world: int, calls: Counted) -> dict[str, Any]:
     """Rank 0's sizes are equal, the others' are not: rank 0 takes the equal-size path, the others
-    the hybrid one, in the same call; then an all_reduce checks that the ranks are still in step."""
+    the hybrid one, in the same call; then an all_reduce checks that the ranks are still in step.
+    With int64 between the other ranks, their hybrid path packs bytes (element size 1) where rank 0
+    sends float32 (element size 4)."""
     wrong: list[str] = []
     paths: dict[str, dict[str, int]] = {}
     default = collectives.all_to_all_config().small_message_bytes
     collectives.configure_all_to_all(small_message_bytes=4 * 1024)
     try:
-        for equal_rows in (2, 0, 4):
-            case = f"rank 0 equal at {equal_rows} rows"
-            send = [
-                block(rank, d, (mixed_rows(rank, d, equal_rows), ROW), torch.float32) for d in range(world)
+        for equal_rows, others in (
+            (2, torch.float32),
+            (0, torch.float32),
+            (4, torch.float32),
+            (2, torch.int64),
+        ):
+            case = f"rank 0 equal at {equal_rows} rows, {others} between the others"
+
+            def message(src: int, dst: int) -> torch.Tensor:
+                shape = (mixed_rows(src, dst, equal_rows), ROW)  # noqa: B023
+                return block(src, dst, shape, mixed_dtype(src, dst, others))  # noqa: B023
+
+            send = [message(rank, d) for d in range(world)]
+            recv = [torch.zeros_like(message(s, rank)) for s in range(world)]
+            paths[case] = calls.during(functools.partial(collectives.all_to_all, recv, send))
+            wrong += [
+                f"{case} from {src}" for src in range(world) if not torch.equal(recv[src], message(src, rank))
             ]
-            recv = [torch.zeros(mixed_rows(s, rank, equal_rows), ROW) for s in range(world)]
-            paths[case] = calls.during(lambda: collectives.all_to_all(recv, send))  # noqa: B023
-            for src in range(world):
-                if not torch.equal(
-                    recv[src], block(src, rank, (mixed_rows(src, rank, equal_rows), ROW), torch.float32)
-                ):
-                    wrong.append(f"{case} from {src}")
             total = torch.tensor([float(rank + 1)])
             dist.all_reduce(total)
             if float(total) != world * (world + 1) / 2:
@@ -415,7 +428,8 @@ def test_ranks_on_different_paths_exchange_correctly_and_stay_in_step(
                 assert "alltoall" not in path, (rank, case)
     # Point-to-point messages ran beside rank 0's equal-size call (5 and 8 rows are above 4 KiB).
     assert size == 2 or any(
-        r["mixed"]["paths"]["rank 0 equal at 2 rows"].get("isend") for r in results.values()
+        r["mixed"]["paths"]["rank 0 equal at 2 rows, torch.float32 between the others"].get("isend")
+        for r in results.values()
     )
 
 
