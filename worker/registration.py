@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -44,6 +45,7 @@ from sarcomm.worker.services import install_progress
 __all__ = [
     "add_peer_failure_listener",
     "coord_ip_init",
+    "leave",
     "peer_failure",
     "peer_verdict_wait",
     "register",
@@ -199,6 +201,30 @@ class _Registration:
 
         sys.excepthook = excepthook
         atexit.register(self.close)
+        # A multiprocessing child (fork, forkserver) ends with os._exit, so atexit never runs
+        # there; multiprocessing runs its own finalizers first, in every start method, inside the
+        # `finally` around the process's target, where an exception in flight is still visible.
+        multiprocessing.util.Finalize(None, self._close_at_process_exit, exitpriority=100)
+
+    def _close_at_process_exit(self) -> None:
+        """Leave as a multiprocessing child ends: 0 when its target returned, else the status and
+        the reason of the exception that is ending it."""
+        error = sys.exc_info()[1]
+        if error is None:
+            self.close()
+        elif isinstance(error, SystemExit):
+            code = error.code  # sys.exit(None) is 0; sys.exit("message") is 1 with that message
+            if code is None or isinstance(code, int):
+                self.close(code or 0)
+            else:
+                self.close(1, str(code)[:512])
+        else:
+            self._uncaught = error
+            self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, exit_code: int | None = None, reason: str = "") -> None:
         """Stop heartbeating and report ``Leave`` (bounded by the client's timeout); idempotent.
@@ -242,6 +268,18 @@ class _Registration:
 _registration: _Registration | None = None
 _registration_lock = threading.Lock()
 _peer_failure_listeners: list[Callable[[PeerFailedError], None]] = []
+
+
+def leave(exit_code: int = 0, reason: str = "") -> bool:
+    """Report ``Leave`` with ``exit_code`` for this self-registered process now and stop its
+    heartbeats (bounded by the client's timeout); True when it was a member that had not left.
+    Later calls, and the exit hooks, do nothing. Under ``sar-worker`` (not self-registered) it does
+    nothing and returns False: the agent reports the rank's exit."""
+    registration = _registration
+    if registration is None or registration.closed:
+        return False
+    registration.close(exit_code, reason)
+    return True
 
 
 def add_peer_failure_listener(listener: Callable[[PeerFailedError], None]) -> None:
