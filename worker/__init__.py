@@ -51,8 +51,8 @@ _EXPORTS: dict[str, str] = {
     "recv": "collectives",
     "barrier": "collectives",
     "exchange_single_tensor": "sar_compat",
-    "CommThread": "comm_thread",
-    "comm_thread": "comm_thread",
+    "CommThread": "task_thread",
+    "comm_thread": "task_thread",
     # coordinator client
     "CoordinatorClient": "sarcomm.common.client",
     "Assignment": "sarcomm.common.messages",
@@ -107,11 +107,11 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.worker.comm import master_port as master_port
     from sarcomm.worker.comm import rank as rank
     from sarcomm.worker.comm import world_size as world_size
-    from sarcomm.worker.comm_thread import CommThread as CommThread
-    from sarcomm.worker.comm_thread import comm_thread as comm_thread
     from sarcomm.worker.lifecycle import finalize as finalize
     from sarcomm.worker.registration import coord_ip_init as coord_ip_init
     from sarcomm.worker.sar_compat import exchange_single_tensor as exchange_single_tensor
     from sarcomm.worker.sar_compat import nfs_ip_init as nfs_ip_init
     from sarcomm.worker.startup import WorkerInfo as WorkerInfo
     from sarcomm.worker.startup import init as init
+    from sarcomm.worker.task_thread import CommThread as CommThread
+    from sarcomm.worker.task_thread import comm_thread as comm_thread

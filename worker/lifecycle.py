@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from sarcomm.worker import comm, registration
-from sarcomm.worker.comm_thread import comm_thread
+from sarcomm.worker.task_thread import comm_thread
 
 __all__ = ["finalize"]
 

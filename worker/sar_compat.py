@@ -1,6 +1,6 @@
 """The rest of SAR's ``sar.comm`` names that SAR's own modules import: ``exchange_single_tensor``
 (its sequential aggregation fetches each remote partition's features with it, from the
-:mod:`~sarcomm.worker.comm_thread`) and ``nfs_ip_init`` (the start-up sarcomm replaces).
+:mod:`~sarcomm.worker.task_thread`) and ``nfs_ip_init`` (the start-up sarcomm replaces).
 
 ``exchange_single_tensor(recv_idx, send_idx, recv_tensor, send_tensor)`` keeps SAR's semantics
 (send ``send_tensor`` to ``send_idx``, fill ``recv_tensor`` from ``recv_idx``; both this rank: a
