@@ -14,6 +14,7 @@ import functools
 import os
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -77,7 +78,7 @@ def _exchange_rounds(rank: int, world: int) -> dict[str, Any]:
 def _exchange_errors(rank: int, world: int) -> dict[str, str]:
     found: dict[str, str] = {}
     t = torch.zeros(1, COLS)
-    cases = {
+    cases: dict[str, Callable[[], None]] = {
         "range": lambda: sar.exchange_single_tensor(world, rank, t, t),
         "self_one_side": lambda: sar.exchange_single_tensor(rank, (rank + 1) % world, t, t),
         "dtype": lambda: sar.exchange_single_tensor(rank, rank, t, t.long()),
@@ -131,10 +132,11 @@ def _keywords(rank: int, world: int) -> dict[str, Any]:
     if t.tolist() != [world * (world + 1) / 2] * 2:
         wrong.append(f"all_reduce(red_tensor=) gave {t.tolist()}")
     errors = []
-    for call in (
+    calls: tuple[Callable[[], object], ...] = (
         lambda: sar.all_to_all(recv, send, recv_tensors=recv),
         lambda: sar.all_reduce(t, red_tensor=t),
-    ):
+    )
+    for call in calls:
         try:
             call()
         except TypeError as exc:
@@ -211,7 +213,7 @@ def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[s
 def test_master_ip_and_port_are_the_ones_initialize_comms_used(
     world_results: tuple[int, dict[int, dict[str, Any]]],
 ) -> None:
-    world, results = world_results
+    _, results = world_results
     seen = {r["master"] for r in results.values()}
     assert len(seen) == 1
     ip, port, env_port = seen.pop()
@@ -255,10 +257,10 @@ def test_sar_keyword_names_are_accepted_and_both_spellings_refused(
     world, results = world_results
     for rank, r in results.items():
         assert r["keywords"]["wrong"] == [], f"rank {rank}"
+        same = "SAR's name for the same argument: pass one of them."
         assert r["keywords"]["errors"] == [
-            "all_to_all() got both 'recv_list' and 'recv_tensors', SAR's name for the same argument: pass one "
-            "of them.",
-            "all_reduce() got both 'tensor' and 'red_tensor', SAR's name for the same argument: pass one of them.",
+            f"all_to_all() got both 'recv_list' and 'recv_tensors', {same}",
+            f"all_reduce() got both 'tensor' and 'red_tensor', {same}",
         ]
         assert r["reinit"] == float(world)
 
@@ -287,7 +289,8 @@ def test_initialize_comms_refuses_both_spellings_and_a_missing_rank() -> None:
         sar.initialize_comms(0, 1, "127.0.0.1", "gloo", "cpu", _comm_device="cpu")
     with pytest.raises(
         TypeError,
-        match=r"^initialize_comms\(\) missing required argument 'world_size' \(SAR's name: '_world_size'\)\.$",
+        match=r"^initialize_comms\(\) missing required argument 'world_size' "
+        r"\(SAR's name: '_world_size'\)\.$",
     ):
         sar.initialize_comms(_rank=0, master_ip_address="127.0.0.1", backend="gloo")
     with pytest.raises(TypeError, match=r"^initialize_comms\(\) missing required argument 'backend'\.$"):
@@ -338,7 +341,7 @@ def test_comm_thread_keeps_order_skips_none_and_hands_over_exceptions() -> None:
             thread.get_result(block=False)
         gate.set()
         assert thread.get_result(timeout=10) == 1
-        with pytest.raises(ValueError, match="^task broke$"):
+        with pytest.raises(ValueError, match=r"^task broke$"):
             thread.get_result(timeout=10)
         assert thread.get_result(timeout=10) == 4  # the thread survived the exception
         assert order == [1, 2]

@@ -34,7 +34,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Final
+from typing import Final, cast
 
 import torch
 import torch.distributed as dist
@@ -186,7 +186,8 @@ def initialize_comms(
     func = "initialize_comms"
     rank = sar_keywords.required(func, "rank", rank, "_rank", _rank)
     world_size = sar_keywords.required(func, "world_size", world_size, "_world_size", _world_size)
-    comm_device = sar_keywords.one_of(func, "comm_device", comm_device, "_comm_device", _comm_device)
+    device_arg = sar_keywords.one_of(func, "comm_device", comm_device, "_comm_device", _comm_device)
+    comm_device = cast("torch.device | str | None", device_arg)
     if master_ip_address is None or backend is None:
         missing = "master_ip_address" if master_ip_address is None else "backend"
         raise TypeError(f"initialize_comms() missing required argument {missing!r}.")

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import sys
 import time
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 DEADLINE_S = 90.0
 
@@ -45,7 +46,12 @@ def rank_main(mode: str, rank: int, world: int, coord: str, job: str) -> None:
 
 def main(argv: list[str]) -> int:
     method, mode, world, coord, job = argv[0], argv[1], int(argv[2]), argv[3], argv[4]
-    ctx = multiprocessing.get_context(method)
+    contexts: dict[str, ForkContext | SpawnContext | ForkServerContext] = {
+        "fork": multiprocessing.get_context("fork"),
+        "spawn": multiprocessing.get_context("spawn"),
+        "forkserver": multiprocessing.get_context("forkserver"),
+    }
+    ctx = contexts[method]
     children = [ctx.Process(target=rank_main, args=(mode, r, world, coord, job)) for r in range(world)]
     for child in children:
         child.start()
