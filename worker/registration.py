@@ -38,7 +38,12 @@ from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, Sarcomm
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.common.tls import ClientTls, read_token_file
-from sarcomm.worker.launch_env import heartbeat_interval_setting, socket_name_setting
+from sarcomm.worker.launch_env import (
+    heartbeat_interval_setting,
+    metrics_host_setting,
+    metrics_report_host,
+    socket_name_setting,
+)
 from sarcomm.worker.progress import ProgressWriter
 from sarcomm.worker.services import install_progress
 
@@ -140,14 +145,16 @@ class _Registration:
         self.result = self._thread.run(_join(), deadline + 10.0)
         return self.result
 
-    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter) -> None:
-        """Heartbeat for the joined member, with the progress the collectives note in ``progress``."""
+    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter, metrics_host: str) -> None:
+        """Heartbeat for the joined member, with the progress the collectives note in ``progress``
+        and its ``/metrics`` endpoint, bound on ``metrics_host``."""
         member = result.assignments[0]
+        report_host = metrics_report_host(metrics_host, member.address)
 
         def reports() -> list[MemberReport]:
             seq, op, in_collective, since = progress.current  # one tuple, swapped whole by the writer
             port = progress.metrics_port
-            metrics_address = host_port(member.address, port) if port else ""
+            metrics_address = host_port(report_host, port) if port else ""
             return [
                 MemberReport(
                     member.member_id, member.secret, Progress(seq, op, in_collective, since), metrics_address
@@ -328,6 +335,7 @@ def register(
     validate_target(coord)
     interval = heartbeat_interval_setting(environ, heartbeat_interval)
     socket_name = socket_name_setting(environ)
+    metrics_host = metrics_host_setting(environ)
     if socket_name:
         # Checked here so a typo is reported on the host that made it, with the names that exist.
         netinfo.check_socket_name(socket_name)
@@ -364,7 +372,7 @@ def register(
         finally:
             # Released now so that rank 0's TCPStore (this process, in initialize_comms) can bind it.
             reservation.close()
-        registration.start_heartbeats(result, install_progress(None, interval))
+        registration.start_heartbeats(result, install_progress(None, interval), metrics_host)
         _registration = registration
     member = result.assignments[0]
     environ.update(
