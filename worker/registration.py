@@ -7,7 +7,10 @@ registers through the same :func:`register`.
 
 A process that registered itself is kept alive at the coordinator by a heartbeat stream running on
 a private event-loop thread, carrying the progress its collectives note; it reports ``Leave`` when
-the interpreter exits (exit code 1 after an uncaught exception, else 0). A failure of another rank
+the interpreter exits (exit code 1 after an uncaught exception, else 0), when it is a
+``multiprocessing`` child whose target ends (such a child ends with ``os._exit``, so atexit never
+runs there: a multiprocessing finalizer does it, 0 when the target returned, else 1 and the
+exception), or when :func:`leave` (``sar.finalize()``) says so. A failure of another rank
 that the heartbeats report is logged, kept for :func:`peer_failure` and handed to every listener of
 :func:`add_peer_failure_listener` (the communication state registers one, so that the next
 collective, and one already waiting, raises :class:`~sarcomm.common.errors.PeerFailedError`
