@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +24,7 @@ import torch
 
 import sarcomm.worker as sar
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError
-from sarcomm.worker import collectives, comm, metrics
+from sarcomm.worker import collectives, comm, metrics, sar_keywords
 from sarcomm.worker.task_thread import CommThread
 from tests.gloo_group import run_gloo
 from tests.helpers import free_port
@@ -128,7 +130,8 @@ def _keywords(rank: int, world: int) -> dict[str, Any]:
     if any(not torch.equal(recv[s], block(s, rank)) for s in range(world)):
         wrong.append("all_to_all(recv, send_tensors=)")
     t = torch.full((2,), float(rank + 1))
-    sar.all_reduce(red_tensor=t, op=torch.distributed.ReduceOp.SUM, move_to_comm_device=True)
+    # As SAR's examples call it: through ``sar.comm``.
+    sar.comm.all_reduce(red_tensor=t, op=torch.distributed.ReduceOp.SUM, move_to_comm_device=True)
     if t.tolist() != [world * (world + 1) / 2] * 2:
         wrong.append(f"all_reduce(red_tensor=) gave {t.tolist()}")
     errors = []
@@ -317,6 +320,19 @@ def test_nfs_ip_init_returns_the_master_address_of_a_member(monkeypatch: pytest.
         InvalidArgumentError, match=r"^nfs_ip_init\(_rank=1, \.\.\.\) but this process is rank 2"
     ):
         sar.nfs_ip_init(1, "/nonexistent/ip_file")
+
+
+def test_sars_comm_names_resolve_through_sar_comm_in_a_fresh_process() -> None:
+    names = sorted(sar_keywords.SAR_COMM_NAMES_ELSEWHERE)
+    code = (
+        "import sarcomm.worker as sar\n"
+        f"for name in {names!r}:\n"
+        "    assert getattr(sar.comm, name) is getattr(sar, name), name\n"
+        "assert sar.comm.rank is sar.rank and sar.comm.master_port is sar.master_port\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
 
 
 def test_comm_thread_keeps_order_skips_none_and_hands_over_exceptions() -> None:

@@ -66,6 +66,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "comm":  # SAR's code says ``sar.comm.rank()``: the submodule, loaded on first use
+        return importlib.import_module("sarcomm.worker.comm")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'sarcomm.worker' has no attribute {name!r}")

@@ -34,11 +34,12 @@ import logging
 import os
 import socket
 import threading
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
 
+import sarcomm.worker as _package
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
 from sarcomm.worker import metrics, registration, sar_keywords
 from sarcomm.worker.backends import (
@@ -484,3 +485,11 @@ def master_port() -> int:
 # A coordinator that watches this process (it registered itself) reports failed peers from its
 # heartbeat thread: collectives then raise at once instead of waiting for a peer that is gone.
 registration.add_peer_failure_listener(mark_peer_failed)
+
+
+def __getattr__(name: str) -> Any:
+    # SAR's code calls its collectives as ``sar.comm.all_reduce(...)``: with ``import
+    # sarcomm.worker as sar`` that is this module, so SAR's names that live elsewhere resolve here.
+    if name in sar_keywords.SAR_COMM_NAMES_ELSEWHERE:
+        return getattr(_package, name)  # the package's lazy export (loaded on first use, not here)
+    raise AttributeError(f"module 'sarcomm.worker.comm' has no attribute {name!r}")

@@ -11,14 +11,22 @@ parameters defaulting to None, and resolves them here:
 - neither given for a required argument: ``TypeError`` naming both (as Python does for a missing
   one).
 
-Pure, no torch: the start-up code and the collectives both use it.
+Also the list of SAR's ``sar.comm`` names that live outside :mod:`sarcomm.worker.comm`. Pure, no
+torch: the start-up code and the collectives both use it.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Final, TypeVar
 
-__all__ = ["one_of", "required"]
+__all__ = ["SAR_COMM_NAMES_ELSEWHERE", "one_of", "required"]
+
+#: SAR's ``sar.comm`` names that sarcomm defines outside :mod:`sarcomm.worker.comm`; that module
+#: resolves them too, because SAR's code reaches them as ``sar.comm.all_reduce(...)``.
+SAR_COMM_NAMES_ELSEWHERE: Final = frozenset(
+    {"all_to_all", "all_reduce", "exchange_tensors", "exchange_single_tensor", "sync_params", "gather_grads",
+     "CommThread", "comm_thread", "nfs_ip_init"}
+)  # fmt: skip
 
 _T = TypeVar("_T")
 
