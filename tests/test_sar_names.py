@@ -322,6 +322,12 @@ def test_nfs_ip_init_returns_the_master_address_of_a_member(monkeypatch: pytest.
         sar.nfs_ip_init(1, "/nonexistent/ip_file")
 
 
+def test_finalize_without_a_job_does_nothing_every_time() -> None:
+    sar.finalize()
+    sar.finalize()
+    assert not sar.is_initialized()
+
+
 def test_sars_comm_names_resolve_through_sar_comm_in_a_fresh_process() -> None:
     names = sorted(sar_keywords.SAR_COMM_NAMES_ELSEWHERE)
     code = (
