@@ -147,10 +147,10 @@ def _gather_grads(params: list[torch.nn.Parameter], average: bool, bucketed: boo
     if bucketed:
         _bucketed(dense, reduce, write_back=True)
         return
-    for grad in dense:  # SAR's order: one all_reduce per gradient, on the comm device
-        if grad.is_cpu and state.cpu_group is not None:
-            reduce(grad, state.cpu_group)
-            continue
+    # SAR's order: one all_reduce per gradient, on the comm device as SAR does (in an nccl job a CPU
+    # gradient goes to the GPU and through NCCL, not through the gloo side group, so that the sums
+    # are the ones SAR gets).
+    for grad in dense:
         target = grad if grad.device == state.comm_device else grad.to(state.comm_device)
         reduce(target, None)
         if target is not grad:
