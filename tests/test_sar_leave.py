@@ -76,6 +76,16 @@ def test_a_multiprocessing_child_that_raises_fails_the_job_with_its_reason(
     assert {by_rank[r]["exit_code"] for r in (0, 2)} == {0}
 
 
+def test_a_multiprocessing_child_that_calls_sys_exit_leaves_with_its_code(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = run_job(coordinator, "fork", "exit3", "mp-exit3")
+    assert job["state"] == "FAILED", job
+    by_rank = {m["rank"]: m for m in job["members"]}
+    assert (by_rank[1]["state"], by_rank[1]["exit_code"]) == ("FAILED", 3)
+    assert {by_rank[r]["exit_code"] for r in (0, 2)} == {0}
+
+
 def test_finalize_leaves_once_and_the_job_finishes(coordinator: CoordinatorProcess) -> None:
     job = run_job(coordinator, "fork", "finalize", "mp-finalize")
     assert job["state"] == "FINISHED", job

@@ -6,10 +6,12 @@ JOB at COORD with ``coord_ip_init``, initialises gloo, checks one all_reduce and
 
     return      returns normally (a fork child then ends with os._exit: no atexit runs)
     raise       rank 1 raises ValueError("rank 1 broke on purpose"); the others return
+    exit3       rank 1 calls sys.exit(3); the others return
     finalize    calls sar.finalize() twice (the second does nothing), then returns
 
 The parent waits for every child (at most 90 s, then kills them) and exits 0 when each child's exit
-code is the one its mode means (0, or 1 for the rank that raised), else 1 naming the children.
+code is the one its mode means (0; 1 for the rank that raised, 3 for the one that called
+sys.exit(3)), else 1 naming the children.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def rank_main(mode: str, rank: int, world: int, coord: str, job: str) -> None:
         raise AssertionError(f"rank {rank}: all_reduce gave {total.item()}, not {world}")
     if mode == "raise" and rank == 1:
         raise ValueError("rank 1 broke on purpose")
+    if mode == "exit3" and rank == 1:
+        sys.exit(3)
     if mode == "finalize":
         sar.finalize()
         sar.finalize()
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> int:
             child.join(5.0)
             wrong.append(f"rank {rank} still running after {DEADLINE_S:g} s")
             continue
-        expected = 1 if mode == "raise" and rank == 1 else 0
+        expected = {"raise": 1, "exit3": 3}.get(mode, 0) if rank == 1 else 0
         if child.exitcode != expected:
             wrong.append(f"rank {rank} exited with {child.exitcode}, expected {expected}")
     if wrong:
