@@ -83,6 +83,7 @@ def test_a_multiprocessing_child_that_calls_sys_exit_leaves_with_its_code(
     assert job["state"] == "FAILED", job
     by_rank = {m["rank"]: m for m in job["members"]}
     assert (by_rank[1]["state"], by_rank[1]["exit_code"]) == ("FAILED", 3)
+    assert 'exited with code 3 after KeyError: "rank 1\'s table"' in by_rank[1]["reason"]
     assert {by_rank[r]["exit_code"] for r in (0, 2)} == {0}
 
 

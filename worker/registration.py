@@ -224,10 +224,15 @@ class _Registration:
             self.close()
         elif isinstance(error, SystemExit):
             code = error.code  # sys.exit(None) is 0; sys.exit("message") is 1 with that message
-            if code is None or isinstance(code, int):
-                self.close(code or 0)
-            else:
+            if not isinstance(code, int | None):
                 self.close(1, str(code)[:512])
+                return
+            # torch.multiprocessing.spawn's wrapper turns an exception into sys.exit(1): name it.
+            cause = error.__context__
+            reason = (
+                f"exited with code {code} after {type(cause).__name__}: {cause}" if code and cause else ""
+            )
+            self.close(code or 0, reason[:512])
         else:
             self._uncaught = error
             self.close()

@@ -6,7 +6,8 @@ JOB at COORD with ``coord_ip_init``, initialises gloo, checks one all_reduce and
 
     return      returns normally (a fork child then ends with os._exit: no atexit runs)
     raise       rank 1 raises ValueError("rank 1 broke on purpose"); the others return
-    exit3       rank 1 calls sys.exit(3); the others return
+    exit3       rank 1 calls sys.exit(3) while handling an exception (as torch.multiprocessing.spawn's
+                wrapper does with sys.exit(1)); the others return
     finalize    calls sar.finalize() twice (the second does nothing), then returns
 
 The parent waits for every child (at most 90 s, then kills them) and exits 0 when each child's exit
@@ -40,7 +41,10 @@ def rank_main(mode: str, rank: int, world: int, coord: str, job: str) -> None:
     if mode == "raise" and rank == 1:
         raise ValueError("rank 1 broke on purpose")
     if mode == "exit3" and rank == 1:
-        sys.exit(3)
+        try:
+            raise KeyError("rank 1's table")
+        except KeyError:
+            sys.exit(3)
     if mode == "finalize":
         sar.finalize()
         sar.finalize()
