@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
     "INTERFACE_VARIABLES",
+    "METRICS_HOST_VARIABLE",
     "METRICS_PORT_VARIABLE",
     "PROGRESS_FILE_VARIABLE",
     "SOCKET_NAME_VARIABLE",
@@ -39,6 +40,8 @@ INTERFACE_VARIABLES: Final = (
 PROGRESS_FILE_VARIABLE: Final = "SAR_PROGRESS_FILE"
 #: The port a rank serves ``/metrics`` on (P + local rank; 0 any free port; -1 off).
 METRICS_PORT_VARIABLE: Final = "SAR_METRICS_PORT"
+#: The address a rank serves ``/metrics`` on (an IP address of its host; unset: every interface).
+METRICS_HOST_VARIABLE: Final = "SAR_METRICS_HOST"
 #: The pid of the ``sar-worker`` that started a rank; a rank whose agent is gone stops itself.
 AGENT_PID_VARIABLE: Final = "SAR_AGENT_PID"
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
-from sarcomm.worker import backends, collectives, comm, metrics, model_sync, timing, torch_ops
+from sarcomm.worker import backends, collectives, comm, metrics, model_sync, sar_compat, timing, torch_ops
 from sarcomm.worker.backends import BackendProbe
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
@@ -294,6 +294,16 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
 
     out.update(_model_helpers(rank, world))
     out["exchange_delta"] = _delta("exchange_tensors", lambda: collectives.exchange_tensors(tensors))
+    # SAR's exchange_single_tensor, one round of its ring: rank r sends r to r+1 (tests/test_sar_names.py
+    # checks it in depth).
+    single = torch.zeros(2)
+    out["single_delta"] = _delta(
+        "exchange_single_tensor",
+        lambda: sar_compat.exchange_single_tensor(
+            (rank - 1) % world, (rank + 1) % world, single, torch.full((2,), float(rank))
+        ),
+    )
+    out["single"] = single.tolist()
 
     # An error inside a collective is counted: src outside the world fails on every rank alike.
     def bad_broadcast() -> None:
@@ -510,6 +520,7 @@ def test_every_op_records_calls_and_bytes_sent(world: tuple[int, dict[int, dict[
         assert r["sync_params"] == (1, sum(4 * n for n in (6, 2, 2, 2, 2, 2)) + 8 if rank == 0 else 0, 0)
         assert r["gather_grads_False"][0] == 1
         assert r["exchange_delta"][0] == 1
+        assert (r["single_delta"], r["single"]) == ((1, 8, 0), [float((rank - 1) % size)] * 2)
         assert r["broadcast_error_delta"] == (0, 0, 1)
         if rank == 0:
             assert r["send_delta"] == [(1, 4, 0)] * (size - 1)

@@ -67,6 +67,7 @@ from sarcomm.worker.agent_decisions import (
     liveness_age,
     process_runs,
 )
+from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.output import Console, RankOutput, log_paths
 from sarcomm.worker.progress import ProgressReader
 from sarcomm.worker.rank_process import command_problem, launch_command, process_state
@@ -82,7 +83,8 @@ class _Rank:
     rank: int
     member_id: str
     secret: str = field(repr=False)
-    #: This rank's address on its interface: where its /metrics endpoint is reachable.
+    #: Where this rank's /metrics endpoint is reachable: its address on its interface, or the
+    #: --metrics-host it listens on.
     address: str
     progress: ProgressReader
     output: RankOutput
@@ -283,7 +285,7 @@ class _Run:
                 rank=a.rank,
                 member_id=a.member_id,
                 secret=a.secret,
-                address=a.address,
+                address=metrics_report_host(config.metrics_host, a.address),
                 progress=ProgressReader(progress_dir / f"rank{a.rank}.progress"),
                 output=RankOutput(
                     a.rank,

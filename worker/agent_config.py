@@ -16,6 +16,7 @@ from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
     INTERFACE_VARIABLES,
+    METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
     PROGRESS_FILE_VARIABLE,
     SOCKET_NAME_VARIABLE,
@@ -23,7 +24,7 @@ from sarcomm.common.constants import (
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.messages import JoinResult
 from sarcomm.common.tls import ClientTls
-from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE
+from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE, metrics_host
 from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
 
 __all__ = [
@@ -58,6 +59,8 @@ class AgentConfig:
         metrics_port: where the ranks serve /metrics: P > 0 gives local rank i port P+i, 0 (the
             default) any free port, -1 no endpoint. The agent reports each bound port to the
             coordinator, which lists it in ``/sd``.
+        metrics_host: the IP address the ranks serve /metrics on ("", the default: every
+            interface); given to them as ``SAR_METRICS_HOST``.
         join_timeout: seconds to wait for the world to form (None: the coordinator's default).
         heartbeat_interval: seconds between heartbeats (default 1; keep it at or below the
             coordinator's ``--heartbeat-interval``).
@@ -84,6 +87,7 @@ class AgentConfig:
     socket_name: str = ""
     max_restarts: int = 0
     metrics_port: int = 0
+    metrics_host: str = ""
     join_timeout: float | None = None
     heartbeat_interval: float = 1.0
     stop_grace: float = 10.0
@@ -125,6 +129,11 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--metrics-port {self.metrics_port} must be -1 (no metrics), 0 (any free port) or in "
                 f"1..{65536 - self.nproc_per_node}, so that port + local rank stays a TCP port."
+            )
+        if metrics_host(self.metrics_host, "--metrics-host") != self.metrics_host:
+            raise InvalidArgumentError(
+                f"--metrics-host {shorten(self.metrics_host)} must be an IP address written as "
+                f"{metrics_host(self.metrics_host, '--metrics-host')!r} (or '' for every interface)."
             )
         if self.join_timeout is not None and not self.join_timeout > 0:
             raise InvalidArgumentError(
@@ -198,6 +207,7 @@ def rank_environment(
 
     Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
     at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
+    ``SAR_METRICS_HOST`` (with ``--metrics-host``),
     ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record),
     ``SAR_AGENT_PID`` (the agent: a rank whose agent is gone stops, see
     :data:`~sarcomm.common.constants.AGENT_PID_VARIABLE`), ``OMP_NUM_THREADS`` unless set (see
@@ -231,5 +241,7 @@ def rank_environment(
         env["OMP_NUM_THREADS"] = str(omp_threads(config.node_ranks))
     if progress_file is not None:
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
+    if config.metrics_host:
+        env[METRICS_HOST_VARIABLE] = config.metrics_host
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})
     return env

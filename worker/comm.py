@@ -34,13 +34,14 @@ import logging
 import os
 import socket
 import threading
-from typing import Final
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
 
+import sarcomm.worker as _package
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
-from sarcomm.worker import metrics, registration
+from sarcomm.worker import metrics, registration, sar_keywords
 from sarcomm.worker.backends import (
     CCL_MODULE,
     adopted_backend,
@@ -80,6 +81,7 @@ OPS: Final = (
     "all_to_all",
     "all_reduce",
     "exchange_tensors",
+    "exchange_single_tensor",
     "sync_params",
     "gather_grads",
     "broadcast",
@@ -151,14 +153,22 @@ STATE: Final = CommState()
 
 
 def initialize_comms(
-    rank: int,
-    world_size: int,
-    master_ip_address: str,
-    backend: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_ip_address: str | None = None,
+    backend: str | None = None,
     comm_device: torch.device | str | None = None,
     master_port_number: int | None = None,
+    *,
+    _rank: int | None = None,
+    _world_size: int | None = None,
+    _comm_device: torch.device | str | None = None,
 ) -> None:
     """Initialise ``torch.distributed`` for this rank, as SAR's ``initialize_comms`` does.
+
+    ``rank``, ``world_size``, ``master_ip_address`` and ``backend`` are required; SAR's keyword
+    names ``_rank``, ``_world_size`` and ``_comm_device`` are accepted for ``rank``,
+    ``world_size`` and ``comm_device`` (both spellings of one argument: ``TypeError``).
 
     ``backend`` is one of ``auto``, ``gloo``, ``nccl``, ``ccl``, ``mpi``, ``ucc``.
     ``comm_device`` defaults to ``cuda:LOCAL_RANK`` for nccl and ``cpu`` otherwise.
@@ -174,6 +184,14 @@ def initialize_comms(
     Raises :class:`InvalidArgumentError` for a bad rank, world size, address, port, backend, device
     or timeout, and whatever ``torch.distributed`` raises when the rendezvous fails.
     """
+    func = "initialize_comms"
+    rank = sar_keywords.required(func, "rank", rank, "_rank", _rank)
+    world_size = sar_keywords.required(func, "world_size", world_size, "_world_size", _world_size)
+    device_arg = sar_keywords.one_of(func, "comm_device", comm_device, "_comm_device", _comm_device)
+    comm_device = cast("torch.device | str | None", device_arg)
+    if master_ip_address is None or backend is None:
+        missing = "master_ip_address" if master_ip_address is None else "backend"
+        raise TypeError(f"initialize_comms() missing required argument {missing!r}.")
     _check_rank(rank, world_size)
     if not isinstance(master_ip_address, str) or not master_ip_address.strip():
         raise InvalidArgumentError(
@@ -467,3 +485,11 @@ def master_port() -> int:
 # A coordinator that watches this process (it registered itself) reports failed peers from its
 # heartbeat thread: collectives then raise at once instead of waiting for a peer that is gone.
 registration.add_peer_failure_listener(mark_peer_failed)
+
+
+def __getattr__(name: str) -> Any:
+    # SAR's code calls its collectives as ``sar.comm.all_reduce(...)``: with ``import
+    # sarcomm.worker as sar`` that is this module, so SAR's names that live elsewhere resolve here.
+    if name in sar_keywords.SAR_COMM_NAMES_ELSEWHERE:
+        return getattr(_package, name)  # the package's lazy export (loaded on first use, not here)
+    raise AttributeError(f"module 'sarcomm.worker.comm' has no attribute {name!r}")

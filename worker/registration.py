@@ -7,7 +7,10 @@ registers through the same :func:`register`.
 
 A process that registered itself is kept alive at the coordinator by a heartbeat stream running on
 a private event-loop thread, carrying the progress its collectives note; it reports ``Leave`` when
-the interpreter exits (exit code 1 after an uncaught exception, else 0). A failure of another rank
+the interpreter exits (exit code 1 after an uncaught exception, else 0), when it is a
+``multiprocessing`` child whose target ends (such a child ends with ``os._exit``, so atexit never
+runs there: a multiprocessing finalizer does it, 0 when the target returned, else 1 and the
+exception), or when :func:`leave` (``sar.finalize()``) says so. A failure of another rank
 that the heartbeats report is logged, kept for :func:`peer_failure` and handed to every listener of
 :func:`add_peer_failure_listener` (the communication state registers one, so that the next
 collective, and one already waiting, raises :class:`~sarcomm.common.errors.PeerFailedError`
@@ -22,6 +25,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -37,13 +41,19 @@ from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, Sarcomm
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
 from sarcomm.common.tls import ClientTls, read_token_file
-from sarcomm.worker.launch_env import heartbeat_interval_setting, socket_name_setting
+from sarcomm.worker.launch_env import (
+    heartbeat_interval_setting,
+    metrics_host_setting,
+    metrics_report_host,
+    socket_name_setting,
+)
 from sarcomm.worker.progress import ProgressWriter
 from sarcomm.worker.services import install_progress
 
 __all__ = [
     "add_peer_failure_listener",
     "coord_ip_init",
+    "leave",
     "peer_failure",
     "peer_verdict_wait",
     "register",
@@ -138,14 +148,16 @@ class _Registration:
         self.result = self._thread.run(_join(), deadline + 10.0)
         return self.result
 
-    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter) -> None:
-        """Heartbeat for the joined member, with the progress the collectives note in ``progress``."""
+    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter, metrics_host: str) -> None:
+        """Heartbeat for the joined member, with the progress the collectives note in ``progress``
+        and its ``/metrics`` endpoint, bound on ``metrics_host``."""
         member = result.assignments[0]
+        report_host = metrics_report_host(metrics_host, member.address)
 
         def reports() -> list[MemberReport]:
             seq, op, in_collective, since = progress.current  # one tuple, swapped whole by the writer
             port = progress.metrics_port
-            metrics_address = host_port(member.address, port) if port else ""
+            metrics_address = host_port(report_host, port) if port else ""
             return [
                 MemberReport(
                     member.member_id, member.secret, Progress(seq, op, in_collective, since), metrics_address
@@ -199,6 +211,35 @@ class _Registration:
 
         sys.excepthook = excepthook
         atexit.register(self.close)
+        # A multiprocessing child (fork, forkserver) ends with os._exit, so atexit never runs
+        # there; multiprocessing runs its own finalizers first, in every start method, inside the
+        # `finally` around the process's target, where an exception in flight is still visible.
+        multiprocessing.util.Finalize(None, self._close_at_process_exit, exitpriority=100)
+
+    def _close_at_process_exit(self) -> None:
+        """Leave as a multiprocessing child ends: 0 when its target returned, else the status and
+        the reason of the exception that is ending it."""
+        error = sys.exc_info()[1]
+        if error is None:
+            self.close()
+        elif isinstance(error, SystemExit):
+            code = error.code  # sys.exit(None) is 0; sys.exit("message") is 1 with that message
+            if not isinstance(code, int | None):
+                self.close(1, str(code)[:512])
+                return
+            # torch.multiprocessing.spawn's wrapper turns an exception into sys.exit(1): name it.
+            cause = error.__context__
+            reason = (
+                f"exited with code {code} after {type(cause).__name__}: {cause}" if code and cause else ""
+            )
+            self.close(code or 0, reason[:512])
+        else:
+            self._uncaught = error
+            self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, exit_code: int | None = None, reason: str = "") -> None:
         """Stop heartbeating and report ``Leave`` (bounded by the client's timeout); idempotent.
@@ -242,6 +283,18 @@ class _Registration:
 _registration: _Registration | None = None
 _registration_lock = threading.Lock()
 _peer_failure_listeners: list[Callable[[PeerFailedError], None]] = []
+
+
+def leave(exit_code: int = 0, reason: str = "") -> bool:
+    """Report ``Leave`` with ``exit_code`` for this self-registered process now and stop its
+    heartbeats (bounded by the client's timeout); True when it was a member that had not left.
+    Later calls, and the exit hooks, do nothing. Under ``sar-worker`` (not self-registered) it does
+    nothing and returns False: the agent reports the rank's exit."""
+    registration = _registration
+    if registration is None or registration.closed:
+        return False
+    registration.close(exit_code, reason)
+    return True
 
 
 def add_peer_failure_listener(listener: Callable[[PeerFailedError], None]) -> None:
@@ -290,6 +343,7 @@ def register(
     validate_target(coord)
     interval = heartbeat_interval_setting(environ, heartbeat_interval)
     socket_name = socket_name_setting(environ)
+    metrics_host = metrics_host_setting(environ)
     if socket_name:
         # Checked here so a typo is reported on the host that made it, with the names that exist.
         netinfo.check_socket_name(socket_name)
@@ -326,7 +380,7 @@ def register(
         finally:
             # Released now so that rank 0's TCPStore (this process, in initialize_comms) can bind it.
             reservation.close()
-        registration.start_heartbeats(result, install_progress(None, interval))
+        registration.start_heartbeats(result, install_progress(None, interval), metrics_host)
         _registration = registration
     member = result.assignments[0]
     environ.update(

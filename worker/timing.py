@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sarcomm.common.errors import FailedPreconditionError
-from sarcomm.worker import comm
+from sarcomm.worker import comm, sar_keywords
 from sarcomm.worker.backends import uses_cpu_side_group
 from sarcomm.worker.comm import peer_failure_after
 from sarcomm.worker.metrics import CollectiveStats
@@ -264,14 +264,16 @@ def is_me(global_rank: int | None, group_rank: int | None, group: dist.ProcessGr
 
 
 def all_reduce(
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | None = None,
     op: ReduceOpLike = _SUM,
     move_to_comm_device: bool = False,
     *,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    red_tensor: torch.Tensor | None = None,
 ) -> CollectiveHandle | None:
     """Reduce ``tensor`` across all ranks in place with ``op`` (default SUM), as SAR's all_reduce.
+    ``red_tensor`` is SAR's keyword name for ``tensor`` (passing both is a ``TypeError``).
 
     ``move_to_comm_device=True`` reduces a copy on :func:`comm_device` and copies the result back
     (SAR's behaviour for tensors that live elsewhere). Blocks unless ``async_op``; then returns a
@@ -279,6 +281,8 @@ def all_reduce(
     :class:`FailedPreconditionError` before initialize_comms, the recorded
     :class:`PeerFailedError` after a peer failed, and the backend's errors.
     """
+    if tensor is None or red_tensor is not None:
+        tensor = sar_keywords.required("all_reduce", "tensor", tensor, "red_tensor", red_tensor)
     state = _STATE
     if not state.ready:
         raise_not_ready("all_reduce")
