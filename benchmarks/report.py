@@ -326,23 +326,37 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
     return Section.of(doc, "rendezvous", "Rendezvous", headline, body, plot)
 
 
+def baseline_commit(doc: dict[str, Any]) -> str:
+    """The short commit of the ``--baseline-ref`` a benchmark timed beside the current code."""
+    return str(doc.get("baseline", {}).get("commit", "?"))[:10]
+
+
 def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
     rows = doc["rows"]
     methods = list(rows[0]["median_seconds"])
     sizes = [int(r["bytes_per_rank"]) for r in rows]
     fallback = [float(r["sar_fallback_over_sarcomm"]) for r in rows]
     single = [float(r["a2a_single_over_sarcomm"]) for r in rows]
+    # An earlier commit's all_to_all timed in the same run (--baseline-ref), where there is one.
+    before = [float(r["baseline_over_sarcomm"]) for r in rows if "baseline_over_sarcomm" in r]
     table_rows = [
         (
             human_bytes(r["bytes_per_rank"]),
             *(f"{r['median_seconds'][m] * 1e3:.3f}" for m in methods),
             ratio(r["sar_fallback_over_sarcomm"]),
             ratio(r["a2a_single_over_sarcomm"]),
+            *([ratio(r["baseline_over_sarcomm"])] if before else []),
         )
         for r in rows
     ]
     body = md_table(
-        ["bytes per rank", *(f"{m} ms" for m in methods), "fallback / sarcomm", "a2a_single / sarcomm"],
+        [
+            "bytes per rank",
+            *(f"{m} ms" for m in methods),
+            "fallback / sarcomm",
+            "a2a_single / sarcomm",
+            *(["baseline / sarcomm"] if before else []),
+        ],
         table_rows,
     )
     body += (
@@ -350,6 +364,11 @@ def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
         f"{doc.get('transport', 'loopback')}; {doc.get('statistic', 'median')}. Ratios above 1 mean sarcomm "
         "is faster. sar_fallback is SAR's own gloo path (isend to all, recv in rank order, barrier); "
         "a2a_single is the same exchange with all_to_all_single and split sizes."
+        + (
+            f" baseline is sarcomm's all_to_all at commit {baseline_commit(doc)}, timed in the same run."
+            if before and "baseline" in doc
+            else ""
+        )
     )
     # The smallest size from which sarcomm beats all_to_all_single at every larger size too.
     tail = len(single)
@@ -367,6 +386,11 @@ def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
             else "(not faster at the largest size)"
         ),
     ]
+    if before:
+        headline.append(
+            f"against the same code before this change (commit {baseline_commit(doc)}, same run): "
+            f"{span(before)}"
+        )
     plot = ""
     if ctx.plt is not None:
         fig, (left, right) = _new_figure(ctx, 2, 5.5)
@@ -411,9 +435,27 @@ def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
         f"{op} {label}": r["bound_fraction"]
         for op, by_size in two.items()
         for label, r in by_size.items()
-        # 0 marks the rows that are no wrapper (A/A calibration, all_to_all's own algorithm).
+        # 0 marks the rows that are no wrapper (A/A calibration, an earlier commit's all_to_all).
         if r.get("bound_fraction", 0) > 0 and label != "4 B"
     }
+    a2a = two.get("all_to_all", {})
+    if a2a:
+        old_row = doc.get("baseline", {}).get("row", "")
+        old = two.get(old_row, {})
+        headline.append(
+            "all_to_all with equal sizes adds "
+            + ", ".join(f"{r['added_s'] * 1e6:.2f} us at {label}" for label, r in a2a.items())
+            + " to a bare dist.all_to_all"
+            + (
+                " (before, at "
+                + baseline_commit(doc)
+                + ": "
+                + ", ".join(f"{r['added_s'] * 1e6:.2f} us at {label}" for label, r in old.items())
+                + ")"
+                if old
+                else ""
+            )
+        )
     if bounds:
         under = sum(b < 0.01 for b in bounds.values())
         headline.append(
@@ -447,7 +489,9 @@ def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
     body += (
         "\n\nadded = median of paired differences (wrapped minus the bare call beside it); bound = the "
         "wrapper-alone cost over the bare time. The A/A rows time bare against bare: their added is "
-        "the measurement's own noise. all_to_all is sarcomm's own algorithm, not a wrapper."
+        "the measurement's own noise. all_to_all sends equal sizes (sarcomm's equal-size path); the "
+        "row 'all_to_all at COMMIT (before)' is the same call through that commit's code, timed in the "
+        "same run."
     )
     plot = ""
     if ctx.plt is not None:

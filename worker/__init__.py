@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "send": "collectives",
     "recv": "collectives",
     "barrier": "collectives",
+    "configure_all_to_all": "collectives",
+    "all_to_all_config": "collectives",
     "exchange_single_tensor": "sar_compat",
     "CommThread": "task_thread",
     "comm_thread": "task_thread",
@@ -90,8 +92,10 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.worker.collectives import all_gather as all_gather
     from sarcomm.worker.collectives import all_reduce as all_reduce
     from sarcomm.worker.collectives import all_to_all as all_to_all
+    from sarcomm.worker.collectives import all_to_all_config as all_to_all_config
     from sarcomm.worker.collectives import barrier as barrier
     from sarcomm.worker.collectives import broadcast as broadcast
+    from sarcomm.worker.collectives import configure_all_to_all as configure_all_to_all
     from sarcomm.worker.collectives import exchange_tensors as exchange_tensors
     from sarcomm.worker.collectives import gather as gather
     from sarcomm.worker.collectives import gather_grads as gather_grads
