@@ -17,6 +17,8 @@ from typing import Protocol
 
 import pytest
 
+# The three-member etcd cluster of the etcd store and failover tests, as a fixture for every file.
+from tests.etcd_cluster import etcd_cluster  # noqa: F401
 from tests.helpers import WaitTimeout, free_port, wait_for
 
 
