@@ -67,8 +67,11 @@ from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from etcd_local import LocalEtcd, etcd_binary
 from recording import describe
+
+# The etcd the tests use (Debian's etcd-server on loopback) serves the etcd methods here too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 
 Method = Literal["sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2"]
 METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2")
@@ -754,7 +757,7 @@ class Bench:
         args: argparse.Namespace,
         coordinator: Coordinator | None,
         etcd_coordinator: Coordinator | None = None,
-        etcd: LocalEtcd | None = None,
+        etcd: EtcdCluster | None = None,
     ) -> None:
         self.args = args
         self.coordinator = coordinator
@@ -824,7 +827,8 @@ class Bench:
 
     def etcd_cpu_seconds(self) -> float:
         """CPU seconds used so far by the etcd server(s)."""
-        return sum(process_cpu_seconds(pid) for pid in self.etcd.pids()) if self.etcd else 0.0
+        members = self.etcd.members if self.etcd else []
+        return sum(process_cpu_seconds(m.proc.pid) for m in members if m.proc is not None)
 
     def tcpstore(self, size: int) -> Round:
         with _master_store(self.args.timeout) as port:
@@ -871,8 +875,8 @@ def _master_store(timeout: float) -> Any:
 
 def unavailable(method: Method) -> str | None:
     """Why ``method`` cannot run on this machine, or None when it can."""
-    if method in ("sarcomm-etcd", "etcd-v2") and etcd_binary() is None:
-        return "etcd is not installed (apt-get install etcd-server: Debian's etcd 3.4)"
+    if method in ("sarcomm-etcd", "etcd-v2") and ETCD_MISSING:
+        return ETCD_MISSING
     if method == "etcd-v2":
         try:
             import etcd  # noqa: F401  (python-etcd: torch's etcd-v2 backend needs it)
@@ -1068,10 +1072,9 @@ def machine() -> dict[str, Any]:
 
 def _etcd_version() -> str | None:
     """The etcd server's version (``etcd --version``'s first line), or None when it is absent."""
-    binary = etcd_binary()
-    if binary is None:
+    if ETCD_MISSING:
         return None
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    out = subprocess.run(["etcd", "--version"], capture_output=True, text=True, timeout=10, check=False)
     return out.stdout.splitlines()[0].split(":", 1)[-1].strip() if out.stdout else None
 
 
@@ -1287,17 +1290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir = args.workdir
             workdir.mkdir(parents=True, exist_ok=True)
         runnable = [m for m in args.methods if m not in missing]
-        etcd = (
+        etcd = None
+        if {"sarcomm-etcd", "etcd-v2"} & set(runnable):
             # One etcd member, the v2 API on for torch's backend; sarcomm's store uses v3 of the same.
-            stack.enter_context(LocalEtcd(workdir / "etcd", enable_v2=True))
-            if {"sarcomm-etcd", "etcd-v2"} & set(runnable)
-            else None
-        )
+            etcd = EtcdCluster(workdir / "etcd", size=1, enable_v2=True)
+            stack.callback(etcd.close)
+            etcd.start()
         coordinators: dict[Method, Coordinator] = {}
         served: tuple[Method, ...] = ("sarcomm", "sarcomm-etcd")
         for method in served:
             if method in runnable:
-                store = etcd.store_url(f"/bench-{os.getpid()}") if method == "sarcomm-etcd" and etcd else None
+                store = etcd.url(f"bench-{os.getpid()}") if method == "sarcomm-etcd" and etcd else None
                 coordinators[method] = stack.enter_context(
                     Coordinator(workdir, args.coordinator_log_level, args.profile_coordinator, store=store)
                 )
