@@ -75,6 +75,17 @@ class NotLeaderError(CoordinatorUnavailableError):
         self.leader = leader
 
 
+class StoreUnavailableError(CoordinatorUnavailableError):
+    """Raised when the coordinator's shared state store (etcd) cannot be reached or cannot commit
+    (no quorum) within the call's deadline. The message names the store, the cause and what to do;
+    the change is kept and retried."""
+
+
+class LeadershipLostError(StoreUnavailableError):
+    """Raised when etcd refuses a write because this coordinator no longer leads (fencing: every
+    write is conditioned on the leader key it created). The coordinator steps down at once."""
+
+
 #: Trailing-metadata key of an UNAVAILABLE answer from a standby: the leader's ``HOST:PORT``
 #: (empty while none is known). Defined once here for both sides.
 LEADER_METADATA_KEY = "sarcomm-leader"

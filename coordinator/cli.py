@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from sarcomm import __version__
-from sarcomm.common.errors import SarcommError
+from sarcomm.common.errors import InvalidArgumentError, SarcommError
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
+from sarcomm.coordinator.etcd_config import DEFAULT_LEADER_TTL, EtcdSettings, read_password_file
 from sarcomm.coordinator.server import serve
 
 log = logging.getLogger("sarcomm.coordinator")
@@ -73,6 +74,37 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=Path,
         help="SQLite file for jobs, members and generations (in memory when not given)",
     )
+    _add(
+        parser,
+        env,
+        "--store",
+        help="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]: keep the state in etcd instead of --state, shared "
+        "by several coordinators (one leads, the others stand by); needs sarcomm[etcd]",
+    )
+    _add(
+        parser,
+        env,
+        "--leader-ttl",
+        type=_whole_seconds,
+        default=DEFAULT_LEADER_TTL,
+        help="with --store: whole seconds a leader's etcd lease lives unrenewed (how long a dead leader "
+        "holds the jobs before a standby takes over)",
+    )
+    _add(
+        parser,
+        env,
+        "--advertise",
+        default="",
+        help="with --store: HOST:PORT clients reach this coordinator's gRPC at (default: --listen, a "
+        "wildcard host replaced by this host's name)",
+    )
+    _add(
+        parser, env, "--etcd-cacert", type=Path, help="PEM CA bundle that signed etcd's certificate (TLS on)"
+    )
+    _add(parser, env, "--etcd-cert", type=Path, help="PEM client certificate for etcd's --client-cert-auth")
+    _add(parser, env, "--etcd-key", type=Path, help="PEM key for --etcd-cert")
+    _add(parser, env, "--etcd-user", help="etcd user name (etcd auth), with --etcd-password-file")
+    _add(parser, env, "--etcd-password-file", type=Path, help="file holding --etcd-user's password")
     _add(parser, env, "--heartbeat-interval", type=float, default=1.0, help="seconds between member reports")
     _add(
         parser,
@@ -179,6 +211,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _whole_seconds(text: str) -> int:
+    """argparse type of ``--leader-ttl``: a whole number of seconds >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a whole number of seconds >= 1 (etcd leases count whole seconds), e.g. 5"
+        )
+    return int(text)
+
+
 def _positive_seconds(text: str) -> float:
     """argparse type of ``--watch``: a positive, finite number of seconds."""
     try:
@@ -192,8 +233,41 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
+    if not args.store:
+        given = [
+            flag
+            for flag, value in (
+                ("--etcd-cacert", args.etcd_cacert),
+                ("--etcd-cert", args.etcd_cert),
+                ("--etcd-key", args.etcd_key),
+                ("--etcd-user", args.etcd_user),
+                ("--etcd-password-file", args.etcd_password_file),
+            )
+            if value is not None
+        ]
+        if given:
+            raise InvalidArgumentError(
+                f"{', '.join(given)} configure(s) the etcd store, but no --store etcd://... was given"
+            )
+        return None
+    if (args.etcd_user is None) != (args.etcd_password_file is None):
+        raise InvalidArgumentError("--etcd-user and --etcd-password-file must be given together")
+    return EtcdSettings(
+        url=args.store,
+        leader_ttl=args.leader_ttl,
+        cacert=args.etcd_cacert,
+        cert=args.etcd_cert,
+        key=args.etcd_key,
+        user=args.etcd_user,
+        password=read_password_file(args.etcd_password_file) if args.etcd_password_file else None,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
+        store=_etcd_settings(args),
+        advertise=args.advertise,
         listen=args.listen,
         http=args.http,
         state=args.state,

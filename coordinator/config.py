@@ -7,11 +7,13 @@ a :class:`CoordinatorConfig`, and the server only ever reads that object.
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from sarcomm.common.addresses import parse_host_port
+from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.coordinator.etcd_config import EtcdSettings
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,10 @@ class Limits:
 class CoordinatorConfig:
     """Everything the coordinator needs to run; see ``sar-coordinator --help`` for each field.
 
-    Times are in seconds. ``state`` None keeps the state in an in-memory SQLite database.
+    Times are in seconds. ``state`` None keeps the state in an in-memory SQLite database, unless
+    ``store`` puts it in etcd (shared by several coordinators, one leading). ``advertise`` is the
+    gRPC address clients should use for this coordinator ("" : ``listen`` with a wildcard host
+    replaced by this host's name); a leader publishes it for the standbys to name.
     """
 
     listen: str = "0.0.0.0:50051"
@@ -87,6 +92,8 @@ class CoordinatorConfig:
     tls_client_ca: Path | None = None
     log_level: str = "INFO"
     limits: Limits = Limits()
+    store: EtcdSettings | None = None
+    advertise: str = ""
 
     def __post_init__(self) -> None:
         parse_host_port("listen", self.listen)
@@ -98,6 +105,18 @@ class CoordinatorConfig:
             raise InvalidArgumentError(f"reconnect_grace {self.reconnect_grace!r} must be >= 0 seconds")
         if self.shutdown_grace < 0 or not math.isfinite(self.shutdown_grace):
             raise InvalidArgumentError(f"shutdown_grace {self.shutdown_grace!r} must be >= 0 seconds")
+        if self.store is not None and self.state is not None:
+            raise InvalidArgumentError(
+                f"--store {self.store.url} and --state {self.state} were both given: the state lives in "
+                "etcd (--store, shared by several coordinators) or in one SQLite file (--state); give one"
+            )
+        if self.advertise:
+            host, port = parse_host_port("advertise", self.advertise)
+            if port == 0 or host in ("0.0.0.0", "::"):
+                raise InvalidArgumentError(
+                    f"advertise {self.advertise!r} must be the HOST:PORT clients reach this coordinator at "
+                    "(no wildcard host, no port 0), e.g. head1:50051"
+                )
         if self.heartbeat_misses < 1:
             raise InvalidArgumentError(f"heartbeat_misses {self.heartbeat_misses!r} must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -110,6 +129,15 @@ class CoordinatorConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise InvalidArgumentError(f"{name} {str(path)!r} must be a readable file")
+
+    @property
+    def advertised(self) -> str:
+        """Where clients reach this coordinator's gRPC service (``advertise``, or ``listen`` with a
+        wildcard host replaced by this host's name)."""
+        if self.advertise:
+            return self.advertise
+        host, port = parse_host_port("listen", self.listen)
+        return host_port(socket.gethostname() if host in ("0.0.0.0", "::") else host, port)
 
     @property
     def liveness_timeout(self) -> float:

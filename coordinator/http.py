@@ -61,16 +61,25 @@ _quiet_bad_requests = _QuietBadRequests()
 
 
 class HttpApi:
-    """The aiohttp application; ``serving`` flips to False when shutdown starts."""
+    """The aiohttp application; ``serving`` flips to False when shutdown starts.
+
+    ``membership`` is the leader's (None on a standby): a standby answers ``/v1/jobs`` and ``/sd``
+    from ``stored()``, a read-only membership read from the shared store, so Prometheus and users
+    can be pointed at any replica. ``role()`` is what ``/healthz`` says about leadership.
+    """
 
     def __init__(
         self,
-        membership: Membership,
+        membership: Membership | None,
         metrics: CoordinatorMetrics,
         advertised_address: str,
         token: str | None = None,
+        stored: Callable[[], Awaitable[Membership]] | None = None,
+        role: Callable[[], dict[str, str]] | None = None,
     ) -> None:
-        self._membership = membership
+        self.membership = membership
+        self._stored = stored
+        self._role = role or (lambda: {"role": "leader"})
         self._token = token
         self._metrics = metrics
         self._advertised_address = advertised_address
@@ -118,16 +127,25 @@ class HttpApi:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
+        # A standby is healthy (it is ready to take over): 200 with its role, not 503.
         status = "SERVING" if self.serving else "NOT_SERVING"
-        return web.json_response({"status": status}, status=200 if self.serving else 503)
+        return web.json_response({"status": status, **self._role()}, status=200 if self.serving else 503)
+
+    async def _view(self) -> Membership:
+        if self.membership is not None:
+            return self.membership
+        if self._stored is not None:
+            return await self._stored()
+        raise web.HTTPServiceUnavailable(text="this coordinator is not serving jobs yet")
 
     async def jobs(self, request: web.Request) -> web.Response:
         name = request.query.get("job")
-        jobs = self._membership.jobs()
+        membership = await self._view()
+        jobs = membership.jobs()
         if name:
             jobs = [j for j in jobs if j.name == name]
         with collector_paused():
-            message = jobs_message(jobs, self._membership.stall)
+            message = jobs_message(jobs, membership.stall)
             body = (await jobs_json(message, pause=_let_others_run)).encode()
         return web.Response(body=body, content_type="application/json")
 
@@ -139,7 +157,7 @@ class HttpApi:
             ]
             # Text across the pauses, not dicts: see views.jobs_json.
             pieces = [json.dumps(groups)[1:-1]]
-            live = list(self._membership.live_members())
+            live = list((await self._view()).live_members())
             for start in range(0, len(live), SD_GROUPS_PER_STEP):
                 pieces.append(json.dumps(_groups(live[start : start + SD_GROUPS_PER_STEP]))[1:-1])
                 await _let_others_run()

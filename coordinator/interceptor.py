@@ -24,7 +24,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from sarcomm.common.errors import (
+    LEADER_METADATA_KEY,
     InvalidArgumentError,
+    NotLeaderError,
     ResourceExhaustedError,
     SarcommError,
     UnauthenticatedError,
@@ -112,6 +114,9 @@ def _wrap(
         if isinstance(error, SarcommError):
             status, details = to_status(error)
             counter.labels(method, status.name).inc()
+            if isinstance(error, NotLeaderError):
+                # A standby's answer: clients follow the leader's address in the trailing metadata.
+                await context.abort(status, details, trailing_metadata=((LEADER_METADATA_KEY, error.leader),))
             await context.abort(status, details)
         if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             # The caller went away: cancelled, or it stopped reading a stream and gRPC closed the

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -164,8 +164,10 @@ STATE_FAMILIES = (_job_counts, _member_counts, _rank_up, _rank_collective_second
 class CoordinatorMetrics:
     """Every metric the coordinator exports, on a registry of its own."""
 
-    def __init__(self, membership: Membership, wall: Callable[[], float] = time.time) -> None:
-        self._membership = membership
+    def __init__(self, membership: Membership | None, wall: Callable[[], float] = time.time) -> None:
+        # The leader's membership; None on a standby, whose state families are then empty (the
+        # leader counts every job once, however many replicas Prometheus scrapes).
+        self.membership = membership
         self._wall = wall
         # Instrumented metrics only; the state families come from a snapshot per scrape (render).
         self.registry = CollectorRegistry()
@@ -213,6 +215,17 @@ class CoordinatorMetrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=self.registry,
         )
+        self.leader = Gauge(
+            "sar_coordinator_leader",
+            "1 while this coordinator leads (always, on SQLite), 0 while it stands by.",
+            registry=self.registry,
+        )
+        self.leader.set(1)
+        self.leader_changes = Counter(
+            "sar_coordinator_leader_changes",
+            "Leader changes this coordinator has seen in the shared etcd store.",
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "sar_coordinator_rpc_duration_seconds",
             "gRPC call handling time by method.",
@@ -223,7 +236,9 @@ class CoordinatorMetrics:
 
     def snapshot(self) -> StateSnapshot:
         """The membership's state for one scrape; call on the event loop (it reads live objects)."""
-        return snapshot_state(self._membership, self._wall())
+        if self.membership is None:
+            return StateSnapshot(dict.fromkeys(JobState, 0), dict.fromkeys(MemberState, 0), [], [], [])
+        return snapshot_state(self.membership, self._wall())
 
     def render(self, snapshot: StateSnapshot) -> Iterator[bytes]:
         """The exposition text of every metric, in parts: the instrumented metrics, then one part

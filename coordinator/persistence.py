@@ -23,7 +23,7 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sarcomm.common.errors import CoordinatorUnavailableError
+from sarcomm.common.errors import CoordinatorUnavailableError, LeadershipLostError, StoreUnavailableError
 from sarcomm.coordinator.model import Job
 from sarcomm.coordinator.records import job_record
 from sarcomm.coordinator.store import StateStore, encode_job
@@ -59,11 +59,15 @@ class WriteBehind:
         self._in_flight: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        # Set when this coordinator stopped leading: nothing more is written, by this object.
+        self._abandoned = False
         # What the last flush cost the loop (building and encoding its records), in seconds.
         self._last_cost = 0.0
 
     def mark(self, job: Job) -> None:
         """Note that ``job``'s record changed; it is written in the next flush."""
+        if self._abandoned:
+            return
         if self._closed:
             # After close (shutdown) nothing may be lost: write at once.
             self._store.write_rows([encode_job(job_record(job))])
@@ -89,7 +93,9 @@ class WriteBehind:
         try:
             # Shielded: a caller that gives up must not cancel the batch for everyone else.
             await asyncio.shield(waiting)
-        except (OSError, sqlite3.Error) as error:
+        except LeadershipLostError:
+            raise
+        except (OSError, sqlite3.Error, StoreUnavailableError) as error:
             raise CoordinatorUnavailableError(
                 f"the coordinator could not write {self._where} ({error}); the change is kept and "
                 f"written again in {RETRY_DELAY_S:g} s, retry the call"
@@ -121,7 +127,7 @@ class WriteBehind:
             for job in jobs:
                 # A newer change of the same job, marked meanwhile, supersedes this one anyway.
                 self._dirty.setdefault((job.name, job.generation), job)
-            if not self._closed:
+            if not self._closed and not self._abandoned:
                 self._schedule(RETRY_DELAY_S)
             if not done.done():
                 done.set_exception(error)
@@ -130,6 +136,20 @@ class WriteBehind:
             return
         if not done.done():
             done.set_result(None)
+
+    def abandon(self) -> None:
+        """Write nothing more: this coordinator stopped leading, and the new leader owns the state
+        (whatever was not written yet is re-decided there from what was)."""
+        self._abandoned = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._dirty.clear()
+        for waiting in (self._next, self._in_flight):
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(LeadershipLostError("this coordinator stopped leading"))
+                waiting.exception()
+        self._writer.shutdown(wait=False)
 
     async def close(self) -> None:
         """Write everything still marked and wait for it; later marks write at once."""

@@ -22,22 +22,20 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sarcomm.common.addresses import parse_host_port
-from sarcomm.common.constants import EventKind, FailureReason
+from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
 from sarcomm.coordinator import liveness, systemd
 from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.events import EventHub, FormedWaiters
 from sarcomm.coordinator.http import HttpApi
 from sarcomm.coordinator.interceptor import StatusInterceptor
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.model import JobEvent
-from sarcomm.coordinator.persistence import WriteBehind
 from sarcomm.coordinator.records import load_state
-from sarcomm.coordinator.service import CoordinatorService
+from sarcomm.coordinator.replica import Replica
+from sarcomm.coordinator.router import LeaderRouter
 from sarcomm.coordinator.store import SqliteStore, StateStore
+from sarcomm.coordinator.term import Term
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,29 +75,20 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.clock = clock
-        self.store: StateStore = SqliteStore(config.state)
-        where = f"its state file {config.state}" if config.state is not None else "its state"
-        self.writes = WriteBehind(self.store, where=where)
-        self.membership = Membership(
-            stored=load_state(self.store),
-            clock=clock,
-            persist=self.writes.mark,
-            liveness_timeout=config.liveness_timeout,
-            max_jobs=config.limits.max_jobs,
-            max_ended_jobs=config.limits.max_ended_jobs,
-            # A reporter whose stream broke reopens it at once; one interval is enough to tell a
-            # broken connection from a dead process without waiting for all the misses.
-            lost_grace=config.heartbeat_interval,
-            restore_grace=config.reconnect_grace,
-            stall_threshold=config.stall_threshold,
-        )
-        self.membership.answer_timeout = config.join_timeout
-        self.metrics = CoordinatorMetrics(self.membership, wall=clock.wall)
-        self.events = EventHub()
-        self.formed = FormedWaiters()
-        self.membership.add_listener(self.formed.publish)
-        self.membership.add_listener(self.events.publish)
-        self.membership.add_listener(self._count_event)
+        self.metrics = CoordinatorMetrics(None, wall=clock.wall)
+        # The jobs this coordinator serves: one term for as long as it runs on SQLite; on etcd, one
+        # per time it leads (None while it stands by; see replica.Replica).
+        self.term: Term | None = None
+        self.replica: Replica | None = None
+        if config.store is None:
+            self.store: StateStore = SqliteStore(config.state)
+            where = f"its state file {config.state}" if config.state is not None else "its state"
+            self.term = Term(config, self.store, load_state(self.store), clock, self.metrics, where)
+            self.metrics.membership = self.term.membership
+        else:
+            self.replica = Replica(config, config.store, clock, self.metrics, self._term_changed)
+            self.store = self.replica.store
+            self.metrics.leader.set(0)
         # grpc-stubs predates the asyncio health servicer, hence the ignore.
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         http_host, http_port = parse_host_port("http", config.http)
@@ -112,25 +101,41 @@ class Coordinator:
         if config.tls_cert is not None and config.tls_key is not None:
             self.tls_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
             self._grpc_credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        self.http = HttpApi(self.membership, self.metrics, advertised, self.token)
+        self.http = HttpApi(
+            self.term.membership if self.term is not None else None,
+            self.metrics,
+            advertised,
+            self.token,
+            stored=self.replica.stored_view if self.replica is not None else None,
+            role=self._role,
+        )
         self.grpc_port = 0
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
-        self._sweeper: asyncio.Task[None] | None = None
         self._lag_watcher: asyncio.Task[None] | None = None
         self._gc_started = 0.0
 
-    def _count_event(self, event: JobEvent) -> None:
-        if event.kind is EventKind.MEMBER_FAILED:
-            # Every member failure carries its reason; REPORTED is only a guard for a bug.
-            self.metrics.member_failures.labels((event.failure or FailureReason.REPORTED).value).inc()
-        elif event.kind is EventKind.WORLD_FORMED:
-            job = self.membership.job(event.job)
-            if job is not None:
-                self.metrics.rendezvous_duration.observe(max(0.0, job.formed - job.created))
-                if job.restart_count:
-                    self.metrics.restarts.inc()
+    @property
+    def membership(self) -> Membership:
+        """The membership being served (on etcd, the current term's; raises while standing by)."""
+        if self.term is None:
+            raise RuntimeError("this coordinator stands by: it serves no membership")
+        return self.term.membership
+
+    def _term_changed(self, term: Term | None) -> None:
+        self.term = term
+        self.metrics.membership = self.http.membership = term.membership if term is not None else None
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if term else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
+
+    def _role(self) -> dict[str, str]:
+        if self.replica is None:
+            return {"role": "leader"}
+        leader = self.replica.elector.decision.leader if self.replica.elector is not None else ""
+        return {"role": "leader" if self.replica.leading else "standby", "leader": leader}
 
     async def start(self) -> None:
         limits = self.config.limits
@@ -162,12 +167,14 @@ class Coordinator:
                 ("grpc.server.max_pending_requests_hard_limit", 4 * limits.max_world_size),
             ],
         )
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorService(
-                self.membership, self.events, self.metrics, self.config, self.writes.durable, self.formed
-            ),
-            server,
-        )
+        replica = self.replica
+        servicer: coordinator_pb2_grpc.CoordinatorServicer
+        if replica is None:
+            assert self.term is not None
+            servicer = self.term.service
+        else:
+            servicer = LeaderRouter(lambda: self.term, replica.not_leader)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -193,7 +200,13 @@ class Coordinator:
                 raise OSError(_in_use("--listen", self.config.listen))
             await server.start()
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            # On etcd, the Coordinator service is SERVING only while this replica leads.
+            await self.health.set(
+                SERVICE_NAME,
+                health_pb2.HealthCheckResponse.SERVING
+                if replica is None
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
 
             host, port = parse_host_port("http", self.config.http)
             runner = web.AppRunner(self.http.app, access_log=None, handle_signals=False)
@@ -208,7 +221,14 @@ class Coordinator:
             await self._close_listeners()
             raise
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="liveness-sweeper")
+        if self.term is not None:
+            self.term.start()
+        if replica is not None:
+            host, _ = parse_host_port("listen", self.config.listen)
+            advertised = self.config.advertised
+            if parse_host_port("advertise", advertised)[1] == 0:  # --listen HOST:0: the bound port
+                advertised = host_port(advertised.rpartition(":")[0].strip("[]"), self.grpc_port)
+            replica.start(advertised)
         self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()
@@ -226,22 +246,12 @@ class Coordinator:
             self.grpc_port,
             self.config.http,
             self.http_port,
-            self.config.state or "in memory",
+            self.config.store.describe() if self.config.store else self.config.state or "in memory",
             self.config.heartbeat_interval,
             self.config.heartbeat_misses,
             "mutual" if self.config.tls_client_ca else "on" if self.tls_context else "off",
             "required" if self.token else "off",
         )
-
-    async def _sweep_forever(self) -> None:
-        # Sweeping at a fraction of the interval bounds detection at interval x misses + interval/4.
-        period = self.config.heartbeat_interval / 4
-        while True:
-            await asyncio.sleep(period)
-            try:
-                self.membership.sweep()
-            except Exception:  # the sweeper must outlive any one bad sweep
-                log.exception("liveness sweep failed")
 
     def _time_gc(self, phase: str, info: dict[str, int]) -> None:
         # A full collection walks every object the coordinator holds (thousands of streams' worth):
@@ -279,14 +289,16 @@ class Coordinator:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._time_gc)
         await self.health.enter_graceful_shutdown()
-        for task in (self._sweeper, self._lag_watcher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._lag_watcher is not None:
+            self._lag_watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_watcher
         await self._close_listeners(self.config.shutdown_grace)
-        await self.writes.close()
-        self.store.close()
+        if self.replica is not None:
+            await self.replica.stop()
+        elif self.term is not None:
+            await self.term.close()
+            self.store.close()
         log.info("coordinator stopped")
 
 
