@@ -160,6 +160,12 @@ def ha_world(tmp_path: Path, replicas: Replicas) -> Iterator[Callable[[str], Wor
     yield make
     for world in worlds:
         world.close()
+        # A failing test shows what each agent said (a passing one consumed it already).
+        for proc in world.procs:
+            text = proc.stderr.read() if proc.stderr and not proc.stderr.closed else ""
+            own = "\n".join(line for line in text.splitlines() if not line.startswith(("[rank", "    |")))
+            if own:
+                print(f"--- agent {proc.pid} (exit {proc.returncode}) ---\n{own[-6000:]}")
 
 
 # -- views of the job ------------------------------------------------------------------------------
@@ -170,6 +176,12 @@ def job_of(coord: CoordinatorProcess, job: str) -> dict[str, object] | None:
     jobs = coord.get_json(f"/v1/jobs?job={job}")["jobs"]  # type: ignore[index]
     found = [j for j in jobs if j["job"] == job]
     return found[0] if found else None
+
+
+def ended_job(coord: CoordinatorProcess, job: str) -> dict[str, object] | None:
+    """The job once ``coord`` shows it FINISHED or FAILED, else None."""
+    found = job_of(coord, job)
+    return found if found is not None and found["state"] in ("FINISHED", "FAILED") else None
 
 
 def members_of(job: dict[str, object]) -> list[dict[str, object]]:
@@ -277,21 +289,26 @@ def test_after_a_failover_a_rank_sigkill_is_detected_and_every_rank_told(
     started = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     stopped_after = _stopped_by({r: p for r, p in pids.items() if r != 1}, started, KILL_STOP_S + 5)
-    told_at, event = world.failure(started)
-    assert (event.rank, event.reason) == (1, "killed by signal 9 (SIGKILL)")
-    assert told_at - started <= KILL_STOP_S
     assert stopped_after <= KILL_STOP_S, f"the last rank stopped {stopped_after:.2f} s after the kill"
+    # The new leader fails the job (seen in its /v1/jobs; the test's Watch may still be
+    # reconnecting, and a reopened Watch does not replay what it missed).
+    failed = wait_for(
+        lambda: ended_job(new, "ha-kill"),
+        END_DEADLINE_S,
+        what="the new leader to fail the job",
+        interval=0.01,
+    )
+    told = time.monotonic() - started  # an upper bound: looked at after the ranks stopped
+    assert failed["state"] == "FAILED", failed
+    assert str(failed["reason"]).startswith("rank 1 on host"), failed
+    assert "killed by signal 9" in str(failed["reason"]), failed
     for proc in agents:
         code, stderr = world.wait(proc, END_DEADLINE_S)
         assert code != 0, stderr
         last = stderr.strip().splitlines()[-1]
         assert re.search(r"rank 1 on host \S+ failed: killed by signal 9", last), last
-    failed = job_of(new, "ha-kill")
-    assert failed is not None
-    assert failed["state"] == "FAILED", failed
-    assert str(failed["reason"]).startswith("rank 1 on host"), failed
     print(
-        f"after a failover (standby led in {took:.3f} s): rank SIGKILL told after {told_at - started:.2f} s, "
+        f"after a failover (standby led in {took:.3f} s): rank SIGKILL failed the job within {told:.2f} s, "
         f"last rank stopped after {stopped_after:.2f} s"
     )
 
