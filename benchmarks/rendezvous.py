@@ -1028,7 +1028,9 @@ def render_etcd_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> 
                 str(size),
                 _cell(s, args.timeout),
                 _cell(e, args.timeout),
-                _cell(v, args.etcd_v2_deadline) if v is None or not v.skipped else "-",
+                "-"
+                if v is not None and v.size not in args.etcd_v2_sizes
+                else _cell(v, args.etcd_v2_deadline),
                 _ratio(e, s),
                 _ratio(v, e),
                 _ratio(v, s),

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -171,20 +172,20 @@ def ha_world(tmp_path: Path, replicas: Replicas) -> Iterator[Callable[[str], Wor
 # -- views of the job ------------------------------------------------------------------------------
 
 
-def job_of(coord: CoordinatorProcess, job: str) -> dict[str, object] | None:
+def job_of(coord: CoordinatorProcess, job: str) -> dict[str, Any] | None:
     """The job as ``coord``'s /v1/jobs shows it (None while it is not there)."""
     jobs = coord.get_json(f"/v1/jobs?job={job}")["jobs"]  # type: ignore[index]
     found = [j for j in jobs if j["job"] == job]
     return found[0] if found else None
 
 
-def ended_job(coord: CoordinatorProcess, job: str) -> dict[str, object] | None:
+def ended_job(coord: CoordinatorProcess, job: str) -> dict[str, Any] | None:
     """The job once ``coord`` shows it FINISHED or FAILED, else None."""
     found = job_of(coord, job)
     return found if found is not None and found["state"] in ("FINISHED", "FAILED") else None
 
 
-def members_of(job: dict[str, object]) -> list[dict[str, object]]:
+def members_of(job: dict[str, Any]) -> list[dict[str, Any]]:
     members = job["members"]
     assert isinstance(members, list)
     return members
@@ -194,7 +195,7 @@ def progress(coord: CoordinatorProcess, job: str) -> dict[int, int]:
     """Each rank's last reported progress seq (the collectives it has entered)."""
     found = job_of(coord, job)
     assert found is not None
-    return {int(m["rank"]): int(m["progress"]["seq"]) for m in members_of(found)}  # type: ignore[call-overload, index]
+    return {int(m["rank"]): int(m["progress"]["seq"]) for m in members_of(found)}
 
 
 def reattached(coord: CoordinatorProcess, job: str, since_wall: float, before: dict[int, int]) -> bool:
@@ -205,7 +206,7 @@ def reattached(coord: CoordinatorProcess, job: str, since_wall: float, before: d
         return False
     members = members_of(found)
     return len(members) == len(before) and all(
-        float(m["last_heartbeat"]) > since_wall and int(m["progress"]["seq"]) > before[int(m["rank"])]  # type: ignore[arg-type, call-overload, index]
+        float(m["last_heartbeat"]) > since_wall and int(m["progress"]["seq"]) > before[int(m["rank"])]
         for m in members
     )
 
@@ -213,10 +214,8 @@ def reattached(coord: CoordinatorProcess, job: str, since_wall: float, before: d
 def start_world_of_4(world: World) -> tuple[list[subprocess.Popen[str]], dict[int, int]]:
     """Two agents of two ranks each, training; their processes and each rank's pid."""
     agents = [
-        world.agent("--world-size", "4", "--nproc-per-node", "2", "--rank", str(first),
-                    "--heartbeat-interval", str(INTERVAL_S / 2))
-        for first in (0, 2)
-    ]  # fmt: skip
+        world.agent("--world-size", "4", "--nproc-per-node", "2", "--rank", str(first)) for first in (0, 2)
+    ]
     return agents, world.pids(range(4))
 
 
@@ -254,7 +253,7 @@ def test_the_leader_sigkilled_mid_job_a_standby_leads_within_ttl_plus_1s_and_the
     for rank in range(4):
         result = world.result(rank)
         assert (result["wrong"], result.get("error")) == (0, None), result
-        assert int(result["iterations"]) > before[rank]  # type: ignore[call-overload]
+        assert int(result["iterations"]) > before[rank]
     ended = job_of(new, "ha4")
     assert ended is not None
     assert (ended["state"], ended["generation"]) == ("FINISHED", 1), ended
@@ -318,7 +317,7 @@ def test_a_world_forming_across_a_failover_forms_once_with_one_generation_and_di
 ) -> None:
     world = ha_world("ha-form")
     leader = replicas.leader()
-    early = [world.agent("--world-size", "4", "--heartbeat-interval", str(INTERVAL_S / 2)) for _ in range(2)]
+    early = [world.agent("--world-size", "4") for _ in range(2)]
 
     def forming_with_two() -> bool:
         found = job_of(leader, "ha-form")
@@ -327,7 +326,7 @@ def test_a_world_forming_across_a_failover_forms_once_with_one_generation_and_di
     wait_for(forming_with_two, START_DEADLINE_S, what=lambda: f"two members to join\n{leader.log()}")
     new, _, took = replicas.kill_leader()
     world.coord = new
-    late = [world.agent("--world-size", "4", "--heartbeat-interval", str(INTERVAL_S / 2)) for _ in range(2)]
+    late = [world.agent("--world-size", "4") for _ in range(2)]
     pids = world.pids(range(4))
     assert len(set(pids.values())) == 4
     (world.control / "stop").write_text("")
@@ -346,6 +345,6 @@ def test_a_world_forming_across_a_failover_forms_once_with_one_generation_and_di
     assert ended is not None
     assert (ended["state"], ended["generation"], ended["world_size"]) == ("FINISHED", 1, 4), ended
     members = members_of(ended)
-    assert sorted(int(m["rank"]) for m in members) == [0, 1, 2, 3]  # type: ignore[call-overload]
+    assert sorted(int(m["rank"]) for m in members) == [0, 1, 2, 3]
     assert len({m["member_id"] for m in members}) == 4
     print(f"forming across a failover: standby led after {took:.3f} s; one world of 4, generation 1")
