@@ -5,8 +5,9 @@ Two setups in one run, the same job and the same simulated agents:
 
 - ``etcd``: a real three-member etcd cluster on loopback (``tests/etcd_cluster.py``) and two
   ``sar-coordinator`` replicas on it (``--store etcd://... --leader-ttl T``). The agents are given
-  both addresses. The leader is SIGKILLed ``--kills`` times; after each failover the killed replica
-  is started again (it stands by) before the next kill.
+  both addresses. The leader is SIGKILLed ``--kills`` times, each time under a fresh job (a kill
+  that failed members fails its job); after each failover the killed replica is started again (it
+  stands by) before the next kill.
 - ``sqlite`` (the baseline): one ``sar-coordinator`` with a SQLite ``--state`` file, SIGKILLed and
   started again at once on the same port and file, as a supervisor (systemd's ``Restart=always``,
   ``RestartSec=0``) does when the process dies and the host does not; when the host dies, nothing
@@ -244,8 +245,6 @@ def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
               "--log-level", "INFO", "--shutdown-grace", "1"]  # fmt: skip
     cluster = None
     replicas: list[Replica] = []
-    clients: list[subprocess.Popen[bytes]] = []
-    stop_file = work / "stop"
     try:
         if setup == "etcd":
             cluster = EtcdCluster(work / "etcd")
@@ -261,26 +260,50 @@ def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _until(lambda r=replica: r.healthz().get("role") == "standby", 60, "the standby to start", 0.05)
         target = ",".join(r.target for r in replicas)
         agents = args.members // args.per_agent
-        share = [agents // args.procs + (1 if p < agents % args.procs else 0) for p in range(args.procs)]
+        kills, formed = [], []
+        for k in range(args.kills):
+            # A fresh job for every kill: a kill that failed members fails its job, which would
+            # leave the next kill nothing running to measure.
+            kill, formed_s, errors = _one_job(
+                setup, replicas, args, work / f"kill{k}", f"failover-{k}", target
+            )
+            kills.append({**kill, "client_errors": errors})
+            formed.append(formed_s)
+        return {
+            "setup": setup, "members": agents * args.per_agent, "streams": agents,
+            "formed_s": round(statistics.median(formed), 3), "kills": kills,
+        }  # fmt: skip
+    finally:
+        for replica in replicas:
+            replica.stop()
+        if cluster is not None:
+            cluster.close()
+
+
+def _one_job(
+    setup: str, replicas: list[Replica], args: argparse.Namespace, work: Path, job: str, target: str
+) -> tuple[dict[str, Any], float, list[str]]:
+    """Start the clients of a fresh ``job``, let them heartbeat, kill the leader once; return the
+    kill's figures, the seconds the world took to form and the clients' errors."""
+    work.mkdir(parents=True, exist_ok=True)
+    agents = args.members // args.per_agent
+    share = [agents // args.procs + (1 if p < agents % args.procs else 0) for p in range(args.procs)]
+    stop_file = work / "stop"
+    clients: list[subprocess.Popen[bytes]] = []
+    try:
         started = time.monotonic()
         for p, count in enumerate(share):
             config = {
-                "target": target, "job": "failover", "world": agents * args.per_agent, "agents": count,
+                "target": target, "job": job, "world": agents * args.per_agent, "agents": count,
                 "per_agent": args.per_agent, "interval": args.interval, "proc": p,
                 "ready": str(work / f"{p}.ready"), "out": str(work / f"{p}.json"), "stop": str(stop_file),
             }  # fmt: skip
             clients.append(subprocess.Popen([sys.executable, __file__, "_client", json.dumps(config)]))
-        _until(
-            lambda: all((work / f"{p}.ready").exists() for p in range(len(share))),
-            args.join_budget,
-            "the world to form",
-            0.1,
-        )
+        ready = [work / f"{p}.ready" for p in range(len(share))]
+        _until(lambda: all(path.exists() for path in ready), args.join_budget, "the world to form", 0.1)
         formed_s = time.monotonic() - started
-        time.sleep(args.warmup)  # every agent heartbeating at its pace before the first kill
-        kills = []
-        for _ in range(args.kills):
-            kills.append(_one_kill(setup, replicas, args))
+        time.sleep(args.warmup)  # every agent heartbeating at its pace before the kill
+        kill = _one_kill(setup, replicas, args, job)
         stop_file.write_text("stop")
         for client in clients:
             client.wait(120)
@@ -290,25 +313,17 @@ def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out = json.loads((work / f"{p}.json").read_text())
             answers += out["answers"]
             errors += out["errors"]
-        for kill in kills:
-            kill.update(_reattach(answers, kill.pop("killed_at"), args.members // len(answers)))
-        return {
-            "setup": setup, "members": agents * args.per_agent, "streams": agents,
-            "formed_s": round(formed_s, 3), "kills": kills, "client_errors": errors,
-        }  # fmt: skip
+        kill.update(_reattach(answers, kill.pop("killed_at"), args.per_agent))
+        return kill, formed_s, errors
     finally:
         stop_file.write_text("stop")
         for client in clients:
             if client.poll() is None:
                 client.kill()
                 client.wait(10)
-        for replica in replicas:
-            replica.stop()
-        if cluster is not None:
-            cluster.close()
 
 
-def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace) -> dict[str, Any]:
+def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace, name: str) -> dict[str, Any]:
     """SIGKILL the serving coordinator; wait for the take-over and every member to report again;
     return the times (seconds after the kill) and the members failed."""
     leader = next(r for r in replicas if r.leads())
@@ -322,7 +337,7 @@ def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace) -> 
     new = next(r for r in others if r.leads())
 
     def every_member_reported() -> bool:
-        job = new.job("failover")
+        job = new.job(name)
         return job is not None and all(m["last_heartbeat"] > killed_wall for m in job["members"])
 
     seen: float | None
@@ -336,7 +351,7 @@ def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace) -> 
     # Past the reconnect grace and a liveness window, nobody may have been judged.
     judged_by = killed_at + took + args.reconnect_grace + args.interval * args.misses + 1
     time.sleep(max(0.0, judged_by - time.monotonic()))
-    job = new.job("failover") or {}
+    job = new.job(name) or {}
     failed = [m for m in job.get("members", []) if m["state"] == "FAILED"]
     if setup == "etcd":
         leader.start()  # back as a standby for the next kill
@@ -491,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for setup in ("etcd", *(() if args.no_baseline else ("sqlite",))):
         result = measure(setup, args, work)
-        print(json.dumps({k: v for k, v in result.items() if k != "client_errors"}), flush=True)
+        print(json.dumps(result)[:4000], flush=True)
         results.append(result)
     info = describe("grpcio", load_at="end")
     given = argv if argv is not None else sys.argv[1:]
