@@ -48,7 +48,13 @@ from sarcomm.common.reach import Problem, Unreachable, probe
 from sarcomm.common.tls import ClientTls, Rejection
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["COORDINATOR_SERVICE", "STILL_TRYING_EVERY_S", "CoordinatorChannel", "leader_hint"]
+__all__ = [
+    "COORDINATOR_SERVICE",
+    "STILL_TRYING_EVERY_S",
+    "CoordinatorChannel",
+    "connection_broke",
+    "leader_hint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,11 @@ _SERVICE_CONFIG = json.dumps(
 # the client pings no more often than that. Heartbeat traffic keeps busy connections fresh anyway.
 _KEEPALIVE_TIME_MS = 300_000
 _KEEPALIVE_TIMEOUT_MS = 20_000
+# With replicas, a leader whose host died (no RST: the connection looks up) must be left within
+# seconds, not minutes, for a waiting Join to go on at the new leader: sar-coordinator accepts a
+# ping every 10 s without data (its grpc.http2.min_ping_interval_without_data_ms), so 15 s.
+_REPLICA_KEEPALIVE_TIME_MS = 15_000
+_REPLICA_KEEPALIVE_TIMEOUT_MS = 5_000
 _MAX_RECONNECT_BACKOFF_MS = 2_000
 
 # While a call cannot connect, how often the address is probed by hand, how long a probe may take,
@@ -95,6 +106,9 @@ _Self = TypeVar("_Self", bound="CoordinatorChannel")
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
+# grpc core's text for a call that it could not start or carry on because its connection went
+# away at that moment (seen as INTERNAL on a stream opened as the coordinator died).
+_CORE_INTERNAL_DETAILS = "Internal error from Core"
 
 
 class CoordinatorChannel:
@@ -129,8 +143,9 @@ class CoordinatorChannel:
         self.tls = tls
         self._credentials = tls.channel_credentials() if tls is not None else credentials
         self._failover = Failover(self.targets)
-        # gRPC's transparent retries only for a single address (see the module's docstring).
-        self._grpc_retries = len(self.targets) == 1
+        # Whether one address was given: gRPC's transparent retries and slow keepalive, as before
+        # replicas (see the module's docstring).
+        self._single = len(self.targets) == 1
         self._open = False
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]] = {}
 
@@ -171,16 +186,17 @@ class CoordinatorChannel:
             return found
         # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
         # (or restarts) should be found within seconds, a replica taking over within one.
-        backoff_ms = _MAX_RECONNECT_BACKOFF_MS if self._grpc_retries else 1_000
+        single = self._single  # options a list's channels get differ (see the constants)
+        backoff_ms = _MAX_RECONNECT_BACKOFF_MS if single else 1_000
         options: list[tuple[str, str | int]] = [
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS if single else _REPLICA_KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS if single else _REPLICA_KEEPALIVE_TIMEOUT_MS),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", min(200, backoff_ms)),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ("grpc.primary_user_agent", "sarcomm-worker"),
         ]
-        if self._grpc_retries:
+        if single:
             options += [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         else:
             options += [("grpc.enable_retries", 0)]
@@ -358,3 +374,13 @@ def leader_hint(err: grpc.RpcError) -> str | None:
     if value is None:
         return None
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def connection_broke(err: grpc.aio.AioRpcError) -> bool:
+    """Whether ``err`` says the connection broke (or the server cancelled the call, e.g. in its
+    shutdown) rather than the coordinator answering: UNAVAILABLE, CANCELLED, or grpc core's own
+    INTERNAL for a call caught by a connection going away."""
+    code = err.code()
+    if code is grpc.StatusCode.INTERNAL:
+        return err.details() == _CORE_INTERNAL_DETAILS
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -377,8 +378,9 @@ class CoordinatorClient(ReplicaChannel):
 
         The stream has a deadline like every call: after ``timeout`` seconds (default one hour)
         the iteration ends quietly; call again to keep watching. With replicas, a stream that
-        breaks (the leader died) is opened again at the new leader within the deadline; the
-        job's state that a new stream starts with is not yielded twice.
+        breaks (the leader died), or whose leader this client's other calls found replaced (a
+        hung leader), is opened again at the new leader within the deadline; the job's state
+        that a new stream starts with is not yielded twice.
 
         Raises:
             NotFoundError: unknown job.
@@ -396,6 +398,10 @@ class CoordinatorClient(ReplicaChannel):
                 metadata=self._metadata,
                 wait_for_ready=not self.replicated,
             )
+            # Another call following a new leader: this stream goes there too (the old leader may
+            # hang with its connection up, and a watch hears nothing for long stretches).
+            moved = asyncio.ensure_future(self.left_behind(target))
+            moved.add_done_callback(functools.partial(_cancel, call))
             try:
                 async for msg in call:
                     self.answered(target)
@@ -404,6 +410,10 @@ class CoordinatorClient(ReplicaChannel):
                         seen.add(event)
                         yield event
                 return
+            except asyncio.CancelledError:
+                if not moved.done() or moved.cancelled():
+                    raise
+                log.info("Watch of job %s: re-attaching at the leader %s", job, self.target)
             except grpc.aio.AioRpcError as err:
                 error = self.translate(err, "Watch", timeout, started)
                 ended = (
@@ -419,6 +429,7 @@ class CoordinatorClient(ReplicaChannel):
                     raise await self._explained(error) from err
                 await asyncio.sleep(delay)
             finally:
+                moved.cancel()
                 call.cancel()
 
     async def list_jobs(self, job: str = "") -> list[pb.JobStatus]:
@@ -442,3 +453,7 @@ class CoordinatorClient(ReplicaChannel):
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err
         return list(resp.jobs)
+
+
+def _cancel(call: grpc.aio.Call, _: object) -> None:
+    call.cancel()

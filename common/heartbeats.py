@@ -18,12 +18,19 @@ from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
 from sarcomm.common.replicas import ReplicaChannel
 from sarcomm.v1 import coordinator_pb2 as pb
 
-__all__ = ["HeartbeatStream"]
+__all__ = ["SILENT_BEATS", "SILENT_MIN_S", "HeartbeatStream"]
 
 log = logging.getLogger(__name__)
 
 # How long an orderly end of a heartbeat stream may take before the stream is cancelled instead.
 _ORDERLY_CLOSE_S = 1.0
+# With replicas, a stream whose reports go unanswered this long (this many intervals, at least
+# the seconds below) is given up for the other replicas: the leader's host died or hangs, and its
+# connection can look up for minutes. The coordinator answers every report at once, and judges a
+# member silent for interval x misses (3 x 1 s by default): a leader that has not answered for that
+# long is of no use, and leaving it then keeps inside the grace a new leader gives (10 s default).
+SILENT_BEATS = 3
+SILENT_MIN_S = 3.0
 
 
 class HeartbeatStream:
@@ -79,8 +86,9 @@ class HeartbeatStream:
         # Whether the last stream had answers before it broke: then it is reopened at once.
         self._was_connected = False
         self.connected = False
-        # The replica the current stream goes to.
+        # The replica the current stream goes to; since when a report of it waits for an answer.
         self._target = client.target
+        self._unanswered_since: float | None = None
 
     async def __aenter__(self) -> HeartbeatStream:
         self.start()
@@ -139,6 +147,8 @@ class HeartbeatStream:
                 self._queue.put_nowait(exc)
                 return
             if request.reports:
+                if self._unanswered_since is None:
+                    self._unanswered_since = time.monotonic()
                 await call.write(request)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
@@ -150,6 +160,7 @@ class HeartbeatStream:
         self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
     ) -> None:
         async for resp in call:
+            self._unanswered_since = None
             if not self.connected:
                 self._client.answered(self._target)
             self.connected = True
@@ -173,10 +184,24 @@ class HeartbeatStream:
         call = client.stub_for(target).Heartbeat(
             None, timeout=self.stream_timeout, metadata=client.metadata, wait_for_ready=not client.replicated
         )
+        self._unanswered_since = None
         reader = asyncio.ensure_future(self._reader(call))
         writer = asyncio.ensure_future(self._writer(call))
+        tasks = {reader, writer}
+        watchdog = asyncio.ensure_future(self._silence()) if client.replicated else None
+        if watchdog is not None:
+            tasks.add(watchdog)
         try:
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if watchdog in done:
+                silent = time.monotonic() - (self._unanswered_since or started)
+                log.warning(
+                    "Heartbeat stream to %s: no answer for %.1f s; trying the other coordinators; ranks "
+                    "keep running", target, silent,
+                )  # fmt: skip
+                self._was_connected = self.connected
+                self.connected = False
+                return self._pause(client.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
             if writer in done and writer.exception() is None:
                 if self._closing.is_set():
                     # Half-closed: let the coordinator end the stream before anything cancels it,
@@ -215,13 +240,23 @@ class HeartbeatStream:
             self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
             return None
         finally:
-            for task in (reader, writer):
+            for task in tasks:
                 task.cancel()
             call.cancel()
-            await asyncio.wait({reader, writer}, timeout=5.0)
-            for task in (reader, writer):  # retrieve results so asyncio does not log them as lost
+            await asyncio.wait(tasks, timeout=5.0)
+            for task in tasks:  # retrieve results so asyncio does not log them as lost
                 if task.done() and not task.cancelled():
                     task.exception()
+
+    async def _silence(self) -> None:
+        """Return once a report has waited :data:`SILENT_BEATS` intervals (at least
+        :data:`SILENT_MIN_S`) for its answer."""
+        while True:
+            await asyncio.sleep(self.interval)
+            waiting = self._unanswered_since
+            limit = max(SILENT_BEATS * self.interval, SILENT_MIN_S)
+            if waiting is not None and time.monotonic() - waiting > limit:
+                return
 
     def _pause(self, failover: float | None) -> float:
         """Seconds before the next stream. A stream that had answers is reopened at once (jittered,

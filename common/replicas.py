@@ -32,7 +32,13 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sarcomm.common.channel import COORDINATOR_SERVICE, STILL_TRYING_EVERY_S, CoordinatorChannel, leader_hint
+from sarcomm.common.channel import (
+    COORDINATOR_SERVICE,
+    STILL_TRYING_EVERY_S,
+    CoordinatorChannel,
+    connection_broke,
+    leader_hint,
+)
 from sarcomm.common.errors import CoordinatorUnavailableError, shorten
 from sarcomm.common.reach import Unreachable
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
@@ -130,18 +136,38 @@ class ReplicaChannel(CoordinatorChannel):
         leader = leader_hint(err)
         if code is grpc.StatusCode.UNAVAILABLE and leader is not None:
             return self._failover.not_leader(target, leader)
-        if not self.replicated or code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if not self.replicated or not connection_broke(err):
             return None
         found = self._channels.get(target)
         if found is not None and found[0].get_state() is grpc.ChannelConnectivity.READY:
             return self._failover.unreachable(target, f"unavailable ({shorten(err.details(), 200)})")
         return self._failover.unreachable(target, "unreachable (its connection broke)")
 
+    def unreachable(self, target: str, reason: str) -> float:
+        """Note that ``target`` cannot be used (``reason``, e.g. a stream it stopped answering)
+        and move on; returns the seconds to wait before the next try."""
+        return self._failover.unreachable(target, reason)
+
     def answered(self, target: str) -> None:
         """Note that ``target`` answered as leader; says so when that is a change of leader."""
         line = self._failover.succeeded(target)
         if line is not None:
             log.warning("%s", line)
+            moved, self._moved = self._moved, None
+            if moved is not None:
+                moved.set()
+
+    #: Set (and replaced) when the client follows another leader; see :meth:`left_behind`.
+    _moved: asyncio.Event | None = None
+
+    async def left_behind(self, target: str) -> None:
+        """Return once the client follows another leader than ``target``: another call found
+        that ``target`` no longer leads. A stream that hears nothing itself for long stretches
+        (Watch, from a leader whose host hangs) re-attaches then."""
+        while self._failover.leader in (None, target):
+            if self._moved is None:
+                self._moved = asyncio.Event()
+            await self._moved.wait()
 
     async def _call(
         self,
@@ -203,9 +229,9 @@ class ReplicaChannel(CoordinatorChannel):
                     raise await self._none_led(attempt, found)
                 left = attempt.left()
                 log.warning(
-                    "%s: no coordinator of %s leads yet (%s); still trying (%.0f s so far, %s left)",
+                    "%s: no coordinator of %s leads yet (%s); still trying (%.0f s so far%s)",
                     attempt.method, ", ".join(self._failover.targets), self._reasons(found),
-                    now - attempt.started, "no deadline" if math.isinf(left) else f"{left:.0f} s",
+                    now - attempt.started, "" if math.isinf(left) else f", {left:.0f} s left",
                 )  # fmt: skip
         if attempt.left() <= delay:
             await asyncio.sleep(max(0.0, attempt.left()))

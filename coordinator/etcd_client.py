@@ -103,15 +103,15 @@ class EtcdClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.initial_reconnect_backoff_ms", 100),
         ]
-        if settings.tls:
-            assert settings.cacert is not None
+        if settings.cacert is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=settings.cacert.read_bytes(),
                 private_key=settings.key.read_bytes() if settings.key else None,
                 certificate_chain=settings.cert.read_bytes() if settings.cert else None,
             )
-            if name is not None:
-                options.append(("grpc.ssl_target_name_override", name))
+            # One name for every member's certificate (a multi-address target has no single
+            # authority): the first host name of --store, else its first address.
+            options.append(("grpc.ssl_target_name_override", name or settings.endpoints[0][0]))
             self._channel = grpc.secure_channel(target, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -152,7 +152,9 @@ class EtcdClient:
                 f"no answer within {self.timeout:g} s: has etcd lost its quorum? start the missing members "
                 "(a majority must run)"
             )
-        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+            "auth" in details or "permission denied" in details
+        ):
             cause = f"{details}: check --etcd-user and --etcd-password-file, and the user's role"
         elif code is grpc.StatusCode.UNAVAILABLE:
             cause = f"{details}: is etcd running there, and does it have a majority of its members?"

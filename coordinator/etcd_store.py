@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from sarcomm.common.errors import LeadershipLostError
+from sarcomm.common.errors import LeadershipLostError, StoreUnavailableError
 from sarcomm.coordinator import etcd_client
 from sarcomm.coordinator.etcd_client import EtcdClient
 from sarcomm.coordinator.store import JobRow
@@ -34,6 +34,9 @@ COMPRESS_ABOVE_BYTES = 64 * 1024
 MAX_TXN_PUTS = 100
 #: Bytes per transaction (etcd's default --max-request-bytes is 1.5 MiB).
 MAX_TXN_BYTES = 1024 * 1024
+#: The largest record one request can carry with etcd's default --max-request-bytes (1.5 MiB),
+#: less room for the key and the transaction around it.
+MAX_RECORD_BYTES = 1536 * 1024 - 4096
 
 
 def encode_value(record_json: str) -> bytes:
@@ -77,12 +80,18 @@ class EtcdStore:
         return name, int(generation)
 
     def load_jobs(self) -> list[dict[str, Any]]:
-        latest: dict[str, tuple[int, bytes]] = {}
-        for kv in self._client.range_prefix(self._jobs):
-            parsed = self._split(kv.key)
-            if parsed is not None and parsed[1] >= latest.get(parsed[0], (-1, b""))[0]:
-                latest[parsed[0]] = (parsed[1], kv.value)
-        return [decode_value(value) for _, (_, value) in sorted(latest.items())]
+        # Every generation of every name stays stored (history); only the latest of each is read:
+        # the keys first, then those records, a transaction of reads at a time.
+        keys = [self._key(name, generation) for name, generation in sorted(self.last_generations().items())]
+        records: list[dict[str, Any]] = []
+        for start in range(0, len(keys), MAX_TXN_PUTS):
+            batch = keys[start : start + MAX_TXN_PUTS]
+            answer = self._client.txn(
+                f"read {len(batch)} job record(s)", [], [etcd_client.get(k) for k in batch]
+            )
+            for response in answer.responses:
+                records += [decode_value(kv.value) for kv in response.response_range.kvs]
+        return records
 
     def last_generations(self) -> dict[str, int]:
         generations: dict[str, int] = {}
@@ -103,6 +112,12 @@ class EtcdStore:
         size = 0
         for name, generation, _, record_json in rows:
             value = encode_value(record_json)
+            if len(value) > MAX_RECORD_BYTES:
+                raise StoreUnavailableError(
+                    f"job {name!r} generation {generation}: its record is {len(value)} bytes compressed, "
+                    f"more than etcd takes in one request by default ({MAX_RECORD_BYTES}); start etcd "
+                    "with a larger --max-request-bytes, or keep jobs this large on --state (SQLite)"
+                )
             if batch and (len(batch) >= MAX_TXN_PUTS or size + len(value) > MAX_TXN_BYTES):
                 self._commit(fence, batch)
                 batch, size = [], 0

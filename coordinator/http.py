@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sarcomm.common.addresses import parse_address
+from sarcomm.common.errors import SarcommError
 from sarcomm.coordinator.interceptor import bearer_matches
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
@@ -135,7 +136,10 @@ class HttpApi:
         if self.membership is not None:
             return self.membership
         if self._stored is not None:
-            return await self._stored()
+            try:
+                return await self._stored()
+            except SarcommError as error:  # a standby that cannot read etcd says so
+                raise web.HTTPServiceUnavailable(text=str(error)) from None
         raise web.HTTPServiceUnavailable(text="this coordinator is not serving jobs yet")
 
     async def jobs(self, request: web.Request) -> web.Response:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Longest pause between two rounds (renew, campaign): a standby sees a freed leader key within it.
 MAX_ROUND_S = 0.25
+#: The most a leader's lease is cut short by (see LeaseClock).
+MAX_MARGIN_S = 0.25
 #: A failure to reach etcd is logged at most this often (every round would flood the log).
 WARN_EVERY_S = 15.0
 
@@ -87,14 +89,16 @@ STANDBY_UNKNOWN = Decision(Role.STANDBY)
 
 
 class LeaseClock:
-    """Until when this coordinator's lease is surely alive (monotonic seconds)."""
+    """Until when this coordinator's lease is surely alive (monotonic seconds): the send time of
+    the last answered renewal plus the TTL, less a margin (a tenth of the TTL, at most
+    ``MAX_MARGIN_S``) for clocks that run at slightly different rates here and on etcd."""
 
     def __init__(self) -> None:
         self.valid_until = -math.inf
 
     def renewed(self, sent_at: float, ttl: float) -> None:
         """A renewal (or grant) sent at ``sent_at`` was answered with ``ttl`` seconds (0: gone)."""
-        self.valid_until = sent_at + ttl if ttl > 0 else -math.inf
+        self.valid_until = sent_at + ttl - min(MAX_MARGIN_S, ttl / 10) if ttl > 0 else -math.inf
 
     def lost(self) -> None:
         self.valid_until = -math.inf
@@ -237,12 +241,20 @@ class Elector:
             self._watchdog.cancel()
         if self.decision.role is Role.LEADER or self.clock.valid(self._monotonic()):
             delay = max(0.0, self.clock.valid_until - self._monotonic())
-            self._watchdog = asyncio.get_running_loop().call_later(
-                delay, self._check_lease, "its lease could not be renewed within its TTL"
-            )
+            self._watchdog = asyncio.get_running_loop().call_later(delay, self._watch)
+
+    def _watch(self) -> None:
+        # The loop may run a timer a clock tick early: look again rather than miss the moment.
+        self._watchdog = None
+        if self.clock.valid(self._monotonic()):
+            self._arm_watchdog()
+            return
+        self._check_lease("its lease could not be renewed within its TTL")
 
     def _check_lease(self, reason: str) -> None:
-        if self.decision.role is Role.LEADER and not self.clock.valid(self._monotonic()):
+        # Without a live lease this replica cannot tell what etcd holds: a leader stops leading, and
+        # a standby stops naming a leader it can no longer see.
+        if self.decision != STANDBY_UNKNOWN and not self.clock.valid(self._monotonic()):
             self._apply(STANDBY_UNKNOWN, reason)
 
     def _apply(self, decision: Decision, reason: str) -> None:

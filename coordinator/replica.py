@@ -18,7 +18,7 @@ import secrets
 import socket
 from collections.abc import Callable
 
-from sarcomm.common.errors import NotLeaderError
+from sarcomm.common.errors import NotLeaderError, StoreUnavailableError
 from sarcomm.coordinator.clock import Clock
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.etcd_client import CALL_TIMEOUT_S, EtcdClient
@@ -27,13 +27,15 @@ from sarcomm.coordinator.etcd_store import EtcdStore
 from sarcomm.coordinator.leadership import Decision, Elector, LeaderRecord, Role
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.records import load_state
+from sarcomm.coordinator.records import StoredState, job_from_record, load_state
 from sarcomm.coordinator.term import Term, build_membership
 
 log = logging.getLogger(__name__)
 
 #: How long a standby's read of the store answers /v1/jobs and /sd before it is read again.
 VIEW_CACHE_S = 1.0
+#: How long a standby's /v1/jobs or /sd waits for etcd before it answers 503.
+VIEW_TIMEOUT_S = 2.0
 
 
 class Replica:
@@ -160,7 +162,14 @@ class Replica:
         now = self._clock.monotonic()
         if self._view is not None and now - self._view[0] < VIEW_CACHE_S:
             return self._view[1]
-        stored = await asyncio.to_thread(load_state, self.store)
+        try:
+            records = await asyncio.wait_for(asyncio.to_thread(self.store.load_jobs), VIEW_TIMEOUT_S)
+        except TimeoutError:
+            raise StoreUnavailableError(
+                f"{self._settings.describe()} did not answer within {VIEW_TIMEOUT_S:g} s: has it lost its "
+                "quorum? a majority of its members must run"
+            ) from None
+        stored = StoredState([job_from_record(r) for r in records])
         view = build_membership(self._config, stored, self._clock, None)
         self._view = (now, view)
         return view

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import pytest
 
+from sarcomm.coordinator.etcd_config import EtcdSettings
+
 # The three-member etcd cluster of the etcd store and failover tests, as a fixture for every file.
 from tests.etcd_cluster import etcd_cluster  # noqa: F401
 from tests.helpers import WaitTimeout, free_port, wait_for
@@ -48,22 +50,26 @@ class CoordinatorProcess:
     http_ssl: ssl.SSLContext | None = None
     # How to start it; the default is this checkout's module under this interpreter.
     command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "sarcomm.coordinator.cli"])
+    # The address tests reach it at (gRPC and HTTP), e.g. a network namespace's, and the one it
+    # listens on when that differs (0.0.0.0).
+    host: str = "127.0.0.1"
+    listen_host: str | None = None
 
     @property
     def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"{'https' if self.http_ssl else 'http'}://127.0.0.1:{self.http_port}"
+        return f"{'https' if self.http_ssl else 'http'}://{self.host}:{self.http_port}"
 
     def start(self, timeout: float = 20.0) -> None:
         cmd = [
             *self.command,
             "--listen",
-            self.grpc_target,
+            f"{self.listen_host or self.host}:{self.grpc_port}",
             "--http",
-            f"127.0.0.1:{self.http_port}",
+            f"{self.listen_host or self.host}:{self.http_port}",
             *(["--state", str(self.state_path)] if self.state_path else []),
             *self.args,
         ]
@@ -87,6 +93,7 @@ class CoordinatorProcess:
         try:
             wait_for(healthy, timeout, what=f"{self.http_url}/healthz to answer 200")
         except WaitTimeout as exc:
+            self.kill()  # a start that failed leaves no process behind
             raise TimeoutError(f"coordinator not healthy within {timeout} s: {self.log()}") from exc
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
@@ -126,6 +133,26 @@ class StartCoordinator(Protocol):
         env: dict[str, str] | None = None,
         http_ssl: ssl.SSLContext | None = None,
     ) -> CoordinatorProcess: ...
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def state_backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    """Where a coordinator keeps its jobs, once per store: ``{"state": PATH}`` (SQLite) or
+    ``{"store": EtcdSettings}`` on a fresh three-member etcd cluster (skipped without etcd), as
+    keyword arguments of :class:`CoordinatorConfig` (and of ``in_process_coordinator``)."""
+    if request.param == "sqlite":
+        return {"state": tmp_path / "state.sqlite"}
+    cluster = request.getfixturevalue("etcd_cluster")
+    return {"store": EtcdSettings(cluster.url("backend"), leader_ttl=1)}
+
+
+def store_args(backend: dict[str, object]) -> list[str]:
+    """The ``sar-coordinator`` flags of a :func:`state_backend`."""
+    if "state" in backend:
+        return ["--state", str(backend["state"])]
+    store = backend["store"]
+    assert isinstance(store, EtcdSettings)
+    return ["--store", store.url, "--leader-ttl", str(store.leader_ttl)]
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.model import Job, Member
 from sarcomm.coordinator.server import Coordinator
+from tests.helpers import wait_for_async
 
 LOOPBACK = (InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK),)
 
@@ -80,6 +81,14 @@ async def in_process_coordinator(
     coordinator = Coordinator(config, clock=clock)
     await coordinator.start()
     try:
+        if coordinator.replica is not None:
+            # On etcd: serve once this coordinator leads (at once, unless a dead leader's lease
+            # still holds the key: then within its TTL).
+            await wait_for_async(
+                lambda: coordinator.replica is not None and coordinator.replica.leading,
+                15,
+                what=f"the in-process coordinator to lead: {config.store}",
+            )
         yield InProcessCoordinator(coordinator, clock)
     finally:
         await coordinator.stop()

@@ -6,9 +6,12 @@ second or two). It can SIGKILL, stop and restart one member, lose the quorum (st
 back, and tears down leaving no process behind: each member also dies with the test process
 (``PR_SET_PDEATHSIG``), so even a killed pytest leaves none.
 
-``extra_hosts`` makes every member also listen for clients on those addresses (e.g. a bridge
-address that a coordinator in a network namespace reaches); ``enable_v2`` turns on etcd's v2 API
-(torch elastic's ``etcd`` rendezvous backend speaks v2 only).
+``client_tls`` (CA, certificate, key: PEM files) makes the members speak TLS to clients and require
+a client certificate signed by that CA (etcd's ``--client-cert-auth``); the same certificate
+serves as the tests' client certificate. ``extra_hosts`` makes every member also listen for
+clients on those addresses (e.g. a bridge address that a coordinator in a network namespace
+reaches); ``enable_v2`` turns on etcd's v2 API (torch elastic's ``etcd`` rendezvous backend speaks
+v2 only).
 
 The pytest fixture :func:`etcd_cluster` skips, saying so, only when the ``etcd`` binary is absent.
 Nothing here imports the product, so benchmarks can use it too.
@@ -22,6 +25,7 @@ import json
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -87,6 +91,7 @@ class EtcdCluster:
     size: int = 3
     extra_hosts: Sequence[str] = ()
     enable_v2: bool = False
+    client_tls: tuple[Path, Path, Path] | None = None
     members: list[EtcdMember] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -108,6 +113,10 @@ class EtcdCluster:
         """Every member's ``127.0.0.1:PORT``."""
         return [m.endpoint for m in self.members]
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.client_tls else "http"
+
     def url(self, prefix: str = "", host: str = "127.0.0.1") -> str:
         """The ``--store`` value for a coordinator: ``etcd://H:P1,H:P2,H:P3[/prefix]`` (``host`` one
         of 127.0.0.1 and ``extra_hosts``)."""
@@ -119,16 +128,29 @@ class EtcdCluster:
     def _command(self, member: EtcdMember, state: str) -> list[str]:
         hosts = ["127.0.0.1", *self.extra_hosts]
         cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        tls: list[str] = []
+        if self.client_tls is not None:
+            ca, cert, key = self.client_tls
+            tls = [
+                "--cert-file",
+                str(cert),
+                "--key-file",
+                str(key),
+                "--trusted-ca-file",
+                str(ca),
+                "--client-cert-auth",
+            ]
         return [
             "etcd",
+            *tls,
             "--name",
             member.name,
             "--data-dir",
             str(member.data_dir),
             "--listen-client-urls",
-            ",".join(f"http://{h}:{member.client_port}" for h in hosts),
+            ",".join(f"{self.scheme}://{h}:{member.client_port}" for h in hosts),
             "--advertise-client-urls",
-            f"http://127.0.0.1:{member.client_port}",
+            f"{self.scheme}://127.0.0.1:{member.client_port}",
             "--listen-peer-urls",
             f"http://127.0.0.1:{member.peer_port}",
             "--initial-advertise-peer-urls",
@@ -192,11 +214,17 @@ class EtcdCluster:
                 raise TimeoutError(f"etcd {member.name} not healthy within {timeout:g} s: {member.log()}")
             time.sleep(0.05)
 
-    @staticmethod
-    def healthy(member: EtcdMember) -> bool:
+    def healthy(self, member: EtcdMember) -> bool:
         """True when ``member`` says it is healthy (a leader elected, the quorum there)."""
+        context = None
+        if self.client_tls is not None:
+            ca, cert, key = self.client_tls
+            context = ssl.create_default_context(cafile=str(ca))
+            context.load_cert_chain(str(cert), str(key))
         try:
-            with urllib.request.urlopen(f"http://{member.endpoint}/health", timeout=1) as resp:
+            with urllib.request.urlopen(
+                f"{self.scheme}://{member.endpoint}/health", timeout=1, context=context
+            ) as resp:
                 return bool(json.loads(resp.read()).get("health") == "true")
         except (OSError, ValueError, urllib.error.URLError):
             return False
@@ -280,8 +308,12 @@ class EtcdCluster:
     def etcdctl(self, *args: str, timeout: float = 10.0) -> str:
         """Run ``etcdctl`` (API v3) against the running members; returns stdout, raises on failure."""
         endpoints = ",".join(m.endpoint for m in self.members if m.running)
+        tls: list[str] = []
+        if self.client_tls is not None:
+            ca, cert, key = self.client_tls
+            tls = ["--cacert", str(ca), "--cert", str(cert), "--key", str(key)]
         result = subprocess.run(
-            ["etcdctl", "--endpoints", endpoints, "--command-timeout", f"{timeout:g}s", *args],
+            ["etcdctl", "--endpoints", endpoints, *tls, "--command-timeout", f"{timeout:g}s", *args],
             capture_output=True,
             text=True,
             timeout=timeout + 5,
@@ -299,10 +331,14 @@ class EtcdCluster:
 
 @contextlib.contextmanager
 def running_cluster(
-    root: Path, *, extra_hosts: Sequence[str] = (), enable_v2: bool = False
+    root: Path,
+    *,
+    extra_hosts: Sequence[str] = (),
+    enable_v2: bool = False,
+    client_tls: tuple[Path, Path, Path] | None = None,
 ) -> Iterator[EtcdCluster]:
     """A started :class:`EtcdCluster` in ``root``, closed on exit (benchmarks use this)."""
-    cluster = EtcdCluster(root, extra_hosts=extra_hosts, enable_v2=enable_v2)
+    cluster = EtcdCluster(root, extra_hosts=extra_hosts, enable_v2=enable_v2, client_tls=client_tls)
     cluster.start()
     try:
         yield cluster

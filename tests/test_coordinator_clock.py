@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
+from typing import Any
 
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.messages import Assignment, Event, MemberReport, Progress
@@ -149,14 +149,16 @@ async def test_a_stall_is_reported_once_ranks_waited_past_the_threshold_and_not_
         )
 
 
-async def test_restored_members_get_the_restore_grace_before_they_are_judged(tmp_path: Path) -> None:
-    state = tmp_path / "state.sqlite"
-    async with in_process_coordinator(FakeClock(), state=state) as first:
+async def test_restored_members_get_the_restore_grace_before_they_are_judged(
+    state_backend: dict[str, Any],
+) -> None:
+    # Both stores: a restart on SQLite, and on etcd the next leader taking over the same jobs.
+    async with in_process_coordinator(FakeClock(), **state_backend) as first:
         a, b = await form(first, "again", 2)
         await report(first, a, b)
     # A new process: its monotonic clock starts anywhere.
     clock = FakeClock(monotonic=5.0)
-    async with in_process_coordinator(clock, state=state, reconnect_grace=10.0) as second:
+    async with in_process_coordinator(clock, reconnect_grace=10.0, **state_backend) as second:
         assert [second.member("again", r).state for r in (0, 1)] == [MemberState.RUNNING] * 2
         clock.advance(9.9)  # far past interval x misses (3 s), still within the grace
         second.sweep()

@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.conftest import CoordinatorProcess, StartCoordinator, store_args
 from tests.helpers import LO_PB as LO
-from tests.helpers import read_message
+from tests.helpers import read_message, wait_for
 
 
 def join_request(host: str, nproc: int, job: str = "rpc", world_size: int = 4, **kw: Any) -> pb.JoinRequest:
@@ -176,15 +176,29 @@ async def test_sigterm_sets_not_serving_then_exits_cleanly(coordinator: Coordina
     assert "coordinator stopped" in coordinator.log()
 
 
-async def test_restart_with_same_state_keeps_job(start_coordinator: StartCoordinator) -> None:
-    first: CoordinatorProcess = start_coordinator("--heartbeat-interval", "5")
+def _until_leader(coord: CoordinatorProcess) -> None:
+    """Wait until ``coord`` leads (at once on SQLite; on etcd once it holds the leader key)."""
+    wait_for(lambda: dict(coord.get_json("/healthz"))["role"] == "leader", 15, what="it to lead")  # type: ignore[call-overload]
+
+
+async def test_restart_with_same_state_keeps_job(
+    start_coordinator: StartCoordinator, state_backend: dict[str, object]
+) -> None:
+    first: CoordinatorProcess = start_coordinator(
+        "--heartbeat-interval", "5", *store_args(state_backend), state=False
+    )
+    await asyncio.to_thread(_until_leader, first)
     async with grpc.aio.insecure_channel(first.grpc_target) as channel:
         responses = await form(pb_grpc.CoordinatorStub(channel), job="keep")
     before = first.get_json("/v1/jobs")
     first.kill()
     first.start()
+    # On etcd the killed leader's lease holds the key for its TTL: until then the restarted one
+    # stands by (and answers /v1/jobs from etcd); then it leads again.
     after = first.get_json("/v1/jobs")
     assert after == before
+    await asyncio.to_thread(_until_leader, first)
+    assert first.get_json("/v1/jobs") == before
     async with grpc.aio.insecure_channel(first.grpc_target) as channel:
         member = responses[0].assignments[0]
         left = await pb_grpc.CoordinatorStub(channel).Leave(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError, LeadershipLostError, StoreUnavailableError
+from sarcomm.coordinator import etcd_client
 from sarcomm.coordinator.etcd_client import EtcdClient
 from sarcomm.coordinator.etcd_config import EtcdSettings, parse_store_url
 from sarcomm.coordinator.etcd_store import EtcdStore
@@ -18,14 +19,13 @@ from sarcomm.coordinator.leadership import LeaderRecord
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.records import job_record, load_state
 from sarcomm.coordinator.store import SqliteStore, StateStore, encode_job
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
+from tests.tls_files import make_tls_files
 
 
-def _lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
+def lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
     """Take the leader key with a fresh lease, fence the store on it; returns the lease."""
-    from sarcomm.coordinator import etcd_client
-
     lease, _ = client.grant(ttl)
     answer = client.txn(
         "campaign",
@@ -47,7 +47,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateS
     cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
     client = EtcdClient(EtcdSettings(cluster.url("conformance")))
     store = EtcdStore(client, "/conformance")
-    _lead(client, store)
+    lead(client, store)
     yield store
     store.close()
     client.close()
@@ -102,7 +102,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdC
     fenced: list[bool] = []
     store.on_fenced = lambda: fenced.append(True)
     try:
-        lease = _lead(client, store, ttl=1)
+        lease = lead(client, store, ttl=1)
         store.write_rows([encode_job(_formed_job("before"))])
         # Nobody renews the lease: etcd expires it and deletes the leader key with it.
         wait_for(lambda: client.get(store.leader_key) is None, 10, what="etcd to expire the 1 s lease")
@@ -112,7 +112,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdC
         assert fenced == [True]
         assert time.monotonic() - started < 2
         # And a later leader's key does not let the old fence through either.
-        _lead(client, EtcdStore(client, "/fence"))
+        lead(client, EtcdStore(client, "/fence"))
         store.fence(1)
         with pytest.raises(LeadershipLostError):
             store.write_rows([encode_job(_formed_job("after"))])
@@ -126,7 +126,7 @@ def test_a_store_without_the_quorum_raises_unavailable_naming_etcd(etcd_cluster:
     client = EtcdClient(EtcdSettings(etcd_cluster.url("quorum")), timeout=1.0)
     store = EtcdStore(client, "/quorum")
     try:
-        _lead(client, store)
+        lead(client, store)
         stopped = etcd_cluster.lose_quorum()
         with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not write 1 job record"):
             store.write_rows([encode_job(_formed_job("q"))])
@@ -187,5 +187,42 @@ def test_etcd_settings_name_the_flag_value_and_rule(tmp_path: Path) -> None:
         EtcdSettings("etcd://h:1", cacert=tmp_path, cert=tmp_path / "c.pem")
     with pytest.raises(InvalidArgumentError, match="--etcd-user 'u' and --etcd-password-file"):
         EtcdSettings("etcd://h:1", user="u")
-    with pytest.raises(InvalidArgumentError, match="--etcd-cacert .* must be a readable file"):
+    with pytest.raises(InvalidArgumentError, match=r"--etcd-cacert .* must be a readable file"):
         EtcdSettings("etcd://h:1", cacert=tmp_path / "missing.pem")
+
+
+def test_etcd_auth_is_used_and_a_wrong_password_is_named(etcd_cluster: EtcdCluster, tmp_path: Path) -> None:
+    etcd_cluster.etcdctl("user", "add", "root", "--new-user-password", "s3cret")
+    etcd_cluster.etcdctl("auth", "enable")
+    try:
+        client = EtcdClient(EtcdSettings(etcd_cluster.url("auth"), user="root", password="s3cret"))
+        store = EtcdStore(client, "/auth")
+        lead(client, store)
+        store.write_rows([encode_job(_formed_job("authed"))])
+        assert [r["name"] for r in store.load_jobs()] == ["authed"]
+        client.close()
+        wrong = EtcdClient(EtcdSettings(etcd_cluster.url("auth"), user="root", password="nope"))
+        with pytest.raises(StoreUnavailableError, match="check --etcd-user and --etcd-password-file"):
+            EtcdStore(wrong, "/auth").load_jobs()
+        wrong.close()
+    finally:
+        etcd_cluster.etcdctl("--user", "root:s3cret", "auth", "disable")
+
+
+def test_etcd_over_mutual_tls_with_the_coordinators_client_certificate(tmp_path: Path) -> None:
+    if ETCD_MISSING:
+        pytest.skip(ETCD_MISSING)
+    tls = make_tls_files(tmp_path)
+    with running_cluster(tmp_path / "etcd", client_tls=(tls.ca, tls.server_cert, tls.server_key)) as cluster:
+        settings = EtcdSettings(cluster.url("tls"), cacert=tls.ca, cert=tls.client_cert, key=tls.client_key)
+        client = EtcdClient(settings)
+        store = EtcdStore(client, "/tls")
+        lead(client, store)
+        store.write_rows([encode_job(_formed_job("secure"))])
+        assert [r["name"] for r in store.load_jobs()] == ["secure"]
+        client.close()
+        # Without a client certificate etcd refuses the connection.
+        anonymous = EtcdClient(EtcdSettings(cluster.url("tls"), cacert=tls.ca), timeout=1.0)
+        with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not read"):
+            EtcdStore(anonymous, "/tls").load_jobs()
+        anonymous.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
+from sarcomm.coordinator.etcd_client import EtcdClient
+from sarcomm.coordinator.etcd_config import EtcdSettings
+from sarcomm.coordinator.etcd_store import EtcdStore
 from sarcomm.coordinator.membership import (
     EventKind,
     JobEvent,
@@ -27,7 +31,9 @@ from sarcomm.coordinator.membership import (
 from sarcomm.coordinator.ranks import describe_missing
 from sarcomm.coordinator.records import load_state, write_at_once
 from sarcomm.coordinator.store import SqliteStore, StateStore
+from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, assigned_rank, spec
+from tests.test_etcd_store import lead
 
 
 def stored_membership(store: StateStore, clock: FakeClock, **settings: Any) -> Membership:
@@ -254,13 +260,36 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
     assert [e.kind for e in events][-2:] == [EventKind.MEMBER_FAILED, EventKind.JOB_FAILED]
 
 
-def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: FakeClock) -> None:
-    path = tmp_path / "state.sqlite"
-    store = SqliteStore(path)
+@pytest.fixture(params=["sqlite", "etcd"])
+def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], StateStore]]:
+    """Opens the same state again, as the next coordinator would: the SQLite file, or the etcd
+    prefix with the leader key taken afresh (the previous holder's lease revoked)."""
+    if request.param == "sqlite":
+        yield lambda: SqliteStore(tmp_path / "state.sqlite")
+        return
+    cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+    client = EtcdClient(EtcdSettings(cluster.url("membership")))
+    leases: list[int] = []
+
+    def open_etcd() -> StateStore:
+        for lease in leases:
+            client.revoke(lease)
+        store = EtcdStore(client, "/membership")
+        leases[:] = [lead(client, store)]
+        return store
+
+    yield open_etcd
+    client.close()
+
+
+def test_restore_keeps_jobs_and_members_across_restart(
+    reopen: Callable[[], StateStore], clock: FakeClock
+) -> None:
+    store = reopen()
     first = stored_membership(store, clock)
     a, _ = form(first, spec("a", None, None), spec("b", None, None))
     store.close()  # the first coordinator is gone: a second one may not share its state
-    restored = stored_membership(SqliteStore(path), clock)
+    restored = stored_membership(reopen(), clock)
     job = restored.job("gnn")
     assert job is not None
     assert (job.state, job.generation, job.master_port) == (JobState.RUNNING, 1, 29500)
@@ -270,14 +299,15 @@ def test_restore_keeps_jobs_and_members_across_restart(tmp_path: Path, clock: Fa
     assert restored.job("gnn").members[0].state is MemberState.LEFT  # type: ignore[union-attr]
 
 
-def test_generation_grows_across_restart_and_name_reuse(tmp_path: Path, clock: FakeClock) -> None:
-    path = tmp_path / "state.sqlite"
-    store = SqliteStore(path)
+def test_generation_grows_across_restart_and_name_reuse(
+    reopen: Callable[[], StateStore], clock: FakeClock
+) -> None:
+    store = reopen()
     first = stored_membership(store, clock)
     tickets = form(first, spec("a", None, None), spec("b", None, None))
     first.leave(tickets[0].members[0].member_id, tickets[0].secrets[0], 1)
     store.close()
-    restored = stored_membership(SqliteStore(path), clock)
+    restored = stored_membership(reopen(), clock)
     assert restored.join(spec("a")).job.generation == 2
 
 

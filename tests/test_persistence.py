@@ -1,7 +1,7 @@
 """WriteBehind: coalesced job writes off the loop, durable before the answers that need it.
 
-A real SQLite file throughout; the only stand-in is a store wrapper that counts the batches (and,
-in one test, fails the way a full disk does).
+A real SQLite file, then a real etcd cluster (every test runs on both stores); the only stand-in
+is a store wrapper that counts the batches (and, in one test, fails the way a full disk does).
 """
 
 from __future__ import annotations
@@ -9,48 +9,68 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sarcomm.common.errors import CoordinatorUnavailableError
+from sarcomm.coordinator.etcd_client import EtcdClient
+from sarcomm.coordinator.etcd_config import EtcdSettings
+from sarcomm.coordinator.etcd_store import EtcdStore
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.persistence import WriteBehind
-from sarcomm.coordinator.store import JobRow, SqliteStore
+from sarcomm.coordinator.store import JobRow, SqliteStore, StateStore
+from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for_async
+from tests.test_etcd_store import lead
 
 
-class CountingStore(SqliteStore):
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+class CountingStore:
+    """A store (SQLite or etcd) that counts the batches written to it and can fail the next ones."""
+
+    def __init__(self, inner: StateStore) -> None:
+        self.inner = inner
         self.batches: list[list[str]] = []
         self.fail_next = 0
+
+    def load_jobs(self) -> list[dict[str, Any]]:
+        return self.inner.load_jobs()
+
+    def last_generations(self) -> dict[str, int]:
+        return self.inner.last_generations()
 
     def write_rows(self, rows: list[JobRow]) -> None:
         if self.fail_next:
             self.fail_next -= 1
             raise sqlite3.OperationalError("database or disk is full")
+        self.inner.write_rows(rows)
+        # Counted once written: a test that waits for a batch may then read it back.
         self.batches.append(
             [f"{name}#{generation}:{len(json.loads(raw)['members'])}" for name, generation, _, raw in rows]
         )
-        super().write_rows(rows)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
-def stored(path: Path) -> dict[str, dict[str, Any]]:
-    """What another process would read from the state file now (read-only, without the lock the
-    writing store holds)."""
-    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        rows = reader.execute("SELECT record FROM jobs ORDER BY generation").fetchall()
-    finally:
-        reader.close()
-    return {record["name"]: record for record in (json.loads(row[0]) for row in rows)}
+def stored(store: CountingStore) -> dict[str, dict[str, Any]]:
+    """What the store holds now, read back from it."""
+    return {record["name"]: record for record in store.inner.load_jobs()}
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> CountingStore:
-    return CountingStore(tmp_path / "state.sqlite")
+@pytest.fixture(params=["sqlite", "etcd"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CountingStore]:
+    if request.param == "sqlite":
+        yield CountingStore(SqliteStore(tmp_path / "state.sqlite"))
+        return
+    cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+    client = EtcdClient(EtcdSettings(cluster.url("persistence")))
+    etcd = EtcdStore(client, "/persistence")
+    lead(client, etcd)
+    yield CountingStore(etcd)
+    client.close()
 
 
 async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it(
@@ -66,7 +86,7 @@ async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it
     assert not store.batches  # nothing written on the caller's path
     await writes.durable()
     assert store.batches == [["big#1:64"]]
-    record = stored(store.path)["big"]  # type: ignore[arg-type]
+    record = stored(store)["big"]
     assert record["state"] == "FINISHED"
     assert {m["state"] for m in record["members"]} == {"LEFT"}
     await writes.close()
@@ -90,7 +110,7 @@ async def test_changes_marked_while_a_batch_is_written_go_into_the_next_one(stor
     await writes.durable()
     await waiting_for_one
     assert store.batches == [["one#1:1"], ["two#1:1"]]
-    assert set(stored(store.path)) == {"one", "two"}  # type: ignore[arg-type]
+    assert set(stored(store)) == {"one", "two"}
     assert a.job.formed
     assert b.job.formed
     await writes.close()
@@ -109,7 +129,7 @@ async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
     # Nothing was lost: the job is written by the retry, without any new change.
     await wait_for_async(lambda: store.batches, 5, what="the retry to write the job")
     assert store.batches == [["j#1:1"]]
-    assert stored(store.path)["j"]["state"] == "RUNNING"  # type: ignore[arg-type]
+    assert stored(store)["j"]["state"] == "RUNNING"
     await writes.close()
 
 
@@ -122,7 +142,7 @@ async def test_close_writes_what_is_still_marked_and_later_marks_write_at_once(s
     assert store.batches == [["j#1:1"]]
     clock.now += 10  # the member goes silent: the sweep fails it after close, written at once
     assert membership.sweep()
-    assert stored(store.path)["j"]["state"] == "FAILED"  # type: ignore[arg-type]
+    assert stored(store)["j"]["state"] == "FAILED"
 
 
 async def test_large_answers_pause_the_collector_only_while_they_compute() -> None:
