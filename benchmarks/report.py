@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -930,6 +930,13 @@ def state_writes_section(doc: dict[str, Any], ctx: Context) -> Section:
     return Section.of(doc, "state_writes", str(doc.get("title") or "State writes"), headline, body, plot)
 
 
+def heartbeat_load_etcd_section(doc: dict[str, Any], ctx: Context) -> Section:
+    """heartbeat_load.py --stores sqlite,etcd (results/heartbeat_load_etcd.json): the same load with
+    the coordinator on etcd beside SQLite, in one run; the script's headline compares them."""
+    section = heartbeat_load_section(doc, ctx)
+    return replace(section, name="heartbeat_load_etcd", title="Heartbeat load: the etcd store beside SQLite")
+
+
 def failover_section(doc: dict[str, Any], ctx: Context) -> Section:
     """benchmarks/failover.py: the leader SIGKILLed under a job, per kill, etcd beside SQLite."""
     rows = []
@@ -1092,6 +1099,7 @@ RENDERERS: dict[str, Renderer] = {
 OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "failure_detection": failure_detection_section,
     "heartbeat_load": heartbeat_load_section,
+    "heartbeat_load_etcd": heartbeat_load_etcd_section,
     "failover": failover_section,
     "soak": soak_section,
 }
