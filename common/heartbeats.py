@@ -42,8 +42,10 @@ class HeartbeatStream:
     (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
     coordinator like any call (gRPC reconnects with exponential backoff and jitter). With replicas
     (``a:50051,b:50051``) a broken stream is reopened at once at the next replica, a standby's
-    refusal sends it to the leader it names, and rounds in which none leads are spaced by the
-    failover backoff (:mod:`sarcomm.common.replicas`): a new leader gives members
+    refusal sends it to the leader it names, a stream whose reports go unanswered for
+    :data:`SILENT_BEATS` intervals (a hung leader: its connection stays up) is given up too, and
+    rounds in which none leads are spaced by the failover backoff
+    (:mod:`sarcomm.common.replicas`): a new leader gives members
     ``--reconnect-grace`` to re-attach, and they do within about a second of its taking over.
     Ranks keep running meanwhile: collectives never depend on the coordinator being up. Any other failure
     (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it

@@ -107,18 +107,22 @@ class LeaseClock:
         return now < self.valid_until
 
 
-def decide(observed: Observed | None, lease: int | None, lease_valid: bool) -> Decision:
+def decide(observed: Observed | None, lease: int | None, lease_valid: bool, replica: str = "") -> Decision:
     """The role that follows from the leader key and this coordinator's lease.
 
     1. Our lease owns the key and is surely alive: lead, fenced on the key's create revision.
-    2. Another lease owns it: stand by, naming its address.
-    3. No key seen (or ours while our lease is in doubt): stand by, leader unknown.
+    2. Another coordinator's lease owns it: stand by, naming its address.
+    3. No key seen, ours while our lease is in doubt, or one an earlier lease of ours (``replica``
+       is our id) still holds until etcd expires it: stand by, leader unknown (never name
+       ourselves to the clients we refuse).
     """
     if observed is None or observed.record is None:
         return STANDBY_UNKNOWN
     if lease is not None and observed.lease == lease:
         if lease_valid:
             return Decision(Role.LEADER, observed.record.address, observed.create_revision)
+        return STANDBY_UNKNOWN
+    if replica and observed.record.replica == replica:
         return STANDBY_UNKNOWN
     return Decision(Role.STANDBY, observed.record.address)
 
@@ -177,6 +181,10 @@ class Elector:
             except StoreUnavailableError as error:
                 log.warning("could not give up the leader lease (a standby takes over in its TTL): %s", error)
 
+    def lease_valid(self) -> bool:
+        """Whether this replica's lease is surely alive now (see :class:`LeaseClock`)."""
+        return self.clock.valid(self._monotonic())
+
     def step_down(self, reason: str) -> None:
         """Stop leading now (a fenced write failed); the next round looks again."""
         if self.decision.role is Role.LEADER:
@@ -199,25 +207,36 @@ class Elector:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._period)
 
-    async def _round(self) -> None:
-        sent = self._monotonic()
-        if self._lease is None or not self.clock.valid(sent):
-            self._lease = None
-            lease, ttl = await asyncio.to_thread(self._client.grant, self._ttl)
-            self._lease = lease
-        else:
+    async def _renew(self) -> int:
+        """Renew our lease, or take a new one; returns its id.
+
+        The lease we have is renewed even while it is in doubt (etcd unreachable for a while): if
+        etcd still has it, nobody else can have held the leader key meanwhile. A new lease is taken
+        only once etcd says the old one expired.
+        """
+        if self._lease is not None:
+            sent = self._monotonic()
             ttl = await asyncio.to_thread(self._client.keepalive, self._lease)
-        self.clock.renewed(sent, ttl)
-        self._arm_watchdog()
-        if ttl <= 0:
+            if ttl > 0:
+                self.clock.renewed(sent, ttl)
+                return self._lease
             self._lease = None
+            self.clock.lost()
             self._check_lease("its lease expired in etcd")
-            return
+        sent = self._monotonic()
+        lease, ttl = await asyncio.to_thread(self._client.grant, self._ttl)
+        self._lease = lease
+        self.clock.renewed(sent, ttl)
+        return lease
+
+    async def _round(self) -> None:
+        lease = await self._renew()
+        self._arm_watchdog()
         answer = await asyncio.to_thread(
             self._client.txn,
             "campaign for leadership",
             [etcd_client.compare_create_revision(self._key, 0)],
-            [etcd_client.put(self._key, self._record.encode(), self._lease)],
+            [etcd_client.put(self._key, self._record.encode(), lease)],
             [etcd_client.get(self._key)],
         )
         observed = self._observed(answer)
@@ -225,7 +244,8 @@ class Elector:
             if self._seen_revision is not None:
                 self.changes += 1
             self._seen_revision = observed.create_revision
-        self._apply(decide(observed, self._lease, self.clock.valid(self._monotonic())), "")
+        valid = self.clock.valid(self._monotonic())
+        self._apply(decide(observed, self._lease, valid, self._record.replica), "")
 
     def _observed(self, answer: Any) -> Observed | None:
         if answer.succeeded:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 
 from sarcomm.common.errors import NotLeaderError, StoreUnavailableError
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 VIEW_CACHE_S = 1.0
 #: How long a standby's /v1/jobs or /sd waits for etcd before it answers 503.
 VIEW_TIMEOUT_S = 2.0
+#: A take-over that cannot read the jobs is retried each round; its error is logged this often.
+TAKE_OVER_LOG_EVERY_S = 15.0
 
 
 class Replica:
@@ -64,6 +68,7 @@ class Replica:
         self._taking_over: asyncio.Task[None] | None = None
         self._counted_changes = 0
         self._view: tuple[float, Membership] | None = None
+        self._take_over_logged = -math.inf
 
     def start(self, address: str) -> None:
         """Begin campaigning, publishing ``address`` (this coordinator's gRPC) as leader."""
@@ -91,7 +96,19 @@ class Replica:
 
     @property
     def leading(self) -> bool:
-        return self.term is not None and not self.term.ended
+        return self.serving_term() is not None
+
+    def serving_term(self) -> Term | None:
+        """The term to serve a call from, or None. Checked against the lease at this instant, not
+        only by the watchdog: a process resumed after a pause (SIGSTOP, a VM stall) may see calls
+        before its timers, and must not answer them as leader once its lease is in doubt."""
+        term = self.term
+        if term is None or term.ended or self.elector is None:
+            return None
+        if not self.elector.lease_valid():
+            self.elector.step_down("its lease could not be renewed within its TTL")
+            return None
+        return term
 
     def _step_down(self, reason: str) -> None:
         if self.elector is not None:
@@ -114,7 +131,12 @@ class Replica:
         try:
             stored = await asyncio.to_thread(load_state, self.store)
         except Exception as error:
-            log.error("could not read the jobs from %s to take over: %s", self._settings.describe(), error)
+            # Retried from the next election round (a quarter second): logged now and then only.
+            if time.monotonic() - self._take_over_logged >= TAKE_OVER_LOG_EVERY_S:
+                self._take_over_logged = time.monotonic()
+                log.error(
+                    "could not read the jobs from %s to take over: %s", self._settings.describe(), error
+                )
             self._taking_over = None
             self.elector.step_down("the jobs could not be read")
             return
@@ -159,7 +181,7 @@ class Replica:
 
     async def stored_view(self) -> Membership:
         """A read-only membership of what the store holds (cached for a second)."""
-        now = self._clock.monotonic()
+        now = time.monotonic()  # a cache's age, not the domain's time (tests move that one)
         if self._view is not None and now - self._view[0] < VIEW_CACHE_S:
             return self._view[1]
         try:

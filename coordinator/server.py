@@ -173,7 +173,7 @@ class Coordinator:
             assert self.term is not None
             servicer = self.term.service
         else:
-            servicer = LeaderRouter(lambda: self.term, replica.not_leader)
+            servicer = LeaderRouter(replica.serving_term, replica.not_leader)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -4,7 +4,7 @@
 folder, each member on free ports, and waits until the cluster answers through every member (a
 second or two). It can SIGKILL, stop and restart one member, lose the quorum (stop two) and get it
 back, and tears down leaving no process behind: each member also dies with the test process
-(``PR_SET_PDEATHSIG``), so even a killed pytest leaves none.
+(``setpriv --pdeathsig``), so even a killed pytest leaves none.
 
 ``client_tls`` (CA, certificate, key: PEM files) makes the members speak TLS to clients and require
 a client certificate signed by that CA (etcd's ``--client-cert-auth``); the same certificate
@@ -20,7 +20,6 @@ Nothing here imports the product, so benchmarks can use it too.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import shutil
 import signal
@@ -44,13 +43,16 @@ ETCD_MISSING = (
 )
 #: How long a start or a restart may take before it is a failure, in seconds.
 START_TIMEOUT_S = 30.0
-_PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _die_with_parent() -> list[str]:
+    """The command prefix that makes etcd get SIGKILL when the process that started it dies.
+
+    util-linux's ``setpriv --pdeathsig`` rather than a ``preexec_fn``: Python code between fork
+    and exec in a process with gRPC threads (the tests' clients) crashes the child at random.
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
 
 
 def _free_port() -> int:
@@ -177,11 +179,10 @@ class EtcdCluster:
         log = member.log_path.open("ab")
         try:
             member.proc = subprocess.Popen(
-                self._command(member, state),
+                [*_die_with_parent(), *self._command(member, state)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()

@@ -26,7 +26,7 @@ from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
 from tests.etcd_cluster import EtcdCluster
-from tests.helpers import LO_PB, free_port, wait_for
+from tests.helpers import LO_PB, free_port, sd_groups, wait_for
 
 TTL_S = 2
 SERVICE = "sarcomm.v1.Coordinator"
@@ -136,11 +136,12 @@ class Reporter:
     every 0.2 s to the first coordinator of ``targets`` that takes it; standbys and unreachable
     ones are skipped. ``answered`` counts the reports a coordinator took."""
 
-    def __init__(self, targets: list[str], member: pb.Assignment) -> None:
+    def __init__(self, targets: list[str], member: pb.Assignment, metrics_address: str = "") -> None:
         self._targets = targets
-        self._report = pb.HeartbeatRequest(
-            reports=[pb.MemberReport(member_id=member.member_id, secret=member.secret)], closing=True
+        report = pb.MemberReport(
+            member_id=member.member_id, secret=member.secret, metrics_address=metrics_address
         )
+        self._report = pb.HeartbeatRequest(reports=[report], closing=True)
         self.answered = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -225,10 +226,18 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
     recorder = LeadershipRecorder(pair)
     leader = _leader(pair)
     standby = next(c for c in pair if c is not leader)
-    assert _role(standby) == "standby"
+    # A standby names the leader from its next round on (a quarter second at most).
+    naming = {"status": "SERVING", "role": "standby", "leader": leader.grpc_target}
+    wait_for(lambda: standby.get_json("/healthz") == naming, 5, what="the standby to name the leader")
     joined = _join(leader.grpc_target, "ha1")
     assert joined.generation == 1
-    reporter = Reporter([leader.grpc_target, standby.grpc_target], joined.assignments[0])
+    reporter = Reporter([leader.grpc_target, standby.grpc_target], joined.assignments[0], "127.0.0.1:9999")
+    # /sd on the standby, read from etcd: Prometheus can be pointed at every replica.
+    wait_for(
+        lambda: [g["targets"] for g in sd_groups(standby.http_url, "ha1")] == [["127.0.0.1:9999"]],
+        10,
+        what="the standby's /sd to list the member's metrics endpoint",
+    )
 
     # The standby: every Coordinator RPC UNAVAILABLE with the leader's address in the trailers.
     with pytest.raises(grpc.RpcError) as refused:
@@ -239,9 +248,6 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
     assert _health(standby.grpc_target, SERVICE) == "NOT_SERVING"
     assert _health(standby.grpc_target, "") == "SERVING"
     assert _health(leader.grpc_target, SERVICE) == "SERVING"
-    assert dict(standby.get_json("/healthz")) == {  # type: ignore[call-overload]
-        "status": "SERVING", "role": "standby", "leader": leader.grpc_target
-    }  # fmt: skip
     assert _metric(standby, "sar_coordinator_leader") == 0
     assert _metric(leader, "sar_coordinator_leader") == 1
     # /v1/jobs on the standby: read from etcd.
@@ -355,3 +361,32 @@ def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etc
         assert leader_hint(refused.value) == ""
     finally:
         assert coord.stop() == 0
+
+
+def test_a_leader_paused_past_its_ttl_stands_by_when_it_resumes(pair: list[CoordinatorProcess]) -> None:
+    leader = _leader(pair)
+    standby = next(c for c in pair if c is not leader)
+    assert leader.proc is not None
+    joined = _join(leader.grpc_target, "paused")
+    leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over")
+        # Calls the paused leader took meanwhile wait in its socket; it must not answer them as leader.
+        channel = grpc.insecure_channel(leader.grpc_target)
+        pending = pb_grpc.CoordinatorStub(channel).ListJobs.future(pb.ListJobsRequest(), timeout=10)
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    wait_for(pending.done, 10, what="the resumed coordinator to answer")
+    error = pending.exception()
+    channel.close()
+    assert isinstance(error, grpc.RpcError), pending.result()
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    wait_for(
+        lambda: (
+            leader.get_json("/healthz")
+            == {"status": "SERVING", "role": "standby", "leader": standby.grpc_target}
+        ),
+        10,
+        what="the resumed coordinator to stand by naming the new leader",
+    )
+    assert _jobs(standby)["paused"]["generation"] == joined.generation  # type: ignore[index]

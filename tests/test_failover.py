@@ -337,6 +337,9 @@ async def test_heartbeats_and_watch_reattach_to_the_coordinator_on_the_other_add
                 what=lambda: f"heartbeats answered by b within the grace; b's log:\n{b.log()}",
             )
             reattached = time.monotonic() - killed
+            logging.getLogger(__name__).warning(
+                "heartbeats re-attached to b %.2f s after a was SIGKILLed (b's start-up included)", reattached
+            )
             # Past the grace and a whole liveness window, every member is still running at b.
             await stays_false_async(
                 lambda: "missed heartbeats" in b.log() or "connection lost" in b.log(),

@@ -31,6 +31,8 @@ def test_decide_leads_only_while_our_live_lease_owns_the_key() -> None:
     assert decide(Observed(OTHER, 9, 43), lease=7, lease_valid=True) == Decision(Role.STANDBY, "b:50051")
     assert decide(None, lease=7, lease_valid=True) == STANDBY_UNKNOWN
     assert decide(Observed(None, 9, 43), lease=7, lease_valid=True) == STANDBY_UNKNOWN
+    # Our own key from an earlier lease (it expires in etcd soon): we never name ourselves.
+    assert decide(Observed(ME, 5, 41), lease=7, lease_valid=True, replica=ME.replica) == STANDBY_UNKNOWN
 
 
 def test_a_lease_is_alive_until_the_send_time_of_its_last_renewal_plus_the_ttl() -> None:
