@@ -463,10 +463,12 @@ def headline(results: list[dict[str, Any]], ttl: int) -> list[str]:
     if etcd and sqlite:
         e = statistics.median(k["reattach_max_s"] or float("inf") for k in etcd["kills"])
         s = statistics.median(k["reattach_max_s"] or float("inf") for k in sqlite["kills"])
+        lost = sum(k["streams"] - k["streams_reattached"] for k in sqlite["kills"])
+        failed = sum(k["members_failed"] for k in sqlite["kills"])
         lines.append(
-            "baseline, one SQLite coordinator restarted at once on the same host: every member back "
-            f"within {s:.2f} s (median of kills); etcd failover / SQLite restart = {e / s:.2f}x (the "
-            "restart needs the host alive)"
+            "baseline, one SQLite coordinator restarted at once on the same host: the streams back within "
+            f"{s:.2f} s (median of kills' max); {lost} stream re-attachments missing, {failed} members "
+            f"failed; etcd failover / SQLite restart = {e / s:.2f}x (the restart needs the host alive)"
         )
     return lines
 
