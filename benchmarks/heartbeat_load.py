@@ -690,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     headline += compare_stores(summary)
     given = argv if argv is not None else sys.argv[1:]
     doc = {
-        "benchmark": "heartbeat_load",
+        # A run with the etcd store is recorded apart from the SQLite one (report.py reads both).
+        "benchmark": "heartbeat_load_etcd" if "etcd" in stores else "heartbeat_load",
         "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
         "headline": headline,
         "summary": summary,

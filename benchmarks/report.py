@@ -310,15 +310,6 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
             "on loopback, leading alone); etcd-v2: torch elastic's rendezvous over its `etcd-v2` backend "
             f"(python-etcd) on the same etcd with `--enable-v2`, one round, deadline {etcd_deadline:g} s."
         )
-        pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
-        if pairs:
-            headline.append(
-                "torch elastic's etcd-v2 rendezvous is slower than sarcomm on etcd by "
-                + ", ".join(
-                    f"{ratio((formed('etcd-v2', s) or 0) / (formed('sarcomm-etcd', s) or 1))} at N={s}"
-                    for s in pairs
-                )
-            )
     both = [s for s in sizes if formed("sarcomm", s) and formed("tcpstore", s)]
     if both:
         top = both[-1]
@@ -338,6 +329,17 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
         headline.append(
             f"c10d is slower than sarcomm by {line}"
             + (f", and did not finish N={worst[0]} within {deadline:g} s" if worst else "")
+        )
+    pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
+    if pairs:
+        dnf = [s for s in sizes if by.get(("etcd-v2", s), {}).get("status") == "timeout"]
+        headline.append(
+            "torch elastic's etcd-v2 rendezvous is slower than sarcomm on etcd by "
+            + ", ".join(
+                f"{ratio((formed('etcd-v2', s) or 0) / (formed('sarcomm-etcd', s) or 1))} at N={s}"
+                for s in pairs
+            )
+            + (f", and did not finish N={dnf[0]} within {etcd_deadline:g} s" if dnf else "")
         )
     if doc.get("verdict"):
         headline.append(str(doc["verdict"]))
@@ -762,7 +764,9 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         headline.append(
             "heartbeat ack p99 (probe streams, target under 20 ms): "
             + ", ".join(
-                f"{r['shape']} {r['probe_ack_p99_ms']:g} ms (max {r['probe_ack_max_ms']:g})" for r in probed
+                f"{r['shape']}{' on etcd' if r.get('store') == 'etcd' else ''} {r['probe_ack_p99_ms']:g} ms "
+                f"(max {r['probe_ack_max_ms']:g})"
+                for r in probed
             )
         )
     failed = sum(int(r.get("members_failed") or 0) for r in summary)
