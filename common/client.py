@@ -47,7 +47,7 @@ from sarcomm.common.messages import (
     MemberReport,
     interface_to_proto,
 )
-from sarcomm.common.replicas import ReplicaChannel
+from sarcomm.common.replicas import ReplicaChannel, cancel_call
 from sarcomm.v1 import coordinator_pb2 as pb
 
 __all__ = ["CoordinatorClient"]
@@ -401,7 +401,7 @@ class CoordinatorClient(ReplicaChannel):
             # Another call following a new leader: this stream goes there too (the old leader may
             # hang with its connection up, and a watch hears nothing for long stretches).
             moved = asyncio.ensure_future(self.left_behind(target))
-            moved.add_done_callback(functools.partial(_cancel, call))
+            moved.add_done_callback(functools.partial(cancel_call, call))
             try:
                 async for msg in call:
                     self.answered(target)
@@ -453,7 +453,3 @@ class CoordinatorClient(ReplicaChannel):
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err
         return list(resp.jobs)
-
-
-def _cancel(call: grpc.aio.Call, _: object) -> None:
-    call.cancel()

@@ -21,6 +21,7 @@ Join is safe to resend (its ``join_id``), and so are Leave and ListJobs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -43,7 +44,7 @@ from sarcomm.common.errors import CoordinatorUnavailableError, shorten
 from sarcomm.common.reach import Unreachable
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CONNECT_S", "ReplicaChannel", "ReplicaRole"]
+__all__ = ["CONNECT_S", "ReplicaChannel", "ReplicaRole", "cancel_call"]
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +162,16 @@ class ReplicaChannel(CoordinatorChannel):
     _moved: asyncio.Event | None = None
 
     async def left_behind(self, target: str) -> None:
-        """Return once the client follows another leader than ``target``: another call found
-        that ``target`` no longer leads. A stream that hears nothing itself for long stretches
-        (Watch, from a leader whose host hangs) re-attaches then."""
-        while self._failover.leader in (None, target):
+        """Return once the client turns to follow another leader than ``target`` (from now on):
+        another call found that ``target`` no longer leads. A call or stream that hears nothing
+        itself for long stretches (a waiting Join, a Watch, at a leader whose host hangs with its
+        connection up) goes to the new leader then."""
+        while True:
             if self._moved is None:
                 self._moved = asyncio.Event()
             await self._moved.wait()
+            if self._failover.leader != target:
+                return
 
     async def _call(
         self,
@@ -193,6 +197,8 @@ class ReplicaChannel(CoordinatorChannel):
                 ``fail_fast``, in one round); the message names each one's problem.
         """
         attempt = _Attempt(method, started, started + deadline, fail_fast)
+        # A standby's last refusal: when the deadline cuts the next try, it says more than that.
+        refusal: grpc.aio.AioRpcError | None = None
         while True:
             target = self.target
             try:
@@ -200,18 +206,43 @@ class ReplicaChannel(CoordinatorChannel):
                     if not await self._connect(target, min(attempt.left(), CONNECT_S)):
                         await self._wait_next(attempt, self._failover.unreachable(target))
                         continue
-                    result = await invoke(self.stub_for(target), max(attempt.left(), 0.001), False)
+                    result = await self._unless_left_behind(
+                        target, invoke(self.stub_for(target), max(attempt.left(), 0.001), False)
+                    )
+                    if result is None:
+                        continue  # the client follows another leader now: the call goes there
                 else:
                     call = invoke(self.stub, max(attempt.left(), 0.001), True)
                     result = await (self._diagnosed(call, method, fail_fast=fail_fast) if diagnose else call)
             except grpc.aio.AioRpcError as err:
                 delay = self.after_failure(target, err)
+                if delay is None and refusal is not None and err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise refusal from None
                 if delay is None or (not self.replicated and attempt.left() <= delay):
                     raise
+                refusal = err if leader_hint(err) is not None else None
                 await self._wait_next(attempt, delay)
                 continue
             self.answered(target)
             return result
+
+    async def _unless_left_behind(
+        self, target: str, call: grpc.aio.UnaryUnaryCall[Any, _Response]
+    ) -> _Response | None:
+        """``call``'s answer from ``target``, or None when the client follows another leader
+        before it comes (another call found that ``target`` no longer leads: its host may hang
+        with the connection up); the call is then cancelled."""
+        moved = asyncio.ensure_future(self.left_behind(target))
+        moved.add_done_callback(functools.partial(cancel_call, call))
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if moved.done() and not moved.cancelled():
+                log.info("%s: the client follows %s now; the call goes there", target, self.target)
+                return None
+            raise
+        finally:
+            moved.cancel()
 
     async def _wait_next(self, attempt: _Attempt, delay: float) -> None:
         """Wait ``delay`` seconds before the next try of ``attempt``. A delay means a round in
@@ -290,3 +321,8 @@ class ReplicaChannel(CoordinatorChannel):
             return ReplicaRole(target, "leader" if serving else "standby")
 
         return list(await asyncio.gather(*(role(t) for t in self.targets)))
+
+
+def cancel_call(call: grpc.aio.Call, _: object = None) -> None:
+    """Cancel ``call`` (a done-callback: the second argument is the future that fired)."""
+    call.cancel()

@@ -28,12 +28,13 @@ import pytest
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
-from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError
+from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError, NotLeaderError
 from sarcomm.common.failover import BACKOFF_MAX_S, Failover
 from sarcomm.common.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
 from sarcomm.common.messages import Event, HeartbeatReply, MemberReport
 from sarcomm.common.replicas import CONNECT_S
 from sarcomm.worker import cli as worker_cli
+from sarcomm.worker.agent_config import AgentConfig
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 from tests.standby import Standby
@@ -114,6 +115,13 @@ def test_sar_worker_takes_a_list_from_the_flag_or_sar_coord_and_names_a_bad_item
     with pytest.raises(InvalidArgumentError) as caught:
         worker_cli.parse(["--coord", "a:0", "--job", "j", "--world-size", "1", "--", "true"], {})
     assert str(caught.value) == "--coord 'a:0' must be HOST:PORT with a port in 1..65535."
+
+
+def test_an_agent_config_keeps_one_form_of_the_list_and_refuses_a_bad_one() -> None:
+    config = AgentConfig(coord=" a:1 , b:2", job="j", world_size=1, command=("x",))
+    assert config.coord == "a:1,b:2"  # what the ranks get in SAR_COORD
+    with pytest.raises(InvalidArgumentError, match=r"repeats item 1"):
+        AgentConfig(coord="a:1,a:1", job="j", world_size=1, command=("x",))
 
 
 def test_client_refuses_a_bad_list_before_any_call() -> None:
@@ -273,6 +281,20 @@ def test_sar_worker_given_replicas_it_cannot_use_names_each_ones_problem_within_
         "'no-such-coordinator.invalid' does not resolve"
     ) in said, said
     assert re.search(r"still trying \(\d+ s so far, \d+ s left\)$", said), said
+
+
+async def test_a_single_address_that_is_a_standby_knowing_no_leader_ends_in_not_leader_error() -> None:
+    # One address keeps gRPC's own retries (up to 5 tries of a refusal, ~1.5 s): the deadline
+    # leaves room for the client's own tries after them.
+    async with Standby("") as standby, CoordinatorClient(standby.target, timeout=6.0) as client:
+        with pytest.raises(NotLeaderError) as caught:
+            await client.list_jobs()
+    assert caught.value.leader == ""
+    assert str(caught.value) == (
+        f"The coordinator at {standby.target} is a standby (ListJobs): it knows no leader yet; this "
+        "coordinator is a standby: no leader is known yet"
+    )
+    assert standby.calls["ListJobs"] >= 2  # asked again while the deadline lasted
 
 
 # -- heartbeat and watch streams across a failover -------------------------------------------------

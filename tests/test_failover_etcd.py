@@ -68,7 +68,7 @@ def replicas(
         leader = leading[0]
         standby = next(c for c in coords if c is not leader)
         wait_for(
-            lambda: dict(standby.get_json("/healthz")).get("leader") == leader.grpc_target,  # type: ignore[call-overload]
+            lambda: _named_leader(standby) == leader.grpc_target,
             15,
             what="the standby to know the leader",
         )
@@ -85,6 +85,14 @@ def _role(coord: CoordinatorProcess) -> str:
         return str(dict(coord.get_json("/healthz"))["role"])  # type: ignore[call-overload]
     except OSError:
         return "down"
+
+
+def _named_leader(coord: CoordinatorProcess) -> str:
+    """The leader ``coord``'s /healthz names ("" when it cannot be asked now)."""
+    try:
+        return str(dict(coord.get_json("/healthz")).get("leader", ""))  # type: ignore[call-overload]
+    except OSError:
+        return ""
 
 
 def _failed_anyone(coord: CoordinatorProcess) -> bool:
@@ -309,3 +317,52 @@ def _members(coord: CoordinatorProcess, job: str) -> int:
     except OSError:
         return 0
     return len(jobs[job]["members"]) if job in jobs else 0
+
+
+async def test_a_join_waiting_at_a_hung_leader_goes_to_the_new_one_once_the_heartbeats_do(
+    replicas: tuple[CoordinatorProcess, CoordinatorProcess],
+) -> None:
+    # SIGSTOP: the leader's connection stays up, so the waiting Join hears nothing; the same
+    # client's heartbeat stream finds its reports unanswered, follows the new leader, and the Join
+    # goes there too (without that, only keepalive would end it, ~20 s later).
+    leader, standby = replicas
+    targets = f"{leader.grpc_target},{standby.grpc_target}"
+    # The second member's client is new and lists the standby first: a client that first meets a
+    # stopped leader gets a connection from its kernel and waits on it until keepalive gives up
+    # (15 s + 5 s); only a client that saw it answer before can tell that it stopped.
+    async with (
+        CoordinatorClient(targets, timeout=10.0) as client,
+        CoordinatorClient(f"{standby.grpc_target},{leader.grpc_target}", timeout=10.0) as other,
+    ):
+        running = await asyncio.wait_for(
+            client.join("etcd-running", 1, host="a", interfaces=[LO]), DEADLINE_S
+        )
+        answers: list[str] = []
+
+        def reports() -> list[MemberReport]:
+            return [MemberReport(running.member_id, running.secret)]
+
+        async with client.heartbeats(reports, 0.25) as stream:
+
+            async def read() -> None:
+                async for _ in stream:
+                    answers.append(client.target)
+
+            reader = asyncio.ensure_future(read())
+            waiting = asyncio.ensure_future(client.join("etcd-hung", 2, host="a", interfaces=[LO]))
+            await wait_for_async(
+                lambda: _members(leader, "etcd-hung") == 1, DEADLINE_S, what="the Join to wait"
+            )
+            assert leader.proc is not None
+            leader.proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            await wait_for_async(
+                lambda: standby.grpc_target in answers, TTL_S + GRACE_S, what="heartbeats moved"
+            )
+            second = await asyncio.wait_for(other.join("etcd-hung", 2, host="b", interfaces=[LO]), DEADLINE_S)
+            first = await asyncio.wait_for(waiting, 5.0)
+            formed = time.monotonic() - stopped
+            reader.cancel()
+    assert formed < TTL_S + GRACE_S, formed
+    assert (first.generation, second.generation) == (1, 1)
+    assert sorted([first.rank, second.rank]) == [0, 1]

@@ -97,7 +97,8 @@ class AgentConfig:
     tee: Tee = Tee.CONSOLE
 
     def __post_init__(self) -> None:
-        parse_targets(self.coord)
+        # One form of a list (no spaces around its items): the ranks get it in SAR_COORD.
+        object.__setattr__(self, "coord", ",".join(parse_targets(self.coord)))
         if not self.job:
             raise InvalidArgumentError(
                 "--job '' must name the job (1 to 128 letters, digits, '.', '_', '-')."
