@@ -15,6 +15,7 @@ __all__ = [
     "host_port",
     "parse_address",
     "parse_host_port",
+    "parse_targets",
     "split_target",
     "validate_target",
 ]
@@ -77,6 +78,38 @@ def validate_target(target: str) -> str:
             "(e.g. head:50051 or [fd00::1]:50051) with a port in 1..65535."
         )
     return target
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """The coordinator addresses in ``text``: one address (checked by :func:`validate_target`,
+    returned as it is), or several separated by commas (``a:50051,b:50051``), the replicas of one
+    coordinator that clients fail over between, in the order given. Spaces around an item are
+    dropped.
+
+    Raises:
+        InvalidArgumentError: naming the item and the rule, for a blank item, an item given twice
+            or an item that is not an address.
+    """
+    if "," not in text:
+        return (validate_target(text),)
+    items = [item.strip() for item in text.split(",")]
+    seen: dict[str, int] = {}
+    for number, item in enumerate(items, start=1):
+        where = f"item {number} of the coordinator address list {shorten(text)}"
+        if not item:
+            raise InvalidArgumentError(
+                f"The {where} is blank: give addresses separated by single commas, e.g. a:50051,b:50051."
+            )
+        if item in seen:
+            raise InvalidArgumentError(
+                f"The {where} repeats item {seen[item]} ({shorten(item)}): give each coordinator once."
+            )
+        seen[item] = number
+        try:
+            validate_target(item)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"The {where} is wrong: {exc}") from None
+    return tuple(items)
 
 
 def split_target(target: str) -> tuple[str, int] | None:

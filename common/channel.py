@@ -1,5 +1,5 @@
-"""The connection to one coordinator: the gRPC channel, its deadlines, and what a failed call
-means.
+"""The connection to a coordinator (or to its replicas): the gRPC channels, their deadlines, and
+what a failed call means.
 
 Robustness comes from gRPC itself rather than from hand-written loops:
 
@@ -12,6 +12,10 @@ Robustness comes from gRPC itself rather than from hand-written loops:
 A failed call becomes the :mod:`sarcomm.common.errors` class its status maps to
 (:meth:`CoordinatorChannel.translate`); when the coordinator was never reached, the address
 is probed by hand (:mod:`sarcomm.common.reach`) to say what is wrong with it.
+
+Several addresses (``a:50051,b:50051``) make one channel per replica;
+:class:`~sarcomm.common.replicas.ReplicaChannel` fails over between them. gRPC's own retries are
+off for those (they would resend a standby's refusal four times before its hint is seen).
 :class:`~sarcomm.common.client.CoordinatorClient` makes the calls over this;
 :class:`~sarcomm.common.heartbeats.HeartbeatStream` keeps its stream on it.
 """
@@ -28,25 +32,35 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from sarcomm.common.addresses import split_target, validate_target
+from sarcomm.common.addresses import parse_targets, split_target
 from sarcomm.common.errors import (
+    LEADER_METADATA_KEY,
     CoordinatorUnavailableError,
     InvalidArgumentError,
     JoinTimeoutError,
+    NotLeaderError,
     SarcommError,
     UnauthenticatedError,
     from_rpc_error,
 )
+from sarcomm.common.failover import Failover
 from sarcomm.common.reach import Problem, Unreachable, probe
 from sarcomm.common.tls import ClientTls, Rejection
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorChannel"]
+__all__ = [
+    "COORDINATOR_SERVICE",
+    "STILL_TRYING_EVERY_S",
+    "CoordinatorChannel",
+    "connection_broke",
+    "leader_hint",
+]
 
 log = logging.getLogger(__name__)
 
 
-_SERVICE = "sarcomm.v1.Coordinator"
+#: The gRPC service of the coordinator (also its name in ``grpc.health.v1.Health``).
+COORDINATOR_SERVICE = "sarcomm.v1.Coordinator"
 
 # gRPC retries UNAVAILABLE answers itself, with exponential backoff and jitter; wait_for_ready
 # (set on every call) covers the "nothing listens yet" case, which never produces an answer.
@@ -54,7 +68,7 @@ _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": _SERVICE}],
+                "name": [{"service": COORDINATOR_SERVICE}],
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.2s",
@@ -72,28 +86,42 @@ _SERVICE_CONFIG = json.dumps(
 # the client pings no more often than that. Heartbeat traffic keeps busy connections fresh anyway.
 _KEEPALIVE_TIME_MS = 300_000
 _KEEPALIVE_TIMEOUT_MS = 20_000
+# With replicas, a leader whose host died (no RST: the connection looks up) must be left within
+# seconds, not minutes, for a waiting Join to go on at the new leader: sar-coordinator accepts a
+# ping every 10 s without data (its grpc.http2.min_ping_interval_without_data_ms), so 15 s.
+_REPLICA_KEEPALIVE_TIME_MS = 15_000
+_REPLICA_KEEPALIVE_TIMEOUT_MS = 5_000
 _MAX_RECONNECT_BACKOFF_MS = 2_000
 
 # While a call cannot connect, how often the address is probed by hand, how long a probe may take,
 # and how often a waiting call says it still tries (see CoordinatorChannel._diagnosed).
 _PROBE_EVERY_S = 1.0
 _PROBE_TIMEOUT_S = 3.0
-_STILL_TRYING_EVERY_S = 15.0
+STILL_TRYING_EVERY_S = 15.0
 
 _Response = TypeVar("_Response")
+
+
 _Self = TypeVar("_Self", bound="CoordinatorChannel")
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
+# grpc core's text for a call that it could not start or carry on because its connection went
+# away at that moment (seen as INTERNAL on a stream opened as the coordinator died).
+_CORE_INTERNAL_DETAILS = "Internal error from Core"
 
 
 class CoordinatorChannel:
-    """One channel to one coordinator, its call deadline and its error translation; the base of
-    :class:`~sarcomm.common.client.CoordinatorClient`, whose docstring explains the arguments.
+    """The channels to a coordinator (one per replica), the call deadline and the error
+    translation; the base of :class:`~sarcomm.common.client.CoordinatorClient`, whose docstring
+    explains the arguments.
+
+    ``target`` is the replica calls go to now; ``targets`` the addresses given; ``_failover``
+    the plan that :class:`~sarcomm.common.replicas.ReplicaChannel` follows between them.
 
     Raises:
-        InvalidArgumentError: for a malformed target, a non-positive timeout, unreadable TLS
-            files, or both ``tls`` and ``credentials``.
+        InvalidArgumentError: for a malformed target (or list), a non-positive timeout, unreadable
+            TLS files, or both ``tls`` and ``credentials``.
     """
 
     def __init__(
@@ -105,7 +133,7 @@ class CoordinatorChannel:
         credentials: grpc.ChannelCredentials | None = None,
         tls: ClientTls | None = None,
     ) -> None:
-        self.target = validate_target(target)
+        self.targets = parse_targets(target)
         if not timeout > 0:
             raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
         if tls is not None and credentials is not None:
@@ -114,8 +142,23 @@ class CoordinatorChannel:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.tls = tls
         self._credentials = tls.channel_credentials() if tls is not None else credentials
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.CoordinatorAsyncStub | None = None
+        self._failover = Failover(self.targets)
+        # Whether one address was given: gRPC's transparent retries and slow keepalive, as before
+        # replicas (see the module's docstring).
+        self._single = len(self.targets) == 1
+        self._open = False
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]] = {}
+
+    @property
+    def target(self) -> str:
+        """The replica calls go to now (the address given, for a single one)."""
+        return self._failover.current
+
+    @property
+    def replicated(self) -> bool:
+        """Whether calls fail over between replicas: several addresses were given, or a standby
+        named a leader."""
+        return len(self._failover.targets) > 1
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -129,33 +172,52 @@ class CoordinatorChannel:
         await self.close()
 
     def open(self) -> None:
-        """Create the channel (no I/O: connecting happens on the first call). Needs a running
+        """Make the client usable (no I/O: connecting happens on the first call). Needs a running
         event loop; ``async with`` calls it."""
-        if self._channel is not None:
-            return
+        self._open = True
+        self._connection(self.target)
+
+    def _connection(self, target: str) -> tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]:
+        """The channel and stub of one replica, made on first use."""
+        if not self._open:
+            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
+        found = self._channels.get(target)
+        if found is not None:
+            return found
+        # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
+        # (or restarts) should be found within seconds, a replica taking over within one.
+        single = self._single  # options a list's channels get differ (see the constants)
+        backoff_ms = _MAX_RECONNECT_BACKOFF_MS if single else 1_000
         options: list[tuple[str, str | int]] = [
-            ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS if single else _REPLICA_KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS if single else _REPLICA_KEEPALIVE_TIMEOUT_MS),
             ("grpc.http2.max_pings_without_data", 0),
-            # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
-            # (or restarts) should be found within seconds.
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+            ("grpc.initial_reconnect_backoff_ms", min(200, backoff_ms)),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ("grpc.primary_user_agent", "sarcomm-worker"),
         ]
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        if single:
+            options += [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         else:
-            self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+            options += [("grpc.enable_retries", 0)]
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+        found = self._channels[target] = (channel, pb_grpc.CoordinatorStub(channel))
+        return found
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        if self._channel is not None:
-            channel, self._channel, self._stub = self._channel, None, None
+        """Close the channels; calls in flight are cancelled."""
+        self._open = False
+        channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
             await channel.close(None)
+
+    @property
+    def _channel(self) -> grpc.aio.Channel | None:
+        found = self._channels.get(self.target)
+        return found[0] if found is not None else None
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -164,10 +226,9 @@ class CoordinatorChannel:
 
     @property
     def stub(self) -> pb_grpc.CoordinatorAsyncStub:
-        """The raw generated stub (for callers that need a field this class does not expose)."""
-        if self._stub is None:
-            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
-        return self._stub
+        """The raw generated stub of the replica calls go to now (for callers that need a field
+        this class does not expose)."""
+        return self._connection(self.target)[1]
 
     # -- error translation -----------------------------------------------------------------------
 
@@ -198,6 +259,14 @@ class CoordinatorChannel:
             return CoordinatorUnavailableError(
                 f"The coordinator at {self.target} did not answer {method} within {deadline:g} s."
             )
+        leader = leader_hint(err)
+        if code is grpc.StatusCode.UNAVAILABLE and leader is not None:
+            named = f"it names the leader at {leader}" if leader else "it knows no leader yet"
+            return NotLeaderError(
+                f"The coordinator at {self.target} is a standby ({method}): {named}; "
+                f"{details or 'no details'}",
+                leader=leader,
+            )
         if code is grpc.StatusCode.UNAVAILABLE:
             return CoordinatorUnavailableError(
                 f"The coordinator at {self.target} is unavailable ({method}): {details or 'no details'}"
@@ -206,10 +275,11 @@ class CoordinatorChannel:
 
     # -- diagnosis of an address that cannot be used -----------------------------------------------
 
-    async def _probe(self) -> Unreachable | None:
-        """What is wrong with the address (see :func:`~sarcomm.common.reach.probe`), or None:
-        nothing found, a target that is not HOST:PORT, or ready-made credentials."""
-        split = split_target(self.target)
+    async def _probe(self, target: str | None = None) -> Unreachable | None:
+        """What is wrong with the address (``target``, default the current one; see
+        :func:`~sarcomm.common.reach.probe`), or None: nothing found, a target that is not
+        HOST:PORT, or ready-made credentials."""
+        split = split_target(self.target if target is None else target)
         if split is None or (self._credentials is not None and self.tls is None):
             return None
         host, port = split
@@ -253,7 +323,7 @@ class CoordinatorChannel:
         TRANSIENT_FAILURE the address is probed (:meth:`_probe`): a lasting problem (not gRPC, TLS)
         ends the call at once, and so does any problem with ``fail_fast`` (a one-shot command such
         as ``status``); otherwise the problem is logged at once and then every
-        ``_STILL_TRYING_EVERY_S`` seconds while the call keeps waiting.
+        ``STILL_TRYING_EVERY_S`` seconds while the call keeps waiting.
         """
         found: list[Unreachable] = []
         started = time.monotonic()
@@ -273,7 +343,7 @@ class CoordinatorChannel:
                     call.cancel()
                     return
                 now = time.monotonic()
-                if said_at is None or now - said_at >= _STILL_TRYING_EVERY_S:
+                if said_at is None or now - said_at >= STILL_TRYING_EVERY_S:
                     said_at = now
                     left = call.time_remaining()
                     log.warning(
@@ -291,3 +361,26 @@ class CoordinatorChannel:
             raise
         finally:
             watcher.cancel()
+
+
+def leader_hint(err: grpc.RpcError) -> str | None:
+    """The leader a standby named in its refusal (``""``: it knows none), or None when the answer
+    did not come from a standby (no :data:`~sarcomm.common.errors.LEADER_METADATA_KEY`)."""
+    if not isinstance(err, grpc.aio.AioRpcError):
+        return None
+    # A grpc.aio.Metadata (a mapping) at run time; the stubs call it a tuple.
+    metadata: Any = err.trailing_metadata()
+    value: object = metadata.get(LEADER_METADATA_KEY) if metadata is not None else None
+    if value is None:
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def connection_broke(err: grpc.aio.AioRpcError) -> bool:
+    """Whether ``err`` says the connection broke (or the server cancelled the call, e.g. in its
+    shutdown) rather than the coordinator answering: UNAVAILABLE, CANCELLED, or grpc core's own
+    INTERNAL for a call caught by a connection going away."""
+    code = err.code()
+    if code is grpc.StatusCode.INTERNAL:
+        return err.details() == _CORE_INTERNAL_DETAILS
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

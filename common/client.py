@@ -1,7 +1,9 @@
 """Async client of the ``sarcomm.v1.Coordinator`` gRPC service.
 
-One :class:`CoordinatorClient` holds one channel (:class:`~sarcomm.common.channel.CoordinatorChannel`,
-which also explains how calls wait, retry and fail). Failed calls raise the
+One :class:`CoordinatorClient` holds the channel to a coordinator
+(:class:`~sarcomm.common.channel.CoordinatorChannel`, which also explains how calls wait, retry and
+fail), or to its replicas (``"a:50051,b:50051"``: :class:`~sarcomm.common.replicas.ReplicaChannel`
+follows the leader and fails over). Failed calls raise the
 :mod:`sarcomm.common.errors` class their status maps to. The client's own deadline becomes
 :class:`CoordinatorUnavailableError` (never reached the coordinator) or, for ``Join``,
 :class:`JoinTimeoutError`, with a message naming the target and the deadline. The long-lived
@@ -18,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -27,9 +30,13 @@ import grpc
 import grpc.aio
 
 from sarcomm.common import netinfo
-from sarcomm.common.channel import CoordinatorChannel
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT
-from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError, SarcommError
+from sarcomm.common.errors import (
+    CoordinatorUnavailableError,
+    InvalidArgumentError,
+    NotLeaderError,
+    SarcommError,
+)
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.interfaces import InterfaceInfo
 from sarcomm.common.messages import (
@@ -40,6 +47,7 @@ from sarcomm.common.messages import (
     MemberReport,
     interface_to_proto,
 )
+from sarcomm.common.replicas import ReplicaChannel, cancel_call
 from sarcomm.v1 import coordinator_pb2 as pb
 
 __all__ = ["CoordinatorClient"]
@@ -52,11 +60,13 @@ _STATE_RETRY_S = 2.0
 _STATE_WARN_EVERY_S = 15.0
 
 
-class CoordinatorClient(CoordinatorChannel):
-    """Async client of one coordinator; use as ``async with CoordinatorClient(target) as c``.
+class CoordinatorClient(ReplicaChannel):
+    """Async client of a coordinator; use as ``async with CoordinatorClient(target) as c``.
 
     Args:
-        target: ``HOST:PORT`` of the coordinator's gRPC listener (or a gRPC URI).
+        target: ``HOST:PORT`` of the coordinator's gRPC listener (or a gRPC URI), or the
+            replicas of one coordinator separated by commas (``"a:50051,b:50051"``): calls go to
+            the leader and fail over within their deadline (:mod:`sarcomm.common.replicas`).
         token: bearer token sent as ``authorization: Bearer <token>`` on every call; None sends
             none.
         timeout: deadline in seconds for each call (default 30), including the time spent waiting
@@ -280,13 +290,14 @@ class CoordinatorClient(CoordinatorChannel):
         ``join_id``) is sent again, at most every :data:`_STATE_RETRY_S` seconds, saying so."""
         warned = float("-inf")
         while True:
-            left = deadline - (time.monotonic() - started)
             try:
-                return await self._diagnosed(
-                    self.stub.Join(
-                        request, timeout=max(left, 0.001), metadata=self._metadata, wait_for_ready=True
-                    ),
+                return await self._call(
                     "Join",
+                    lambda stub, timeout, ready: stub.Join(
+                        request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
+                    ),
+                    deadline,
+                    started,
                 )
             except grpc.aio.AioRpcError as err:
                 error = await self._explained(self.translate(err, "Join", deadline, started))
@@ -349,8 +360,14 @@ class CoordinatorClient(CoordinatorChannel):
         started = time.monotonic()
         request = pb.LeaveRequest(member_id=member_id, secret=secret, exit_code=exit_code, reason=reason)
         try:
-            resp = await self.stub.Leave(
-                request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True
+            resp = await self._call(
+                "Leave",
+                lambda stub, timeout, ready: stub.Leave(
+                    request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
+                ),
+                self.timeout,
+                started,
+                diagnose=False,
             )
         except grpc.aio.AioRpcError as err:
             raise await self._explained(self.translate(err, "Leave", self.timeout, started)) from err
@@ -360,30 +377,60 @@ class CoordinatorClient(CoordinatorChannel):
         """Yield the job's events as they happen (from ``generation``; 0 = the current one).
 
         The stream has a deadline like every call: after ``timeout`` seconds (default one hour)
-        the iteration ends quietly; call again to keep watching.
+        the iteration ends quietly; call again to keep watching. With replicas, a stream that
+        breaks (the leader died), or whose leader this client's other calls found replaced (a
+        hung leader), is opened again at the new leader within the deadline; the job's state
+        that a new stream starts with is not yielded twice.
 
         Raises:
             NotFoundError: unknown job.
             CoordinatorUnavailableError: the coordinator was not reached before the deadline, or
-                went away.
+                went away (with replicas: no replica led before the deadline).
         """
         started = time.monotonic()
-        call = self.stub.Watch(
-            pb.WatchRequest(job=job, generation=generation),
-            timeout=timeout,
-            metadata=self._metadata,
-            wait_for_ready=True,
-        )
-        try:
-            async for msg in call:
-                yield Event.from_proto(msg)
-        except grpc.aio.AioRpcError as err:
-            error = self.translate(err, "Watch", timeout, started)
-            if isinstance(error, CoordinatorUnavailableError) and self._connected():
-                return  # our own deadline on an established stream: a normal end
-            raise await self._explained(error) from err
-        finally:
-            call.cancel()
+        seen: set[Event] = set()
+        while True:
+            target = await self.replica("Watch")
+            left = timeout - (time.monotonic() - started)
+            call = self.stub_for(target).Watch(
+                pb.WatchRequest(job=job, generation=generation),
+                timeout=max(left, 0.001),
+                metadata=self._metadata,
+                wait_for_ready=not self.replicated,
+            )
+            # Another call following a new leader: this stream goes there too (the old leader may
+            # hang with its connection up, and a watch hears nothing for long stretches).
+            moved = asyncio.ensure_future(self.left_behind(target))
+            moved.add_done_callback(functools.partial(cancel_call, call))
+            try:
+                async for msg in call:
+                    self.answered(target)
+                    event = Event.from_proto(msg)
+                    if event not in seen:
+                        seen.add(event)
+                        yield event
+                return
+            except asyncio.CancelledError:
+                if not moved.done() or moved.cancelled():
+                    raise
+                log.info("Watch of job %s: re-attaching at the leader %s", job, self.target)
+            except grpc.aio.AioRpcError as err:
+                error = self.translate(err, "Watch", timeout, started)
+                ended = (
+                    isinstance(error, CoordinatorUnavailableError)
+                    and not isinstance(error, NotLeaderError)
+                    and self._connected()
+                )
+                if ended and (not self.replicated or err.code() is grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return  # our own deadline on an established stream: a normal end
+                delay = self.after_failure(target, err)
+                left = timeout - (time.monotonic() - started)
+                if delay is None or left <= delay:
+                    raise await self._explained(error) from err
+                await asyncio.sleep(delay)
+            finally:
+                moved.cancel()
+                call.cancel()
 
     async def list_jobs(self, job: str = "") -> list[pb.JobStatus]:
         """Jobs and their members (``job`` "" = all jobs), as ``sarcomm.v1.JobStatus`` messages.
@@ -392,15 +439,15 @@ class CoordinatorClient(CoordinatorChannel):
             CoordinatorUnavailableError: not reached within ``timeout``.
         """
         started = time.monotonic()
+        request = pb.ListJobsRequest(job=job)
         try:
-            resp = await self._diagnosed(
-                self.stub.ListJobs(
-                    pb.ListJobsRequest(job=job),
-                    timeout=self.timeout,
-                    metadata=self._metadata,
-                    wait_for_ready=True,
-                ),
+            resp = await self._call(
                 "ListJobs",
+                lambda stub, timeout, ready: stub.ListJobs(
+                    request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
+                ),
+                self.timeout,
+                started,
                 fail_fast=True,
             )
         except grpc.aio.AioRpcError as err:

@@ -13,17 +13,24 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
-from sarcomm.common.channel import CoordinatorChannel
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
+from sarcomm.common.replicas import ReplicaChannel
 from sarcomm.v1 import coordinator_pb2 as pb
 
-__all__ = ["HeartbeatStream"]
+__all__ = ["SILENT_BEATS", "SILENT_MIN_S", "HeartbeatStream"]
 
 log = logging.getLogger(__name__)
 
 # How long an orderly end of a heartbeat stream may take before the stream is cancelled instead.
 _ORDERLY_CLOSE_S = 1.0
+# With replicas, a stream whose reports go unanswered this long (this many intervals, at least
+# the seconds below) is given up for the other replicas: the leader's host died or hangs, and its
+# connection can look up for minutes. The coordinator answers every report at once, and judges a
+# member silent for interval x misses (3 x 1 s by default): a leader that has not answered for that
+# long is of no use, and leaving it then keeps inside the grace a new leader gives (10 s default).
+SILENT_BEATS = 3
+SILENT_MIN_S = 3.0
 
 
 class HeartbeatStream:
@@ -33,8 +40,14 @@ class HeartbeatStream:
     handed out by ``async for reply in stream``. The stream has a deadline (``stream_timeout``,
     default one hour) like every call; when it passes, or when the connection drops
     (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
-    coordinator like any call (gRPC reconnects with exponential backoff and jitter). Ranks keep
-    running meanwhile: collectives never depend on the coordinator being up. Any other failure
+    coordinator like any call (gRPC reconnects with exponential backoff and jitter). With replicas
+    (``a:50051,b:50051``) a broken stream is reopened at once at the next replica, a standby's
+    refusal sends it to the leader it names, a stream whose reports go unanswered for
+    :data:`SILENT_BEATS` intervals (a hung leader: its connection stays up) is given up too, and
+    rounds in which none leads are spaced by the failover backoff
+    (:mod:`sarcomm.common.replicas`): a new leader gives members
+    ``--reconnect-grace`` to re-attach, and they do within about a second of its taking over.
+    Ranks keep running meanwhile: collectives never depend on the coordinator being up. Any other failure
     (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
     (gRPC statuses as their :mod:`sarcomm.common.errors` class).
 
@@ -46,7 +59,7 @@ class HeartbeatStream:
 
     def __init__(
         self,
-        client: CoordinatorChannel,
+        client: ReplicaChannel,
         reports: Callable[[], Sequence[MemberReport]],
         interval: float,
         *,
@@ -75,6 +88,9 @@ class HeartbeatStream:
         # Whether the last stream had answers before it broke: then it is reopened at once.
         self._was_connected = False
         self.connected = False
+        # The replica the current stream goes to; since when a report of it waits for an answer.
+        self._target = client.target
+        self._unanswered_since: float | None = None
 
     async def __aenter__(self) -> HeartbeatStream:
         self.start()
@@ -133,6 +149,8 @@ class HeartbeatStream:
                 self._queue.put_nowait(exc)
                 return
             if request.reports:
+                if self._unanswered_since is None:
+                    self._unanswered_since = time.monotonic()
                 await call.write(request)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
@@ -144,6 +162,9 @@ class HeartbeatStream:
         self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
     ) -> None:
         async for resp in call:
+            self._unanswered_since = None
+            if not self.connected:
+                self._client.answered(self._target)
             self.connected = True
             reply = HeartbeatReply.from_proto(resp)
             paced = paced_interval(self._configured, reply.heartbeat_interval)
@@ -156,31 +177,47 @@ class HeartbeatStream:
                 self._wake.set()  # the next report goes at the new pace, not after the old interval
             self._queue.put_nowait(reply)
 
-    async def _one_stream(self) -> bool:
-        """Run one stream until it ends; True when another one should be opened."""
+    async def _one_stream(self) -> float | None:
+        """Run one stream until it ends; returns the seconds to wait before opening another one,
+        or None when none should be."""
         client = self._client
+        self._target = target = await client.replica("Heartbeat")
         started = time.monotonic()
-        call = client.stub.Heartbeat(
-            None, timeout=self.stream_timeout, metadata=client.metadata, wait_for_ready=True
+        call = client.stub_for(target).Heartbeat(
+            None, timeout=self.stream_timeout, metadata=client.metadata, wait_for_ready=not client.replicated
         )
+        self._unanswered_since = None
         reader = asyncio.ensure_future(self._reader(call))
         writer = asyncio.ensure_future(self._writer(call))
+        tasks = {reader, writer}
+        watchdog = asyncio.ensure_future(self._silence()) if client.replicated else None
+        if watchdog is not None:
+            tasks.add(watchdog)
         try:
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if watchdog in done:
+                silent = time.monotonic() - (self._unanswered_since or started)
+                log.warning(
+                    "Heartbeat stream to %s: no answer for %.1f s; trying the other coordinators; ranks "
+                    "keep running", target, silent,
+                )  # fmt: skip
+                self._was_connected = self.connected
+                self.connected = False
+                return self._pause(client.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
             if writer in done and writer.exception() is None:
                 if self._closing.is_set():
                     # Half-closed: let the coordinator end the stream before anything cancels it,
                     # or it would take the end for a broken stream.
                     await asyncio.wait({reader}, timeout=_ORDERLY_CLOSE_S)
-                return False  # closing, or reports() raised and its error is queued
+                return None  # closing, or reports() raised and its error is queued
             # A failed write means the call is over; the reader has the status.
             await asyncio.wait({reader}, timeout=self.interval + 5.0)
             err = reader.exception() if reader.done() else None
             if self._closing.is_set():
-                return False
+                return None
             if not reader.done() or err is None:
-                log.info("Heartbeat stream to %s closed; reopening it", client.target)
-                return True
+                log.info("Heartbeat stream to %s closed; reopening it", target)
+                return self._pause(None)
             if not isinstance(err, grpc.aio.AioRpcError):
                 raise err
             code = err.code()
@@ -188,38 +225,60 @@ class HeartbeatStream:
                 code is grpc.StatusCode.DEADLINE_EXCEEDED
                 and time.monotonic() - started >= self.stream_timeout - 0.05
             )
-            if own_deadline or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            failover = None if own_deadline else client.after_failure(target, err)
+            if (
+                failover is not None
+                or own_deadline
+                or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            ):
                 if self.connected and not own_deadline:
                     log.warning(
                         "Heartbeat stream to %s ended (%s: %s); reopening it; ranks keep running",
-                        client.target, code.name, err.details(),
+                        target, code.name, err.details(),
                     )  # fmt: skip
                 self._was_connected = self.connected
                 self.connected = False
-                return True
+                return self._pause(failover)
             self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
-            return False
+            return None
         finally:
-            for task in (reader, writer):
+            for task in tasks:
                 task.cancel()
             call.cancel()
-            await asyncio.wait({reader, writer}, timeout=5.0)
-            for task in (reader, writer):  # retrieve results so asyncio does not log them as lost
+            await asyncio.wait(tasks, timeout=5.0)
+            for task in tasks:  # retrieve results so asyncio does not log them as lost
                 if task.done() and not task.cancelled():
                     task.exception()
 
+    async def _silence(self) -> None:
+        """Return once a report has waited :data:`SILENT_BEATS` intervals (at least
+        :data:`SILENT_MIN_S`) for its answer."""
+        while True:
+            await asyncio.sleep(self.interval)
+            waiting = self._unanswered_since
+            limit = max(SILENT_BEATS * self.interval, SILENT_MIN_S)
+            if waiting is not None and time.monotonic() - waiting > limit:
+                return
+
+    def _pause(self, failover: float | None) -> float:
+        """Seconds before the next stream. A stream that had answers is reopened at once (jittered,
+        so that reporters do not all arrive in one instant): the coordinator judges the members of
+        a broken stream after one interval. With replicas, the failover's wait (none before the
+        first other replica). Otherwise one interval between streams, so that a coordinator that
+        answers at once with an error (e.g. while shutting down) is not hammered; waiting for a
+        restart is wait_for_ready's, with gRPC's backoff and jitter."""
+        quick, self._was_connected = self._was_connected, False
+        jitter = random.uniform(0.0, 0.1) * self.interval if quick else 0.0
+        if failover is not None:
+            return failover + jitter
+        return jitter if quick else self.interval
+
     async def _run(self) -> None:
         try:
-            reopen = await self._one_stream()
-            while reopen and not self._closing.is_set():
-                # A stream that had answers is reopened at once (jittered, so that reporters do not
-                # all arrive in one instant): the coordinator judges the members of a broken stream
-                # after one interval. Otherwise one interval between streams, so a coordinator that
-                # answers at once with an error (e.g. while shutting down) is not hammered; waiting
-                # for a restart is wait_for_ready's, with gRPC's backoff and jitter.
-                quick, self._was_connected = self._was_connected, False
-                await asyncio.sleep(random.uniform(0.0, 0.1) * self.interval if quick else self.interval)
-                reopen = await self._one_stream()
+            pause = await self._one_stream()
+            while pause is not None and not self._closing.is_set():
+                await asyncio.sleep(pause)
+                pause = await self._one_stream()
         finally:
             self._ended = True
             self._queue.put_nowait(None)

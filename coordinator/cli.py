@@ -170,7 +170,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     commands = parser.add_subparsers(dest="command", metavar="{status}")
     status_parser = commands.add_parser("status", help="show jobs, members, health and progress")
-    _add(status_parser, env, "--coord", default="127.0.0.1:50051", help="coordinator gRPC address HOST:PORT")
+    _add(
+        status_parser,
+        env,
+        "--coord",
+        default="127.0.0.1:50051",
+        help="coordinator gRPC address HOST:PORT, or its replicas' as HOST:PORT,HOST:PORT,... "
+        "(then each one's role is shown too)",
+    )
     _add(status_parser, env, "--job", default="", help="only this job")
     # A client's TLS settings, named as sar-worker names them; the token is the top-level
     # --token-file (SARCOMM_TOKEN_FILE), the same file the coordinator reads.
@@ -313,8 +320,13 @@ async def _status(args: argparse.Namespace) -> None:
     token = read_token_file(args.token_file) if args.token_file else None
     tls = _client_tls(args)
     while True:
-        response = await status.fetch_jobs(args.coord, args.job, token=token, tls=tls)
-        text = status.render_json(response) if args.json else status.render(response)
+        roles, response = await status.fetch_status(args.coord, args.job, token=token, tls=tls)
+        if args.json:
+            text = status.render_json(response, roles)
+        else:
+            text = status.render(response)
+            if roles:
+                text = status.render_roles(roles) + "\n\n" + text
         if args.watch is None:
             print(text)
             return

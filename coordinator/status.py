@@ -1,4 +1,8 @@
-"""``sar-coordinator status``: jobs, members, health and each rank's last collective, as a table."""
+"""``sar-coordinator status``: jobs, members, health and each rank's last collective, as a table.
+
+Given the replicas of a coordinator (``--coord a:50051,b:50051``), it first shows each one's role
+(leader, standby, or down with the reason), then the leader's jobs.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from collections.abc import Sequence
 from google.protobuf import json_format
 
 from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.errors import CoordinatorUnavailableError
+from sarcomm.common.replicas import ReplicaRole
 from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
 
@@ -31,6 +37,45 @@ async def fetch_jobs(
     """
     async with CoordinatorClient(target, token, timeout=timeout, tls=tls) as client:
         return pb.ListJobsResponse(jobs=await client.list_jobs(job))
+
+
+async def fetch_status(
+    target: str,
+    job: str = "",
+    timeout: float = 10.0,
+    *,
+    token: str | None = None,
+    tls: ClientTls | None = None,
+) -> tuple[list[ReplicaRole], pb.ListJobsResponse]:
+    """Each replica's role (none for a single address) and the leader's view of ``job``, as
+    :func:`fetch_jobs`; waits up to ``timeout`` seconds.
+
+    Raises:
+        CoordinatorUnavailableError: no replica leads (the message names each one's role).
+        SarcommError: as :func:`fetch_jobs`.
+    """
+    async with CoordinatorClient(target, token, timeout=timeout, tls=tls) as client:
+        if len(client.targets) == 1:
+            return [], pb.ListJobsResponse(jobs=await client.list_jobs(job))
+        roles = await client.roles(timeout)
+        if not any(r.role == "leader" for r in roles):
+            raise CoordinatorUnavailableError(
+                f"No coordinator of {', '.join(client.targets)} leads: {_describe_roles(roles)}."
+            )
+        return roles, pb.ListJobsResponse(jobs=await client.list_jobs(job))
+
+
+def _describe_roles(roles: Sequence[ReplicaRole]) -> str:
+    return "; ".join(f"{r.address} is {r.role}" + (f" ({r.reason})" if r.reason else "") for r in roles)
+
+
+def render_roles(roles: Sequence[ReplicaRole]) -> str:
+    """The replicas' table: address, role, and why a replica is down."""
+    rows = [
+        ["COORDINATOR", "ROLE"],
+        *([r.address, f"{r.role} ({r.reason})" if r.reason else r.role] for r in roles),
+    ]
+    return "\n".join(_table(rows))
 
 
 def _ago(timestamp: float, now: float) -> str:
@@ -106,10 +151,12 @@ def _describe_stall(stall: pb.Stall) -> str:
     )
 
 
-def render_json(response: pb.ListJobsResponse) -> str:
-    return json.dumps(
-        json_format.MessageToDict(
-            response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        ),
-        indent=2,
+def render_json(response: pb.ListJobsResponse, roles: Sequence[ReplicaRole] = ()) -> str:
+    """The jobs as JSON (``sarcomm.v1.ListJobsResponse``'s fields); with replicas, also
+    ``coordinators``: each one's ``address``, ``role`` and ``reason``."""
+    view = json_format.MessageToDict(
+        response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    if roles:
+        view["coordinators"] = [{"address": r.address, "role": r.role, "reason": r.reason} for r in roles]
+    return json.dumps(view, indent=2)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sarcomm.common.addresses import validate_target
+from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
@@ -46,7 +46,8 @@ class AgentConfig:
     """Settings of one agent, validated when built (messages name the flag, value and rule).
 
     Attributes:
-        coord: coordinator address ``HOST:PORT``.
+        coord: coordinator address ``HOST:PORT``, or its replicas' separated by commas (the
+            ranks get it whole in ``SAR_COORD``).
         job: job name.
         world_size: ranks in the whole job (>= 1).
         command: the program and arguments each local rank runs (empty only for subcommands).
@@ -100,7 +101,8 @@ class AgentConfig:
     tee: Tee = Tee.CONSOLE
 
     def __post_init__(self) -> None:
-        validate_target(self.coord)
+        # One form of a list (no spaces around its items): the ranks get it in SAR_COORD.
+        object.__setattr__(self, "coord", ",".join(parse_targets(self.coord)))
         if not self.job:
             raise InvalidArgumentError(
                 "--job '' must name the job (1 to 128 letters, digits, '.', '_', '-')."

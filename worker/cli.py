@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sarcomm.common.addresses import validate_target
+from sarcomm.common.addresses import parse_targets, validate_target
 from sarcomm.common.constants import BACKENDS, SOCKET_NAME_VARIABLE
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
@@ -101,6 +101,11 @@ def _seconds(text: str) -> float:
 
 
 def _target(text: str) -> str:
+    """One coordinator address, or a comma-separated list of replicas (given back without the
+    spaces around its items). A single address's error is the option's rule, as it always was; a
+    list's names the item (an :class:`InvalidArgumentError`, which :func:`_resolve` passes on)."""
+    if "," in text:
+        return ",".join(parse_targets(text))
     try:
         return validate_target(text)
     except InvalidArgumentError as exc:
@@ -147,8 +152,9 @@ class _Option:
 
 
 _OPTIONS: tuple[_Option, ...] = (
-    _Option("--coord", _target, "HOST:PORT with a port in 1..65535", "coordinator gRPC address",
-            metavar="HOST:PORT", required=True),
+    _Option("--coord", _target, "HOST:PORT with a port in 1..65535",
+            "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
+            required=True),
     _Option("--job", _nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
     _Option("--world-size", *_integer(1), "ranks in the whole job", metavar="N", required=True),
     _Option("--rank", *_integer(0), "global rank of local rank 0 (default: the coordinator deals "
@@ -230,10 +236,12 @@ def _resolve(
             raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
         else:
             return option.default
+    sep = " " if source.startswith("--") else "="
     try:
         return option.convert(text)
+    except InvalidArgumentError as exc:  # a converter that names the part of the value at fault
+        raise InvalidArgumentError(f"{source}{sep}{shorten(text)}: {exc}") from None
     except (ValueError, TypeError):
-        sep = " " if source.startswith("--") else "="
         raise InvalidArgumentError(f"{source}{sep}{shorten(text)} must be {option.rule}.") from None
 
 

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from sarcomm.common import netinfo
-from sarcomm.common.addresses import host_port, validate_target
+from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, SOCKET_NAME_VARIABLE, EventKind
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
@@ -340,7 +340,7 @@ def register(
 ) -> JoinResult:
     """Join at ``coord``, start heartbeats, export the variables; shared by both entry points."""
     global _registration
-    validate_target(coord)
+    coord = ",".join(parse_targets(coord))
     interval = heartbeat_interval_setting(environ, heartbeat_interval)
     socket_name = socket_name_setting(environ)
     metrics_host = metrics_host_setting(environ)
@@ -422,7 +422,8 @@ def coord_ip_init(
     heartbeat_interval: float | None = None,
 ) -> str:
     """Drop-in for SAR's ``nfs_ip_init(rank, ip_file)``: join ``job`` at the coordinator ``coord``
-    as ``rank`` and return the master address.
+    as ``rank`` and return the master address. ``coord`` may list the coordinator's replicas
+    (``"a:50051,b:50051"``): the process follows the leader and its heartbeats fail over.
 
     Blocks until all ``world_size`` members joined, or ``timeout`` seconds (None: the
     coordinator's ``--join-timeout``). Afterwards ``os.environ`` holds ``MASTER_ADDR``,

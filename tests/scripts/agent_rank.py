@@ -11,6 +11,10 @@ Modes:
     sleep OUTDIR SECONDS      every rank sleeps, then exits 0.
     hang OUTDIR RANK          every rank stamps a progress record; rank RANK then stops itself
                               (SIGSTOP) while its process lives on.
+    failover OUTDIR           ``sar.init()``, an all_reduce, ``OUTDIR/rank<R>.before``; then waits
+                              (at most 120 s) for ``OUTDIR/go`` (the test moves the coordinator
+                              meanwhile), runs all_reduce and all_to_all (unequal sizes) and writes
+                              what it got and its SAR_COORD to ``OUTDIR/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 # Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import wait_for_sd
+from tests.helpers import wait_for, wait_for_sd
 
 CONTRACT_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SAR_COORD",
@@ -139,6 +143,35 @@ def restart(out: Path, failing_rank: int, code: int) -> int:
     return 0
 
 
+def failover(out: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import sarcomm.worker as sar
+
+    info = sar.init()
+    rank, world = info.rank, info.world_size
+    before = torch.tensor([float(rank + 1)])
+    sar.all_reduce(before)
+    (out / f"rank{rank}.before").write_text(str(before.item()))
+    wait_for((out / "go").exists, 120.0, what="the test's go after moving the coordinator", interval=0.1)
+    summed = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
+    sar.all_reduce(summed)
+    send = [torch.full((rank + dst + 1,), float(100 * rank + dst)) for dst in range(world)]
+    recv = [torch.zeros(src + rank + 1) for src in range(world)]
+    sar.all_to_all(recv, send)
+    result = {
+        "coord": os.environ.get("SAR_COORD"),
+        "before": before.tolist(),
+        "all_reduce": summed.tolist(),
+        "all_to_all": [t.tolist() for t in recv],
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     mode, out = argv[0], Path(argv[1])
     if mode == "collectives":
@@ -151,6 +184,8 @@ def main(argv: list[str]) -> int:
         return hang(out, int(argv[2]))
     if mode == "restart":
         return restart(out, int(argv[2]), int(argv[3]))
+    if mode == "failover":
+        return failover(out)
     raise SystemExit(f"unknown mode {mode!r}")
 
 
