@@ -41,16 +41,16 @@ def taken(port: int) -> bool:
 class Job:
     """One job: an agent (or a self-registering process) running extra_ports_rank.py."""
 
-    def __init__(self, coord: CoordinatorProcess, name: str, tmp: Path, agent: bool) -> None:
+    def __init__(self, coord: CoordinatorProcess, name: str, tmp: Path, how: str) -> None:
         self.out, self.go = tmp / f"{name}.json", tmp / f"{name}.go"
         rank = [sys.executable, str(RANK_SCRIPT), str(self.out), str(self.go)]
-        if agent:
+        if how == "sar-worker":
             command = [
                 sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", name,
                 "--world-size", "1", "--extra-ports", str(EXTRA), "--socket-name", "lo", "--", *rank,
             ]  # fmt: skip
         else:
-            command = [*rank, coord.grpc_target, name, str(EXTRA)]
+            command = [*rank, how, coord.grpc_target, name, str(EXTRA)]
         self.log = tmp / f"{name}.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -87,11 +87,11 @@ def jobs(coordinator: CoordinatorProcess, tmp_path: Path) -> Iterator[list[Job]]
         job.kill()
 
 
-@pytest.mark.parametrize("agent", [True, False], ids=["sar-worker", "coord_ip_init"])
+@pytest.mark.parametrize("how", ["sar-worker", "coord_ip_init", "init"])
 def test_extra_ports_are_held_for_the_job_and_its_ranks_can_listen_on_them(
-    coordinator: CoordinatorProcess, jobs: list[Job], tmp_path: Path, agent: bool
+    coordinator: CoordinatorProcess, jobs: list[Job], tmp_path: Path, how: str
 ) -> None:
-    a = Job(coordinator, "job-a", tmp_path, agent)
+    a = Job(coordinator, "job-a", tmp_path, how)
     jobs.append(a)
     seen_a = a.ports()
     master_a = int(str(seen_a["master_port"]))
@@ -100,7 +100,7 @@ def test_extra_ports_are_held_for_the_job_and_its_ranks_can_listen_on_them(
     assert [port for port in extra_ports(master_a, EXTRA) if not taken(port)] == []
 
     # Job B on the same host, same coordinator, while A holds its ports.
-    b = Job(coordinator, "job-b", tmp_path, agent)
+    b = Job(coordinator, "job-b", tmp_path, how)
     jobs.append(b)
     seen_b = b.ports()
     ports_a = {master_a, *extra_ports(master_a, EXTRA)}

@@ -1,6 +1,7 @@
 """A rank that uses its job's extra ports as SAR's sampling workers do:
 ``python extra_ports_rank.py OUT GO`` (under ``sar-worker --extra-ports K``), or
-``python extra_ports_rank.py OUT GO COORD JOB K`` (registering itself: ``coord_ip_init(...,
+``python extra_ports_rank.py OUT GO HOW COORD JOB K`` (registering itself, HOW being
+``coord_ip_init`` or ``init``: ``coord_ip_init(..., extra_ports=K)``, ``init(coord=...,
 extra_ports=K)``).
 
 Writes ``MASTER_PORT`` and ``SAR_EXTRA_PORTS`` to OUT, waits (at most 60 s) until the file GO
@@ -24,9 +25,13 @@ GO_WAIT_S = 60.0
 def main(argv: list[str]) -> int:
     out, go = Path(argv[0]), Path(argv[1])
     if len(argv) > 2:
-        from sarcomm.worker.registration import coord_ip_init
+        import sarcomm.worker as sar
 
-        coord_ip_init(0, argv[2], job=argv[3], world_size=1, timeout=60, extra_ports=int(argv[4]))
+        how, coord, job, count = argv[2], argv[3], argv[4], int(argv[5])
+        if how == "coord_ip_init":
+            sar.coord_ip_init(0, coord, job=job, world_size=1, timeout=60, extra_ports=count)
+        else:
+            sar.init(coord=coord, job=job, world_size=1, initialize=False, timeout=60, extra_ports=count)
     extra = [int(port) for port in os.environ["SAR_EXTRA_PORTS"].split(",")]
     out.write_text(json.dumps({"master_port": int(os.environ["MASTER_PORT"]), "extra": extra}))
     deadline = time.monotonic() + GO_WAIT_S
