@@ -18,11 +18,9 @@ python -m pip install --quiet --upgrade pip
 if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$FLOOR_TORCH')" 2>/dev/null; then
   python -m pip install --quiet "torch==${FLOOR_TORCH}" "numpy<2"
 fi
-# sarcomm itself without re-resolving torch, then the runtime and test dependencies it names.
-python -m pip install --quiet -e . --no-deps
-python -m pip install --quiet "numpy<2" "grpcio>=1.85.1,<2" "grpcio-health-checking>=1.85.1,<2" \
-  "grpcio-reflection>=1.85.1,<2" "protobuf>=7.35.1,<8" "uvloop>=0.19" "prometheus-client>=0.20" \
-  "aiohttp>=3.9" "ifaddr>=0.2" "psutil>=5.9" "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.3" \
-  "hypothesis>=6.100" "trustme>=1.1"
+# sarcomm with its dependencies and test tools as pyproject names them, torch and numpy held where
+# they are by a constraints file (pip would otherwise be free to move them).
+printf 'torch==%s\nnumpy<2\n' "$FLOOR_TORCH" > "$VENV/constraints.txt"
+python -m pip install --quiet -e ".[dev]" -c "$VENV/constraints.txt"
 python -c "import torch, sarcomm.worker; print('torch', torch.__version__, 'in $VENV')"
 python -m pytest -ra -p no:cacheprovider tests/test_collectives.py tests/test_exit_path.py "$@"
