@@ -48,7 +48,7 @@ METRICS_HOST_VARIABLE: Final = "SAR_METRICS_HOST"
 #: process group listens on ``master_port() + k + 1``): the ports ``MASTER_PORT+1`` to
 #: ``MASTER_PORT+K``, comma-separated, K being ``sar-worker --extra-ports`` or
 #: ``coord_ip_init(..., extra_ports=K)``; unset when K is 0. The rule is
-#: :func:`sarcomm.common.netinfo.extra_ports`.
+#: :func:`sarcomm.common.ports.extra_ports`.
 EXTRA_PORTS_VARIABLE: Final = "SAR_EXTRA_PORTS"
 #: The most extra ports a job may reserve (SAR starts one sampling worker per DataLoader worker).
 MAX_EXTRA_PORTS: Final = 64

@@ -8,8 +8,9 @@ run), check every collective's values, and bound every exit by a deadline. ``bas
 scripts/test-torch-floor.sh`` runs them on torch 2.2.1 in its own venv; the main suite on the
 current torch.
 
-The rank script makes the race certain rather than likely (see ``tests/scripts/exit_rank.py``):
-before the fix every rank of every job hung on torch 2.2.1.
+The rank script makes the race near certain rather than likely (see
+``tests/scripts/exit_rank.py``): before the fix this test failed on torch 2.2.1 within its first
+two jobs, each time it ran.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ the ``ProcessGroup`` binding has no destructor that releases it. ``ProcessGroupG
 joins its worker threads. A worker thread that has just finished a collective still holds the work,
 and with it the last reference to a tensor whose Python object is gone; freeing that tensor takes
 the GIL (``c10::impl::PyObjectSlot::maybe_destroy_pyobj``). The thread waits for the GIL, the main
-thread waits for the thread: the rank never exits. Seen with gdb on torch 2.2.1, at exit, in 5 of
-6 four-rank jobs whose last collectives ended right before the exit (``tests/test_exit_path.py``).
+thread waits for the thread: the rank never exits. On torch 2.2.1 a plain four-rank job's exit
+hung so in 7 of 16 runs (both stacks taken with gdb); ``tests/test_exit_path.py`` makes the race
+near certain.
 
 **The fix** (:func:`end_groups`): hold a Python reference to each backend of the groups
 (``ProcessGroupGloo``, ``ProcessGroupNCCL``: their bindings *do* release the GIL in their
