@@ -638,16 +638,26 @@ def test_adopted_backend_reads_torch_mixed_backend_names() -> None:
     assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
 
 
-def test_collective_timeout_defaults_to_300_s_and_reads_sar_collective_timeout() -> None:
-    assert backends.collective_timeout({}) == datetime.timedelta(seconds=300)
-    assert backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": "12.5"}) == datetime.timedelta(seconds=12.5)
+def _exit_seconds(environ: dict[str, str]) -> datetime.timedelta:
+    return datetime.timedelta(seconds=backends.exit_timeout(environ))
+
+
+@pytest.mark.parametrize(
+    ("variable", "read", "default"),
+    [("SAR_COLLECTIVE_TIMEOUT", backends.collective_timeout, 300), ("SAR_EXIT_TIMEOUT", _exit_seconds, 30)],
+)
+def test_timeouts_have_their_default_and_read_their_variable(
+    variable: str, read: Callable[[dict[str, str]], datetime.timedelta], default: int
+) -> None:
+    assert read({}) == datetime.timedelta(seconds=default)
+    assert read({variable: "12.5"}) == datetime.timedelta(seconds=12.5)
     for bad in ("abc", "0", "-3", "inf", "nan"):
         with pytest.raises(
             InvalidArgumentError,
-            match=rf"^SAR_COLLECTIVE_TIMEOUT='{bad}' is not a valid timeout: it must be a number of seconds "
+            match=rf"^{variable}='{bad}' is not a valid timeout: it must be a number of seconds "
             r"greater than 0\.$",
         ):
-            backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": bad})
+            read({variable: bad})
 
 
 def test_socket_environment_fills_only_interface_variables_the_user_left_unset() -> None:

@@ -15,6 +15,7 @@ from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
+    EXTRA_PORTS_VARIABLE,
     INTERFACE_VARIABLES,
     METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
@@ -23,6 +24,7 @@ from sarcomm.common.constants import (
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.messages import JoinResult
+from sarcomm.common.ports import check_extra_ports, extra_ports
 from sarcomm.common.tls import ClientTls
 from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE, metrics_host
 from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
@@ -76,6 +78,8 @@ class AgentConfig:
             filled in; "" for none); see :mod:`sarcomm.worker.output`.
         log_dir: folder for each rank's output files (None: no files).
         tee: where the ranks' output goes: the console, the files or both.
+        extra_ports: ports after the master port reserved with it for SAR's sampling workers
+            (0..MAX_EXTRA_PORTS, default 0), handed to the ranks as ``SAR_EXTRA_PORTS``.
     """
 
     coord: str
@@ -99,6 +103,7 @@ class AgentConfig:
     output_tag: str = DEFAULT_OUTPUT_TAG
     log_dir: Path | None = None
     tee: Tee = Tee.CONSOLE
+    extra_ports: int = 0
 
     def __post_init__(self) -> None:
         # One form of a list (no spaces around its items): the ranks get it in SAR_COORD.
@@ -145,6 +150,7 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--heartbeat-interval {self.heartbeat_interval} must be a positive number of seconds."
             )
+        check_extra_ports(self.extra_ports, "--extra-ports")
         if not self.stop_grace >= 0:
             raise InvalidArgumentError(f"stop_grace {self.stop_grace} must be a number of seconds >= 0.")
         node_ranks = self.node_ranks
@@ -213,8 +219,9 @@ def rank_environment(
     ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record),
     ``SAR_AGENT_PID`` (the agent: a rank whose agent is gone stops, see
     :data:`~sarcomm.common.constants.AGENT_PID_VARIABLE`), ``OMP_NUM_THREADS`` unless set (see
-    :func:`omp_threads`) and,
-    when given, ``SAR_PROGRESS_FILE`` (where it keeps that record for the agent to read).
+    :func:`omp_threads`), with ``--extra-ports K`` ``SAR_EXTRA_PORTS`` (the K ports after the master
+    port, reserved on the master's host) and, when given, ``SAR_PROGRESS_FILE`` (where it keeps
+    that record for the agent to read).
     """
     member = joined.assignments[index]
     env = dict(base)
@@ -245,5 +252,7 @@ def rank_environment(
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
     if config.metrics_host:
         env[METRICS_HOST_VARIABLE] = config.metrics_host
+    if config.extra_ports:
+        env[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(joined.master_port, config.extra_ports)))
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})
     return env

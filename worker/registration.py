@@ -36,10 +36,16 @@ from typing import Any, TypeVar
 from sarcomm.common import netinfo
 from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client import CoordinatorClient
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, SOCKET_NAME_VARIABLE, EventKind
+from sarcomm.common.constants import (
+    DEFAULT_JOIN_TIMEOUT,
+    EXTRA_PORTS_VARIABLE,
+    SOCKET_NAME_VARIABLE,
+    EventKind,
+)
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.ports import PortBlock, check_extra_ports, extra_ports
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.launch_env import (
     heartbeat_interval_setting,
@@ -130,6 +136,8 @@ class _Registration:
         self._uncaught: BaseException | None = None
         # A forked child (a DataLoader worker) inherits the atexit hook but is not the member.
         self._pid = os.getpid()
+        #: The extra ports (extra_ports=K) this process holds while it is the job's master.
+        self.ports = PortBlock([])
 
     @property
     def client_timeout(self) -> float:
@@ -249,6 +257,7 @@ class _Registration:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        self.ports.close()
         if exit_code is None:
             exit_code = 1 if self._uncaught is not None else 0
             if self._uncaught is not None and not reason:
@@ -337,10 +346,14 @@ def register(
     token: str | None,
     heartbeat_interval: float | None,
     environ: MutableMapping[str, str],
+    extra_ports_count: int = 0,
 ) -> JoinResult:
-    """Join at ``coord``, start heartbeats, export the variables; shared by both entry points."""
+    """Join at ``coord``, start heartbeats, export the variables; shared by both entry points.
+    ``extra_ports_count`` ports after the master port are reserved with it (see
+    :class:`~sarcomm.common.ports.PortBlock`) and held until this process leaves."""
     global _registration
     coord = ",".join(parse_targets(coord))
+    check_extra_ports(extra_ports_count, "extra_ports")
     interval = heartbeat_interval_setting(environ, heartbeat_interval)
     socket_name = socket_name_setting(environ)
     metrics_host = metrics_host_setting(environ)
@@ -359,7 +372,7 @@ def register(
         if token is None and environ.get("SARCOMM_TOKEN_FILE"):
             token = read_token_file(environ["SARCOMM_TOKEN_FILE"], "SARCOMM_TOKEN_FILE")
         registration = _Registration(coord, token, interval, tls)
-        reservation = netinfo.reserve_port("")
+        registration.ports = PortBlock.reserve(extra_ports_count)
         try:
             result = registration.join(
                 (timeout or DEFAULT_JOIN_TIMEOUT) + registration.client_timeout,
@@ -370,16 +383,16 @@ def register(
                 local_ranks=[local_rank],
                 local_world_size=local_world_size,
                 socket_name=socket_name,
-                store_port=int(reservation.getsockname()[1]),
+                store_port=registration.ports.store_port,
                 join_timeout=timeout,
                 backend="" if backend == "auto" else backend,
             )
         except BaseException:
             registration.close(0, "join failed")
             raise
-        finally:
-            # Released now so that rank 0's TCPStore (this process, in initialize_comms) can bind it.
-            reservation.close()
+        # The store port is released now so that rank 0's TCPStore (this process, in
+        # initialize_comms) can bind it; the extra ports stay held while this process is the master.
+        registration.ports.keep_if_master(result.master_port)
         registration.start_heartbeats(result, install_progress(None, interval), metrics_host)
         _registration = registration
     member = result.assignments[0]
@@ -402,6 +415,8 @@ def register(
     )
     if backend != "auto":
         environ["SAR_BACKEND"] = backend
+    if extra_ports_count:
+        environ[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(result.master_port, extra_ports_count)))
     log.info(
         "job=%s rank=%d generation=%d: registered at %s; master %s:%d, interface %s",
         result.job, member.rank, result.generation, coord, result.master_addr, result.master_port,
@@ -420,6 +435,7 @@ def coord_ip_init(
     token: str | None = None,
     backend: str = "auto",
     heartbeat_interval: float | None = None,
+    extra_ports: int = 0,
 ) -> str:
     """Drop-in for SAR's ``nfs_ip_init(rank, ip_file)``: join ``job`` at the coordinator ``coord``
     as ``rank`` and return the master address. ``coord`` may list the coordinator's replicas
@@ -433,7 +449,10 @@ def coord_ip_init(
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``SAR_MEMBER_ID``,
     ``SAR_MEMBER_SECRET``, ``SAR_RESTART_COUNT``. Heartbeats then run on a private thread every
     ``heartbeat_interval`` seconds (default ``SARCOMM_HEARTBEAT_INTERVAL``, else 1), and ``Leave``
-    is reported at interpreter exit.
+    is reported at interpreter exit. ``extra_ports=K`` (0..64) reserves the K ports after the master
+    port with it, for SAR's sampling workers (``master_port() + k + 1``), held by the master's
+    process until it leaves, and exports them as ``SAR_EXTRA_PORTS`` (comma-separated); every rank
+    of a job must give the same K.
 
     Raises:
         InvalidArgumentError: a bad argument, or ``SAR_SOCKET_NAME`` names no interface here.
@@ -458,5 +477,6 @@ def coord_ip_init(
         token=token,
         heartbeat_interval=heartbeat_interval,
         environ=os.environ,
+        extra_ports_count=extra_ports,
     )
     return result.master_addr
