@@ -8,7 +8,9 @@ Starts ``--world`` local ranks (default 4) on 127.0.0.1 and times, for each size
 - ``sar_fallback``: what SAR does on gloo: ``isend`` to every peer, blocking ``recv`` from each in
   rank order, then a ``barrier``;
 - ``a2a_single``: what a user would write with ``all_to_all_single``: ``torch.cat`` the send list,
-  one call with split sizes, copy the output's slices into the receive tensors.
+  one call with split sizes, copy the output's slices into the receive tensors;
+- ``baseline`` (with ``--baseline-ref REF``): sarcomm's all_to_all as it was at git revision REF
+  (``worker/alltoall.py`` there, loaded beside the current one), for before/after in one run.
 
 Rank ``s`` sends rank ``d`` a share of the size proportional to ``1 + (s + 2d) % world``, so every
 message size differs. Calls are interleaved (the method order rotates every iteration, each call
@@ -19,6 +21,7 @@ once per size before timing.
     python benchmarks/all_to_all.py [--world 4] [--sizes 1K:64M] [--json out.json]
         [--thresholds 64K,...]  # extra sarcomm runs with other small_message_bytes, for tuning
         [--seconds-per-size 15] # how long each size is timed (1 makes a quick smoke pass)
+        [--baseline-ref REF]    # also time the all_to_all of git revision REF
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import baseline
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -110,7 +114,9 @@ def a2a_single(recv: list[torch.Tensor], send: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
-def methods(thresholds: list[int]) -> dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], None]]:
+def methods(
+    thresholds: list[int], old_source: tuple[str, str] | None
+) -> dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], None]]:
     from sarcomm.worker import collectives
 
     default = collectives.all_to_all_config().small_message_bytes
@@ -119,6 +125,11 @@ def methods(thresholds: list[int]) -> dict[str, Callable[[list[torch.Tensor], li
         "sar_fallback": sar_fallback,
         "a2a_single": a2a_single,
     }
+    if old_source is not None:
+        commit, source = old_source
+        found["baseline"] = baseline.load(
+            source, "alltoall_baseline", f"{commit}:worker/alltoall.py"
+        ).all_to_all
     for threshold in thresholds:
 
         def with_threshold(
@@ -135,14 +146,21 @@ def methods(thresholds: list[int]) -> dict[str, Callable[[list[torch.Tensor], li
 
 
 def rank_main(
-    rank: int, world: int, port: int, sizes: list[int], thresholds: list[int], per_size_s: float, out: Any
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    thresholds: list[int],
+    per_size_s: float,
+    out: Any,
+    old_source: tuple[str, str] | None,
 ) -> None:
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
     from sarcomm.worker import comm
 
     comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
-    table = methods(thresholds)
+    table = methods(thresholds, old_source)
     results: dict[int, dict[str, list[float]]] = {}
     for total in sizes:
         send = [
@@ -195,49 +213,57 @@ def summarise(gathered: list[dict[int, dict[str, list[float]]]], sizes: list[int
             slowest = [max(values) for values in per_iter]
             medians[name] = statistics.median(slowest)
         ours = medians["sarcomm"]
-        rows.append(
-            {
-                "bytes_per_rank": total,
-                "iterations": len(gathered[0][total]["sarcomm"]),
-                "median_seconds": medians,
-                "sar_fallback_over_sarcomm": medians["sar_fallback"] / ours,
-                "a2a_single_over_sarcomm": medians["a2a_single"] / ours,
-            }
-        )
+        row = {
+            "bytes_per_rank": total,
+            "iterations": len(gathered[0][total]["sarcomm"]),
+            "median_seconds": medians,
+            "sar_fallback_over_sarcomm": medians["sar_fallback"] / ours,
+            "a2a_single_over_sarcomm": medians["a2a_single"] / ours,
+        }
+        if "baseline" in medians:
+            row["baseline_over_sarcomm"] = medians["baseline"] / ours
+        rows.append(row)
     return rows
+
+
+RATIOS = {
+    "sar_fallback_over_sarcomm": "fallback / sarcomm",
+    "a2a_single_over_sarcomm": "a2a_single / sarcomm",
+    "baseline_over_sarcomm": "baseline / sarcomm",
+}
 
 
 def print_table(rows: list[dict[str, Any]], world: int) -> None:
     names = list(rows[0]["median_seconds"])
+    ratios = [key for key in RATIOS if key in rows[0]]
     print(f"all_to_all, unequal sizes, gloo, {world} ranks on loopback; median of the slowest rank, ms")
-    header = (
+    print(
         f"{'bytes/rank':>10} "
         + " ".join(f"{n:>14}" for n in names)
-        + f" {'fallback/ours':>13} {'single/ours':>11}"
+        + "".join(f" {RATIOS[key].replace(' ', ''):>20}" for key in ratios)
     )
-    print(header)
     for row in rows:
         cells = " ".join(f"{row['median_seconds'][n] * 1e3:14.3f}" for n in names)
-        print(
-            f"{human(row['bytes_per_rank']):>10} {cells} "
-            f"{row['sar_fallback_over_sarcomm']:13.2f} {row['a2a_single_over_sarcomm']:11.2f}"
-        )
+        print(f"{human(row['bytes_per_rank']):>10} {cells}" + "".join(f" {row[key]:20.2f}" for key in ratios))
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The table as Markdown (milliseconds, ratios > 1 mean sarcomm is faster)."""
     names = list(rows[0]["median_seconds"])
+    ratios = [key for key in RATIOS if key in rows[0]]
     lines = [
         "| bytes per rank | "
         + " | ".join(f"{n} (ms)" for n in names)
-        + " | fallback / sarcomm | a2a_single / sarcomm |",
-        "|---:|" + "---:|" * (len(names) + 2),
+        + "".join(f" | {RATIOS[key]}" for key in ratios)
+        + " |",
+        "|---:|" + "---:|" * (len(names) + len(ratios)),
     ]
     for row in rows:
         cells = " | ".join(f"{row['median_seconds'][n] * 1e3:.3f}" for n in names)
         lines.append(
-            f"| {human(row['bytes_per_rank'])} | {cells} | {row['sar_fallback_over_sarcomm']:.2f} "
-            f"| {row['a2a_single_over_sarcomm']:.2f} |"
+            f"| {human(row['bytes_per_rank'])} | {cells}"
+            + "".join(f" | {row[key]:.2f}" for key in ratios)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -259,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--markdown", help="write the table here as Markdown")
+    parser.add_argument("--baseline-ref", help="also time worker/alltoall.py as it was at this git revision")
     args = parser.parse_args(argv)
+    old_source = baseline.source_at(args.baseline_ref, "worker/alltoall.py") if args.baseline_ref else None
     sizes = parse_sizes(args.sizes)
     thresholds = [parse_size(t) for t in args.thresholds.split(",") if t.strip()]
     with socket.socket() as sock:
@@ -270,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(r, args.world, port, sizes, thresholds, args.seconds_per_size, out),
+            args=(r, args.world, port, sizes, thresholds, args.seconds_per_size, out, old_source),
         )
         for r in range(args.world)
     ]
@@ -305,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds_per_size": args.seconds_per_size,
             "wall_seconds": round(time.monotonic() - started, 1),
             "rows": rows,
+            **({"baseline": {"ref": args.baseline_ref, "commit": old_source[0]}} if old_source else {}),
         }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)

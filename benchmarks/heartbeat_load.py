@@ -63,6 +63,9 @@ from typing import Any
 
 from recording import describe, write_results
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
+
 SHAPES = {"batched": (512, 8), "single": (4096, 1)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -242,14 +245,18 @@ def measure(
     agents: int | None = None,
     interval: float | None = None,
     scaling: bool = False,
+    etcd: EtcdCluster | None = None,
 ) -> dict[str, Any]:
     """One shape, by default at its 4096 members and ``--interval``; ``agents`` and ``interval``
-    change its size and rate (the scaling sweep)."""
+    change its size and rate (the scaling sweep). With ``etcd`` the coordinator keeps its state
+    there (``--store``, leading alone) instead of in a SQLite file."""
+    store = "etcd" if etcd is not None else "sqlite"
     agents = agents or SHAPES[shape][0]
     members = SHAPES[shape][1]
     interval = interval or args.interval
     # Each measurement in a folder of its own: its ready, stop and result files must not meet another's.
-    work = work / ("scaling" if scaling else "main") / f"{shape}-{agents * members}-{interval:g}"
+    name = f"{shape}-{agents * members}-{interval:g}"
+    work = work / ("scaling" if scaling else "main") / store / name
     work.mkdir(parents=True, exist_ok=True)
     world = agents * members
     grpc_port, http_port = _free_port(), _free_port()
@@ -261,7 +268,9 @@ def measure(
     client_cpus = set(cpus[1:]) if args.pin and len(cpus) > 1 else set(cpus)
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
-         "--http", f"127.0.0.1:{http_port}", "--state", str(work / f"state-{shape}.sqlite"),
+         "--http", f"127.0.0.1:{http_port}",
+         *(["--store", etcd.url(f"hl-{'s' if scaling else 'm'}-{name}")] if etcd else
+           ["--state", str(work / f"state-{shape}.sqlite")]),
          "--heartbeat-interval", str(interval), "--heartbeat-misses", str(args.misses),
          "--log-level", "WARNING", "--shutdown-grace", "1"],
         stdout=log, stderr=subprocess.STDOUT,
@@ -273,8 +282,10 @@ def measure(
         deadline = time.monotonic() + 30
         while True:
             try:
-                _get(f"{http}/healthz")
-                break
+                # A coordinator on etcd answers once it leads (alone, at once); SQLite's always leads.
+                if json.loads(_get(f"{http}/healthz")).get("role", "leader") == "leader":
+                    break
+                time.sleep(0.05)
             except OSError:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the coordinator did not start") from None
@@ -332,6 +343,8 @@ def measure(
                  "--output", str(args.profile_coordinator.with_suffix(f".{shape}.raw"))],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
+        etcd_pids = [m.proc.pid for m in etcd.members if m.proc is not None] if etcd else []
+        etcd_cpu0 = sum(_cpu_seconds(pid) for pid in etcd_pids)
         cpu0, wall0 = _cpu_seconds(coordinator.pid), time.monotonic()
         metrics0 = _get(f"{http}/metrics")
         beats0 = _counter(metrics0, "sar_coordinator_heartbeats_total")
@@ -350,6 +363,7 @@ def measure(
             time.sleep(max(0.0, min(1.0, wall0 + args.duration - time.monotonic())))
             peak_rss = max(peak_rss, _memory_kib(coordinator.pid)["VmRSS"])
         cpu1, wall1 = _cpu_seconds(coordinator.pid), time.monotonic()
+        etcd_cpu1 = sum(_cpu_seconds(pid) for pid in etcd_pids)
         profile: list[dict[str, Any]] = []
         if profiler is not None:
             profiler.wait(30)
@@ -409,6 +423,9 @@ def measure(
     errors = [e for r in results for e in r["errors"]]
     return {
         "shape": shape,
+        "store": store,
+        # The three etcd members together (0 with SQLite): what the store costs besides the coordinator.
+        "etcd_cpu_percent": round(100 * (etcd_cpu1 - etcd_cpu0) / (wall1 - wall0), 1),
         "streams": agents,
         "members": world,
         "members_per_stream": members,
@@ -518,14 +535,15 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Command: `{doc['command']}`",
         "",
-        "| shape | streams | members | coordinator CPU (% of a core) | reports/s | RSS idle / end / peak "
-        "(MiB) | probe ack p50 / p99 / max (ms) | load-client ack p50 / p99 (ms) | loop lags > 20 ms | "
-        "scrape max (ms) | members failed | world formed / all reporting / all left |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---|",
+        "| shape | store | streams | members | coordinator CPU (% of a core) | reports/s | "
+        "RSS idle / end / peak (MiB) | probe ack p50 / p99 / max (ms) | load-client ack p50 / p99 (ms) | "
+        "loop lags > 20 ms | scrape max (ms) | members failed | world formed / all reporting / all left |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---|",
     ]
     for r in doc["summary"]:
         lines.append(
-            f"| {r['shape']} | {r['streams']} | {r['members']} | {r['coordinator_cpu_percent']} | "
+            f"| {r['shape']} | {r.get('store', 'sqlite')} | {r['streams']} | {r['members']} | "
+            f"{r['coordinator_cpu_percent']} | "
             f"{r['reports_per_s']} | {r['rss_idle_mib']} / {r['rss_mib']} / {r['rss_peak_mib']} | "
             f"{r['probe_ack_p50_ms']} / {r['probe_ack_p99_ms']} / {r['probe_ack_max_ms']} | "
             f"{r['ack_p50_ms']} / {r['ack_p99_ms']} | {r['loop_lag_over_20ms']} of {r['loop_lag_samples']} | "
@@ -540,19 +558,22 @@ def markdown(doc: dict[str, Any]) -> str:
         "`sar_coordinator_event_loop_lag_seconds` samples (every 50 ms) over the window. Scrapes: "
         "`/metrics` and `/sd` fetched during the window at the scrape interval.",
         "",
+        *[f"- {line}" for line in compare_stores(doc["summary"])],
+        "",
     ]
     if doc.get("scaling"):
         lines += [
             "How the cost grows (8 s windows, no scrapes):",
             "",
-            "| shape | members | interval s | reports/s | coordinator CPU (% of a core) | "
+            "| shape | store | members | interval s | reports/s | coordinator CPU (% of a core) | "
             "CPU us per report | RSS peak (MiB) | probe ack p99 (ms) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["scaling"]:
             per_report = 1e4 * r["coordinator_cpu_percent"] / r["reports_per_s"] if r["reports_per_s"] else 0
             lines.append(
-                f"| {r['shape']} | {r['members']} | {r['interval_s']:g} | {r['reports_per_s']} | "
+                f"| {r['shape']} | {r.get('store', 'sqlite')} | {r['members']} | {r['interval_s']:g} | "
+                f"{r['reports_per_s']} | "
                 f"{r['coordinator_cpu_percent']} | {per_report:.1f} | {r['rss_peak_mib']} | "
                 f"{r['probe_ack_p99_ms']} |"
             )
@@ -615,6 +636,13 @@ def main(argv: list[str] | None = None) -> int:
         "the rate (8 s each, no scrapes): how the cost grows",
     )
     parser.add_argument("--join-budget", type=float, default=60.0, help="bound of forming the world, s")
+    parser.add_argument(
+        "--stores",
+        default="sqlite",
+        help="where the coordinator keeps its state, comma-separated, each measured in turn: sqlite "
+        "(a --state file; the default) and etcd (--store on a three-member etcd cluster on loopback, "
+        "the coordinator leading alone); e.g. sqlite,etcd for both side by side",
+    )
     parser.add_argument("--quick", action="store_true", help="measure 5 s after 2 s of warm-up")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--markdown", type=Path, help="write a Markdown table here")
@@ -626,41 +654,44 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         parser.error(f"--shapes {','.join(bad)!r}: each must be one of {', '.join(SHAPES)}")
+    stores = [s for s in args.stores.split(",") if s]
+    if not stores or any(s not in STORES for s in stores):
+        parser.error(f"--stores {args.stores!r}: each must be one of {', '.join(STORES)}")
+    if "etcd" in stores and ETCD_MISSING:
+        parser.error(f"--stores etcd: {ETCD_MISSING}")
     if args.profile_coordinator:
         args.profile_coordinator.parent.mkdir(parents=True, exist_ok=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sar-heartbeat-load-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
     summary = []
-    for shape in shapes:
-        result = measure(shape, args, work)
-        print(json.dumps(result), flush=True)
-        summary.append(result)
     scaling = []
-    if args.scaling:
-        # How the coordinator's cost grows with members (at the interval) and with the rate (at the
-        # most members): the same measurement, shorter.
-        shorter = {"warmup": 2.0, "duration": 8.0, "scrape_interval": 0.0, "profile_coordinator": None}
-        sweep = argparse.Namespace(**{**vars(args), **shorter})
-        for shape in shapes:
-            streams = SHAPES[shape][0]
-            points = [(streams // 4, args.interval), (streams // 2, args.interval), (streams, args.interval)]
-            if shape == "batched":
-                points += [(streams, args.interval / 2), (streams, args.interval / 4)]
-            for agents, interval in points:
-                result = measure(shape, sweep, work, agents=agents, interval=interval, scaling=True)
+    with contextlib.ExitStack() as stack:
+        etcd = None
+        if "etcd" in stores:
+            etcd = EtcdCluster(work / "etcd")
+            stack.callback(etcd.close)
+            etcd.start()
+        for store in stores:
+            kept = etcd if store == "etcd" else None
+            for shape in shapes:
+                result = measure(shape, args, work, etcd=kept)
                 print(json.dumps(result), flush=True)
-                scaling.append(result)
+                summary.append(result)
+            if args.scaling:
+                scaling += measure_scaling(args, work, shapes, kept)
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     headline = [
-        f"{r['shape']}: {r['members']} members on {r['streams']} streams cost the coordinator "
-        f"{r['coordinator_cpu_percent']}% of a core and {r['rss_peak_mib']} MiB at peak; "
-        f"{r['members_failed']} judged failed"
+        f"{r['shape']}{'' if r['store'] == 'sqlite' else ' on etcd'}: {r['members']} members on "
+        f"{r['streams']} streams cost the coordinator {r['coordinator_cpu_percent']}% of a core and "
+        f"{r['rss_peak_mib']} MiB at peak; {r['members_failed']} judged failed"
         for r in summary
     ]
+    headline += compare_stores(summary)
     given = argv if argv is not None else sys.argv[1:]
     doc = {
-        "benchmark": "heartbeat_load",
+        # A run with the etcd store is recorded apart from the SQLite one (report.py reads both).
+        "benchmark": "heartbeat_load_etcd" if "etcd" in stores else "heartbeat_load",
         "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
         "headline": headline,
         "summary": summary,
@@ -676,12 +707,66 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration,
             "scrape_interval_s": args.scrape_interval,
             "channels_per_proc": args.channels or "one per agent",
+            "stores": stores,
         },
         "machine": info,
         "quick": args.quick,
     }
     write_results(doc, markdown(doc), args.json, args.markdown)
     return 0
+
+
+#: Where the coordinator keeps its state (--stores).
+STORES = ("sqlite", "etcd")
+#: The heartbeat ack p99 the probe streams must stay under, in ms (the SQLite target, for both).
+ACK_P99_TARGET_MS = 20.0
+
+
+def compare_stores(summary: list[dict[str, Any]]) -> list[str]:
+    """Per shape measured on both stores: etcd against SQLite, and the targets checked for both."""
+    lines = []
+    by = {(r["store"], r["shape"]): r for r in summary}
+    for shape in SHAPES:
+        sqlite, etcd = by.get(("sqlite", shape)), by.get(("etcd", shape))
+        if sqlite is None or etcd is None:
+            continue
+        met = [
+            r["members_failed"] == 0 and (r["probe_ack_p99_ms"] or 0) < ACK_P99_TARGET_MS
+            for r in (sqlite, etcd)
+        ]
+        cpu = (
+            etcd["coordinator_cpu_percent"] / sqlite["coordinator_cpu_percent"]
+            if sqlite["coordinator_cpu_percent"]
+            else 0
+        )
+        lines.append(
+            f"{shape}, etcd store beside SQLite: coordinator CPU {etcd['coordinator_cpu_percent']}% vs "
+            f"{sqlite['coordinator_cpu_percent']}% ({cpu:.2f}x; etcd itself {etcd['etcd_cpu_percent']}%), "
+            f"probe ack p99 {etcd['probe_ack_p99_ms']} vs {sqlite['probe_ack_p99_ms']} ms (target "
+            f"< {ACK_P99_TARGET_MS:g} ms, no member failed): etcd {'MET' if met[1] else 'MISSED'}, "
+            f"SQLite {'MET' if met[0] else 'MISSED'}"
+        )
+    return lines
+
+
+def measure_scaling(
+    args: argparse.Namespace, work: Path, shapes: list[str], etcd: EtcdCluster | None
+) -> list[dict[str, Any]]:
+    """How the coordinator's cost grows with members (at the interval) and with the rate (at the
+    most members): the same measurement, shorter."""
+    scaling = []
+    shorter = {"warmup": 2.0, "duration": 8.0, "scrape_interval": 0.0, "profile_coordinator": None}
+    sweep = argparse.Namespace(**{**vars(args), **shorter})
+    for shape in shapes:
+        streams = SHAPES[shape][0]
+        points = [(streams // 4, args.interval), (streams // 2, args.interval), (streams, args.interval)]
+        if shape == "batched":
+            points += [(streams, args.interval / 2), (streams, args.interval / 4)]
+        for agents, interval in points:
+            result = measure(shape, sweep, work, agents=agents, interval=interval, scaling=True, etcd=etcd)
+            print(json.dumps(result), flush=True)
+            scaling.append(result)
+    return scaling
 
 
 if __name__ == "__main__":

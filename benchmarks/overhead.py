@@ -5,11 +5,15 @@ Three measurements, all on gloo over loopback:
 1. ``wrapper``: the wrapper alone. The ``torch.distributed`` functions the wrappers call are
    replaced in-process by a function that does nothing, so the difference between calling a
    wrapper and calling that function directly is exactly the Python the wrapper runs: state check,
-   routing, two clock reads, one histogram/bytes update. Deterministic, so it is the figure for
-   "microseconds added per call", for every op.
+   routing, two clock reads, one histogram/bytes update (and, for all_to_all, whose equal-size path
+   calls the process group itself, ``ProcessGroup.alltoall``, checking the lists). Deterministic,
+   so it is the figure for "microseconds added per call", for every op.
 2. ``world1``: a real 4-byte all_reduce in a one-rank gloo group, bare vs wrapped.
 3. ``world2``: every op in a two-rank gloo group (separate processes), bare vs wrapped, 4 bytes
-   and 64 KiB to 16 MiB.
+   and 64 KiB to 16 MiB. ``all_to_all`` sends equal sizes (its equal-size path against gloo's own
+   all_to_all). ``--baseline-ref REF`` adds a row timing the all_to_all of commit REF
+   (``worker/alltoall.py`` there, loaded beside the current one) against the same bare call, so
+   that before and after are measured in one run.
 
 Bare and wrapped calls are interleaved so that drifting load and clock speed hit both sides
 alike: (1) in blocks of many calls (a call is too short to time alone), (2) and (3) call by call
@@ -19,7 +23,7 @@ it). (1) is deterministic; (2) and (3) include the scheduler's noise (two ranks 
 host scatter by several percent either way), so for >= 64 KiB the table also shows the bound
 "wrapper cost (1) / bare time", which is what the wrapper can add at most.
 
-    python benchmarks/overhead.py [--json out.json] [--quick]
+    python benchmarks/overhead.py [--json out.json] [--quick] [--baseline-ref REF]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import baseline
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -105,6 +110,13 @@ NOOP_TARGETS = (
 )  # fmt: skip
 
 
+class _Done:
+    """A finished Work: what the no-op process group call returns."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
     """(1): every op's wrapper against a backend that does nothing, in this process (world size 1)."""
     from sarcomm.worker import collectives as sar
@@ -113,6 +125,9 @@ def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
     t = torch.zeros(1)
     tensors = [torch.zeros(1)]
     real = {name: getattr(dist, name) for name in NOOP_TARGETS}
+    # all_to_all's equal-size path calls the process group itself, not a dist function.
+    real_alltoall = dist.ProcessGroup.alltoall
+    done = _Done()
 
     def nothing(*args: Any, **kwargs: Any) -> int:
         return 0  # recv returns the sender's rank
@@ -128,16 +143,19 @@ def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
         "send": lambda: sar.send(t, 0),
         "recv": lambda: sar.recv(t, 0),
         "barrier": lambda: sar.barrier(),
+        "all_to_all": lambda: sar.all_to_all(tensors, tensors),  # equal sizes
     }
     try:
         for name in NOOP_TARGETS:
             setattr(dist, name, nothing)
+        dist.ProcessGroup.alltoall = lambda self, *args: done  # type: ignore[assignment,method-assign]
         calls_per_block, blocks = (20_000, 10) if quick else (100_000, 20)
         for op, wrapped in calls.items():
             results[op] = interleaved(lambda: nothing(t, 0), wrapped, calls_per_block, blocks)
     finally:
         for name, function in real.items():
             setattr(dist, name, function)
+        dist.ProcessGroup.alltoall = real_alltoall  # type: ignore[method-assign]
     return results
 
 
@@ -150,8 +168,11 @@ def world1(quick: bool) -> dict[str, float]:
     return alternating(lambda: dist.all_reduce(tensor), lambda: collectives.all_reduce(tensor), pairs)
 
 
-def pair_ops(rank: int, world: int, nbytes: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """op -> (bare call, wrapped call) over tensors of ``nbytes`` bytes (float32)."""
+def pair_ops(
+    rank: int, world: int, nbytes: int, old: Any = None, ref: str = ""
+) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """op -> (bare call, wrapped call) over tensors of ``nbytes`` bytes (float32); ``old``, the
+    baseline's alltoall module, adds its all_to_all under ``ref``."""
     from sarcomm.worker import collectives as sar
 
     n = max(1, nbytes // 4)
@@ -169,11 +190,13 @@ def pair_ops(rank: int, world: int, nbytes: int) -> dict[str, tuple[Callable[[],
         "reduce": (lambda: dist.reduce(t, 0), lambda: sar.reduce(t, 0)),
         "gather": (lambda: dist.gather(t, root_list, 0), lambda: sar.gather(t, root_list, 0)),
         "scatter": (lambda: dist.scatter(t, root_list, 0), lambda: sar.scatter(t, root_list, 0)),
-        "all_to_all, equal sizes (algorithm, not a wrapper)": (
-            lambda: dist.all_to_all(chunks, chunks),
-            lambda: sar.all_to_all(chunks, chunks),
-        ),
+        "all_to_all": (lambda: dist.all_to_all(chunks, chunks), lambda: sar.all_to_all(chunks, chunks)),
     }
+    if old is not None:
+        ops[baseline_row(ref)] = (
+            lambda: dist.all_to_all(chunks, chunks),
+            lambda: old.all_to_all(chunks, chunks),
+        )
     if rank == 0:
         ops["send/recv"] = (lambda: dist.send(t, 1), lambda: sar.send(t, 1))
     else:
@@ -183,19 +206,32 @@ def pair_ops(rank: int, world: int, nbytes: int) -> dict[str, tuple[Callable[[],
     return ops
 
 
-def world2_rank(rank: int, world: int, port: int, quick: bool, out: Any) -> None:
+def baseline_row(ref: str) -> str:
+    return f"all_to_all at {ref[:10]} (before)"
+
+
+def world2_rank(
+    rank: int, world: int, port: int, quick: bool, out: Any, old_source: tuple[str, str] | None
+) -> None:
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
     from sarcomm.worker import comm
+
+    ref, source = old_source if old_source is not None else ("", "")
+    old = baseline.load(source, "alltoall_baseline", f"{ref}:worker/alltoall.py") if source else None
 
     comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
     results: dict[str, dict[str, dict[str, float]]] = {}
     sizes = {k: v for k, v in SIZES.items() if not quick or v <= 1024**2}
     for label, nbytes in sizes.items():
-        ops = pair_ops(rank, world, nbytes)
+        ops = pair_ops(rank, world, nbytes, old, ref)
         if nbytes > 4:
-            # Large sizes: all_reduce is the op SAR calls with big tensors; the rest at 64 KiB.
-            ops = {k: v for k, v in ops.items() if k.startswith("all_reduce") or nbytes == 64 * 1024}
+            # Large sizes: all_reduce and all_to_all, the ops SAR calls with big tensors; the rest at 64 KiB.
+            ops = {
+                k: v
+                for k, v in ops.items()
+                if k.startswith(("all_reduce", "all_to_all")) or nbytes == 64 * 1024
+            }
         for op, (bare, wrapped) in ops.items():
             bare()  # warm-up: connections, allocations
             wrapped()
@@ -216,11 +252,11 @@ def world2_rank(rank: int, world: int, port: int, quick: bool, out: Any) -> None
     comm.destroy_comms()
 
 
-def world2(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+def world2(quick: bool, old_source: tuple[str, str] | None) -> dict[str, dict[str, dict[str, float]]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=world2_rank, args=(r, 2, port, quick, out)) for r in range(2)]
+    procs = [ctx.Process(target=world2_rank, args=(r, 2, port, quick, out, old_source)) for r in range(2)]
     for proc in procs:
         proc.start()
     results: dict[str, dict[str, dict[str, float]]] = out.get(timeout=900)
@@ -231,7 +267,7 @@ def world2(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
 
 def wrapper_cost(only: dict[str, dict[str, float]], op: str) -> float:
     """Seconds the wrapper of ``op`` adds, as (1) measured it (0 for the calibration rows and for
-    all_to_all, which is an algorithm of its own rather than a wrapper)."""
+    the baseline's all_to_all)."""
     if op == "send/recv":
         return max(only["send"]["added_s"], only["recv"]["added_s"])
     return only[op]["added_s"] if op in only else 0.0
@@ -286,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--markdown", help="write the tables here as Markdown")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, sizes up to 1 MiB")
+    parser.add_argument(
+        "--baseline-ref", help="also time worker/alltoall.py as it was at this git revision (before/after)"
+    )
     args = parser.parse_args(argv)
+    old_source = baseline.source_at(args.baseline_ref, "worker/alltoall.py") if args.baseline_ref else None
     started = time.monotonic()
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
@@ -298,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         one = world1(args.quick)
     finally:
         comm.destroy_comms()
-    two = world2(args.quick)
+    two = world2(args.quick, old_source)
 
     print("(1) wrapper alone, backend replaced by a no-op (us per call)")
     print(f"{'op':<26}{'bare':>10}{'wrapped':>10}{'added':>10}")
@@ -337,6 +377,17 @@ def main(argv: list[str] | None = None) -> int:
             "wrapper_only": only,
             "world1_all_reduce_4B": one,
             "world2": two,
+            **(
+                {
+                    "baseline": {
+                        "ref": args.baseline_ref,
+                        "commit": old_source[0],
+                        "row": baseline_row(old_source[0]),
+                    }
+                }
+                if old_source is not None
+                else {}
+            ),
         }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)

@@ -69,8 +69,14 @@ from typing import Any, Literal, TypeVar
 
 from recording import describe
 
-Method = Literal["sarcomm", "tcpstore", "c10d"]
-METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d")
+# The etcd the tests use (Debian's etcd-server on loopback) serves the etcd methods here too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
+
+Method = Literal["sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2"]
+METHODS: tuple[Method, ...] = ("sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2")
+#: The methods run once per size under their own deadline, whose larger sizes are skipped after a miss.
+SLOW_METHODS: tuple[Method, ...] = ("c10d", "etcd-v2")
 T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
@@ -377,6 +383,42 @@ def _c10d_client(
     return _run_threads(link, members, member, timeout)
 
 
+def _etcd_v2_client(
+    link: Link, endpoint: str, run_id: str, size: int, members: list[int], timeout: float
+) -> list[tuple[int, float, int]]:
+    """torch elastic's ``DynamicRendezvousHandler`` over its ``etcd-v2`` backend, built as
+    ``torchrun --rdzv-backend etcd-v2 --rdzv-endpoint HOST:PORT`` builds it (``create_backend``):
+    one etcd client (python-etcd) and one handler per member."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    handlers = {}
+    for i in members:
+        params = RendezvousParameters("etcd-v2", endpoint, run_id, size, size)
+        backend, store = create_backend(params)
+        handlers[i] = DynamicRendezvousHandler.from_backend(
+            run_id=run_id,
+            store=store,
+            backend=backend,
+            min_nodes=size,
+            max_nodes=size,
+            local_addr=LOOPBACK,
+            timeout=RendezvousTimeout(join=timedelta(seconds=timeout + 30)),
+        )
+
+    def member(i: int) -> tuple[int, float, int]:
+        info = handlers[i].next_rendezvous()
+        return i, time.monotonic(), info.rank
+
+    return _run_threads(link, members, member, timeout)
+
+
 def _run_threads(
     link: Link,
     members: list[int],
@@ -538,6 +580,8 @@ def preload_torch() -> None:
             "torch.distributed",
             "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
             "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+            # (a missing module is skipped by the fork server: python-etcd is the bench extra's)
+            "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend",
         ]
     )
 
@@ -565,13 +609,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (user + system, all threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Coordinator:
     """A ``sar-coordinator`` child process on loopback; a context manager that stops it on exit."""
 
-    def __init__(self, workdir: Path, log_level: str, profile: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, log_level: str, profile: Path | None = None, store: str | None = None
+    ) -> None:
         self.grpc_port = free_port()
         self.http_port = free_port()
-        self.log_path = workdir / "coordinator.log"
+        self.store = store
+        self.log_path = workdir / ("coordinator-etcd.log" if store else "coordinator.log")
+        # SQLite by default; with ``store`` (``etcd://...``) the one coordinator leads on etcd.
+        state = ["--store", store] if store else ["--state", str(workdir / "state.sqlite")]
         self.cmd = [
             sys.executable,
             "-m",
@@ -580,8 +636,7 @@ class Coordinator:
             f"{LOOPBACK}:{self.grpc_port}",
             "--http",
             f"{LOOPBACK}:{self.http_port}",
-            "--state",
-            str(workdir / "state.sqlite"),
+            *state,
             "--join-timeout",
             "120",
             # Benchmark members never heartbeat; a long liveness window keeps the sweeper from
@@ -609,17 +664,29 @@ class Coordinator:
                 raise RuntimeError(f"coordinator exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 with urllib.request.urlopen(f"http://{LOOPBACK}:{self.http_port}/healthz", timeout=1) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._serving():
                         return
             except OSError:
                 time.sleep(0.1)
         raise TimeoutError(f"coordinator not healthy within {timeout:g} s; see {self.log_path}")
 
+    def _serving(self) -> bool:
+        """Whether it answers Coordinator RPCs (an etcd-store coordinator only once it leads)."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="sarcomm.v1.Coordinator"), timeout=1
+                )
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
     def cpu_seconds(self) -> float:
         """CPU seconds the coordinator process has used so far (user + system, all threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-        # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def job_times(self, job: str, start_wall: float) -> tuple[float | None, float | None]:
         """The coordinator's (first join, world formed) for ``job``, in seconds after the start."""
@@ -685,10 +752,28 @@ class Coordinator:
 class Bench:
     """Runs the rounds of every method; holds the settings shared by all of them."""
 
-    def __init__(self, args: argparse.Namespace, coordinator: Coordinator | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        coordinator: Coordinator | None,
+        etcd_coordinator: Coordinator | None = None,
+        etcd: EtcdCluster | None = None,
+    ) -> None:
         self.args = args
         self.coordinator = coordinator
+        self.etcd_coordinator = etcd_coordinator
+        self.etcd = etcd
         self._round = 0
+
+    def run(self, method: Method, size: int) -> Round:
+        """One round of ``method`` at ``size``."""
+        return {
+            "sarcomm": self.sarcomm,
+            "tcpstore": self.tcpstore,
+            "c10d": self.c10d,
+            "sarcomm-etcd": self.sarcomm_etcd,
+            "etcd-v2": self.etcd_v2,
+        }[method](size)
 
     def _name(self, method: str, size: int) -> str:
         self._round += 1
@@ -696,18 +781,54 @@ class Bench:
 
     def sarcomm(self, size: int) -> Round:
         assert self.coordinator is not None
-        job = self._name("sarcomm", size)
+        return self._sarcomm_on(self.coordinator, "sarcomm", size)
+
+    def sarcomm_etcd(self, size: int) -> Round:
+        assert self.etcd_coordinator is not None
+        coordinator = self.etcd_coordinator
+        # The server side is the coordinator and the etcd it writes to, together.
+        return self._sarcomm_on(
+            coordinator, "sarcomm-etcd", size, lambda: coordinator.cpu_seconds() + self.etcd_cpu_seconds()
+        )
+
+    def _sarcomm_on(
+        self,
+        coordinator: Coordinator,
+        method: str,
+        size: int,
+        server_cpu: Callable[[], float] | None = None,
+    ) -> Round:
+        job = self._name(method, size)
         result, start_wall = run_round(
             _sarcomm_client,
             size,
             self.args.procs,
-            (self.coordinator.target, job),
+            (coordinator.target, job),
             setup_timeout=self.args.setup_timeout,
             timeout=self.args.timeout,
-            server_cpu=self.coordinator.cpu_seconds,
+            server_cpu=server_cpu or coordinator.cpu_seconds,
         )
-        result.server_first_join_s, result.server_formed_s = self.coordinator.job_times(job, start_wall)
+        result.server_first_join_s, result.server_formed_s = coordinator.job_times(job, start_wall)
         return result
+
+    def etcd_v2(self, size: int) -> Round:
+        # The etcd server's CPU is what serves this rendezvous; the clients are measured as for all.
+        assert self.etcd is not None
+        result, _ = run_round(
+            _etcd_v2_client,
+            size,
+            self.args.procs,
+            (self.etcd.endpoints[0], self._name("etcd-v2", size)),
+            setup_timeout=self.args.setup_timeout,
+            timeout=self.args.etcd_v2_deadline,
+            server_cpu=self.etcd_cpu_seconds,
+        )
+        return result
+
+    def etcd_cpu_seconds(self) -> float:
+        """CPU seconds used so far by the etcd server(s)."""
+        members = self.etcd.members if self.etcd else []
+        return sum(process_cpu_seconds(m.proc.pid) for m in members if m.proc is not None)
 
     def tcpstore(self, size: int) -> Round:
         with _master_store(self.args.timeout) as port:
@@ -752,6 +873,43 @@ def _master_store(timeout: float) -> Any:
         del store
 
 
+def unavailable(method: Method) -> str | None:
+    """Why ``method`` cannot run on this machine, or None when it can."""
+    if method in ("sarcomm-etcd", "etcd-v2") and ETCD_MISSING:
+        return ETCD_MISSING
+    if method == "etcd-v2":
+        try:
+            import etcd  # noqa: F401  (python-etcd: torch's etcd-v2 backend needs it)
+        except ImportError:
+            return "python-etcd is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def deadline_of(args: argparse.Namespace, method: Method) -> float:
+    """The seconds one round of ``method`` may take."""
+    deadlines = {"c10d": args.c10d_deadline, "etcd-v2": args.etcd_v2_deadline}
+    return float(deadlines.get(method, args.timeout))
+
+
+def _skip(
+    args: argparse.Namespace,
+    method: Method,
+    size: int,
+    missing: dict[Method, str],
+    failed_at: dict[Method, int],
+) -> Outcome | None:
+    """A skipped outcome when ``method`` does not run at ``size``, else None."""
+    if method in missing:
+        return Outcome(method, size, skipped=True, message=missing[method])
+    if method == "etcd-v2" and size not in args.etcd_v2_sizes:
+        return Outcome(method, size, skipped=True, message=f"not in --etcd-v2-sizes {args.etcd_v2_sizes}")
+    missed = failed_at.get(method)
+    if missed is not None and size > missed:
+        message = f"{method} did not finish N={missed} within {deadline_of(args, method):g} s"
+        return Outcome(method, size, skipped=True, message=message)
+    return None
+
+
 def measure(bench: Bench, method: Method, size: int, repeats: int) -> Outcome:
     """``repeats`` rounds of ``method`` at ``size``.
 
@@ -759,16 +917,15 @@ def measure(bench: Bench, method: Method, size: int, repeats: int) -> Outcome:
     the timings); a round that runs out of time ends the series, since the next would too.
     """
     outcome = Outcome(method, size)
-    run = getattr(bench, method)
     for _ in range(repeats):
         try:
-            outcome.rounds.append(run(size))
+            outcome.rounds.append(bench.run(method, size))
         except RoundError as error:
             outcome.failures.append(_first_line(str(error), error.timed_out))
             outcome.message = outcome.message or str(error)
             if error.timed_out:
                 outcome.timed_out = True
-                deadline = bench.args.c10d_deadline if method == "c10d" else bench.args.timeout
+                deadline = deadline_of(bench.args, method)
                 outcome.failures[-1] = f"did not finish within {deadline:g} s"
                 break
     return outcome
@@ -849,15 +1006,54 @@ def render_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def render_etcd_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
+    """sarcomm on etcd beside sarcomm on SQLite and torch elastic's etcd-v2 rendezvous, per size."""
+    by = {(o.method, o.size): o for o in outcomes}
+    head = (
+        "N",
+        "sarcomm (SQLite) s",
+        "sarcomm-etcd s",
+        "etcd-v2 s",
+        "sarcomm-etcd/sarcomm",
+        "etcd-v2/sarcomm-etcd",
+        "etcd-v2/sarcomm",
+        "sarcomm-etcd coordinator formed s",
+    )
+    rows = [head]
+    for size in args.sizes:
+        s, e, v = by.get(("sarcomm", size)), by.get(("sarcomm-etcd", size)), by.get(("etcd-v2", size))
+        typical = e.typical if e is not None else None
+        rows.append(
+            (
+                str(size),
+                _cell(s, args.timeout),
+                _cell(e, args.timeout),
+                "-"
+                if v is not None and v.size not in args.etcd_v2_sizes
+                else _cell(v, args.etcd_v2_deadline),
+                _ratio(e, s),
+                _ratio(v, e),
+                _ratio(v, s),
+                f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
+            )
+        )
+    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
 def verdict(outcomes: Sequence[Outcome]) -> str:
-    """Whether sarcomm met the targets (TARGETS) at the sizes measured, a sentence for each."""
+    """Whether sarcomm (on SQLite, and on etcd where it ran) met the targets (TARGETS) at the
+    sizes measured, a sentence for each."""
     sentences = []
-    for size, seconds in TARGETS.items():
-        s = next((o for o in outcomes if o.method == "sarcomm" and o.size == size), None)
-        if s is None:
+    for method, size in ((m, n) for m in ("sarcomm", "sarcomm-etcd") for n in TARGETS):
+        seconds = TARGETS[size]
+        s = next((o for o in outcomes if o.method == method and o.size == size), None)
+        if s is None or s.skipped:
             continue
         if s.typical is None:
-            sentences.append(f"sarcomm target not checked: no successful round at N={size}.")
+            sentences.append(f"{method} target not checked: no successful round at N={size}.")
             continue
         r = s.typical
         spread = r.formation_s / r.p50_s
@@ -865,7 +1061,7 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
         rounds = len(s.failures) + len(s.rounds)
         failed = f", {len(s.failures)} of {rounds} rounds failed" if s.failures else ""
         sentences.append(
-            f"sarcomm at N={size}: {r.formation_s:.3f} s (target < {seconds:g} s), "
+            f"{method} at N={size}: {r.formation_s:.3f} s (target < {seconds:g} s), "
             f"max/p50 {spread:.2f} (target <= {TARGET_SPREAD:g}){failed}: {'MET' if ok else 'MISSED'}."
         )
     return " ".join(sentences) or f"sarcomm targets not checked: no size of {sorted(TARGETS)} was measured."
@@ -873,7 +1069,15 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (see recording.describe)."""
-    return describe("torch", "grpcio", load_at="end")
+    return describe("torch", "grpcio", "python-etcd", load_at="end", etcd=_etcd_version())
+
+
+def _etcd_version() -> str | None:
+    """The etcd server's version (``etcd --version``'s first line), or None when it is absent."""
+    if ETCD_MISSING:
+        return None
+    out = subprocess.run(["etcd", "--version"], capture_output=True, text=True, timeout=10, check=False)
+    return out.stdout.splitlines()[0].split(":", 1)[-1].strip() if out.stdout else None
 
 
 def render_cpu_table(outcomes: Sequence[Outcome]) -> str:
@@ -940,7 +1144,17 @@ def render_markdown(
         f"Members spread over {args.procs} client processes. Member p50 and max/p50 are sarcomm's "
         'per-member latencies in that round; "coordinator formed" is when the coordinator formed '
         "the world, by its own clock, after the common start.\n\n"
-        f"{render_table(outcomes, args)}\n\n{verdict(outcomes)}\n\n"
+        f"{render_table(outcomes, args)}\n\n"
+        + (
+            "sarcomm with its etcd store (`--store etcd://`, one etcd member on loopback, the "
+            "coordinator leading it alone) beside sarcomm on SQLite and torch elastic's `etcd-v2` "
+            "rendezvous (`DynamicRendezvousHandler` over `EtcdRendezvousBackend`, python-etcd, the "
+            f"same etcd with `--enable-v2`; one round, deadline {args.etcd_v2_deadline:g} s):\n\n"
+            f"{render_etcd_table(outcomes, args)}\n\n"
+            if {"sarcomm-etcd", "etcd-v2"} & set(args.methods)
+            else ""
+        )
+        + f"{verdict(outcomes)}\n\n"
         + (f"Failures:\n\n{notes}\n\n" if notes else "")
         + 'Where the time went (the same rounds; seconds after the common start). "first join seen" '
         'and "world formed" are the coordinator\'s own record (`ListJobs`); server CPU is the '
@@ -1005,6 +1219,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one c10d round may take; after a miss, larger sizes are skipped",
     )
     parser.add_argument(
+        "--etcd-v2-deadline",
+        type=float,
+        default=60.0,
+        help="seconds one etcd-v2 round may take; after a miss, larger sizes are skipped",
+    )
+    parser.add_argument(
+        "--etcd-v2-sizes",
+        type=_sizes,
+        default="64,256,1024",
+        help="the sizes of --sizes that etcd-v2 runs at",
+    )
+    parser.add_argument(
         "--setup-timeout",
         type=float,
         default=120.0,
@@ -1043,7 +1269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv is None
         else shlex.join(["python", "benchmarks/rendezvous.py", *argv])
     )
-    if {"tcpstore", "c10d"} & set(args.methods):
+    if {"tcpstore", "c10d", "etcd-v2"} & set(args.methods):
         # TCPStore clients reverse-resolve their socket's address ([::ffff:127.0.0.1]) as they
         # connect; where no DNS server answers, each such lookup stalls 5 s. Only the clients'
         # set-up, outside the clock, is affected, but it made rounds last minutes. One-second
@@ -1053,7 +1279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         preload_torch()
     outcomes: list[Outcome] = []
-    c10d_failed_at: int | None = None
+    # method -> the size it missed its deadline at; its larger sizes are skipped.
+    failed_at: dict[Method, int] = {}
+    missing = {m: why for m in args.methods if (why := unavailable(m))}
+    for method, why in missing.items():
+        print(f"{method}: not run: {why}", file=sys.stderr)
     load_at_start = round(os.getloadavg()[0], 2)
     with contextlib.ExitStack() as stack:
         if args.workdir is None:
@@ -1061,50 +1291,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             workdir = args.workdir
             workdir.mkdir(parents=True, exist_ok=True)
-        coordinator = (
-            Coordinator(workdir, args.coordinator_log_level, args.profile_coordinator)
-            if "sarcomm" in args.methods
-            else None
-        )
-        with coordinator or contextlib.nullcontext():
-            bench = Bench(args, coordinator)
-            if coordinator is not None:
-                # One small world first, so the coordinator's first-call costs fall outside the table.
-                try:
-                    bench.sarcomm(min(8, min(args.sizes)))
-                except RoundError as error:
+        runnable = [m for m in args.methods if m not in missing]
+        etcd = None
+        if {"sarcomm-etcd", "etcd-v2"} & set(runnable):
+            # One etcd member, the v2 API on for torch's backend; sarcomm's store uses v3 of the same.
+            etcd = EtcdCluster(workdir / "etcd", size=1, enable_v2=True)
+            stack.callback(etcd.close)
+            etcd.start()
+        coordinators: dict[Method, Coordinator] = {}
+        served: tuple[Method, ...] = ("sarcomm", "sarcomm-etcd")
+        for method in served:
+            if method in runnable:
+                store = etcd.url(f"bench-{os.getpid()}") if method == "sarcomm-etcd" and etcd else None
+                coordinators[method] = stack.enter_context(
+                    Coordinator(workdir, args.coordinator_log_level, args.profile_coordinator, store=store)
+                )
+        bench = Bench(args, coordinators.get("sarcomm"), coordinators.get("sarcomm-etcd"), etcd)
+        for method, coordinator in coordinators.items():
+            # One small world first, so the coordinator's first-call costs fall outside the table.
+            try:
+                bench.run(method, min(8, min(args.sizes)))
+            except RoundError as error:
+                print(
+                    f"{method}: warm-up world of 8 did not form; see {coordinator.log_path}:\n{error}",
+                    file=sys.stderr,
+                )
+                return 1
+        for size in args.sizes:
+            for method in args.methods:
+                outcome = _skip(args, method, size, missing, failed_at)
+                if outcome is None:
+                    repeats = 1 if method in SLOW_METHODS else args.repeats
+                    began = time.monotonic()
+                    outcome = measure(bench, method, size, repeats)
                     print(
-                        f"warm-up world of 8 did not form; see {coordinator.log_path}:\n{error}",
-                        file=sys.stderr,
+                        f"{method:>12} N={size:<5} {outcome.status:<7} "
+                        f"{_cell(outcome, deadline_of(args, method)):>14}  "
+                        f"({time.monotonic() - began:.0f} s wall)"
+                        + "".join(f"\n             {line}" for line in sorted(set(outcome.failures))),
+                        flush=True,
                     )
-                    return 1
-            for size in args.sizes:
-                for method in args.methods:
-                    if method == "c10d" and c10d_failed_at is not None and size > c10d_failed_at:
-                        outcome = Outcome(
-                            method,
-                            size,
-                            skipped=True,
-                            message=f"c10d did not finish N={c10d_failed_at} within {args.c10d_deadline:g} s",
-                        )
-                    else:
-                        repeats = 1 if method == "c10d" else args.repeats
-                        began = time.monotonic()
-                        outcome = measure(bench, method, size, repeats)
-                        deadline = args.c10d_deadline if method == "c10d" else args.timeout
-                        print(
-                            f"{method:>8} N={size:<5} {outcome.status:<7} "
-                            f"{_cell(outcome, deadline):>14}  ({time.monotonic() - began:.0f} s wall)"
-                            + "".join(f"\n         {line}" for line in sorted(set(outcome.failures))),
-                            flush=True,
-                        )
-                        if method == "c10d" and outcome.status != "ok":
-                            c10d_failed_at = size
-                    outcomes.append(outcome)
+                    if method in SLOW_METHODS and outcome.status != "ok":
+                        failed_at[method] = size
+                outcomes.append(outcome)
     info = {**machine(), "loadavg_1m_at_start": load_at_start}
     print()
     print(render_table(outcomes, args))
     print()
+    if {"sarcomm-etcd", "etcd-v2"} & set(args.methods):
+        print(render_etcd_table(outcomes, args))
+        print()
     print(verdict(outcomes))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

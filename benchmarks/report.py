@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,8 +227,11 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
     results = doc["results"]
     by: dict[tuple[str, int], dict[str, Any]] = {(r["method"], int(r["size"])): r for r in results}
     sizes = sorted({int(r["size"]) for r in results})
-    methods = [m for m in ("sarcomm", "tcpstore", "c10d") if any(k[0] == m for k in by)]
+    methods = [
+        m for m in ("sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2") if any(k[0] == m for k in by)
+    ]
     deadline = float(doc.get("settings", {}).get("c10d_deadline") or 60)
+    etcd_deadline = float(doc.get("settings", {}).get("etcd_v2_deadline") or 60)
 
     def formed(method: str, size: int) -> float | None:
         r = by.get((method, size))
@@ -243,7 +246,8 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
             return f"{t:.3f}"
         if r is None:
             return "-"
-        return {"timeout": f"DNF in {deadline:g}" if method == "c10d" else "timeout"}.get(
+        slow = {"c10d": deadline, "etcd-v2": etcd_deadline}
+        return {"timeout": f"DNF in {slow[method]:g}" if method in slow else "timeout"}.get(
             r.get("status", ""), str(r.get("status", "?"))
         )
 
@@ -272,6 +276,40 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
         "rendezvous (`torchrun --rdzv-backend c10d`). max/p50: slowest member over the median member."
     )
     headline = []
+    if {"sarcomm-etcd", "etcd-v2"} & set(methods):
+        etcd_rows = []
+        for size in sizes:
+            ours, on_etcd, torch_etcd = (
+                formed("sarcomm", size),
+                formed("sarcomm-etcd", size),
+                formed("etcd-v2", size),
+            )
+            etcd_rows.append(
+                (
+                    size,
+                    cell("sarcomm", size),
+                    cell("sarcomm-etcd", size),
+                    cell("etcd-v2", size),
+                    ratio(on_etcd / ours) if ours and on_etcd else "-",
+                    ratio(torch_etcd / on_etcd) if on_etcd and torch_etcd else "-",
+                )
+            )
+        body += "\n\n" + md_table(
+            [
+                "N",
+                "sarcomm (SQLite) s",
+                "sarcomm-etcd s",
+                "etcd-v2 s",
+                "sarcomm-etcd / SQLite",
+                "etcd-v2 / sarcomm-etcd",
+            ],
+            etcd_rows,
+        )
+        body += (
+            "\n\nsarcomm-etcd: the coordinator keeps its state in etcd (`--store etcd://`, one etcd member "
+            "on loopback, leading alone); etcd-v2: torch elastic's rendezvous over its `etcd-v2` backend "
+            f"(python-etcd) on the same etcd with `--enable-v2`, one round, deadline {etcd_deadline:g} s."
+        )
     both = [s for s in sizes if formed("sarcomm", s) and formed("tcpstore", s)]
     if both:
         top = both[-1]
@@ -292,6 +330,17 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
             f"c10d is slower than sarcomm by {line}"
             + (f", and did not finish N={worst[0]} within {deadline:g} s" if worst else "")
         )
+    pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
+    if pairs:
+        dnf = [s for s in sizes if by.get(("etcd-v2", s), {}).get("status") == "timeout"]
+        headline.append(
+            "torch elastic's etcd-v2 rendezvous is slower than sarcomm on etcd by "
+            + ", ".join(
+                f"{ratio((formed('etcd-v2', s) or 0) / (formed('sarcomm-etcd', s) or 1))} at N={s}"
+                for s in pairs
+            )
+            + (f", and did not finish N={dnf[0]} within {etcd_deadline:g} s" if dnf else "")
+        )
     if doc.get("verdict"):
         headline.append(str(doc["verdict"]))
     plot = ""
@@ -301,6 +350,8 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
             "sarcomm": ("o-", "sarcomm"),
             "tcpstore": ("s--", "TCPStore (floor)"),
             "c10d": ("^-", "c10d"),
+            "sarcomm-etcd": ("o:", "sarcomm (etcd store)"),
+            "etcd-v2": ("v-", "torch etcd-v2"),
         }
         for method in methods:
             points = [(s, formed(method, s)) for s in sizes if formed(method, s)]
@@ -326,23 +377,37 @@ def rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
     return Section.of(doc, "rendezvous", "Rendezvous", headline, body, plot)
 
 
+def baseline_commit(doc: dict[str, Any]) -> str:
+    """The short commit of the ``--baseline-ref`` a benchmark timed beside the current code."""
+    return str(doc.get("baseline", {}).get("commit", "?"))[:10]
+
+
 def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
     rows = doc["rows"]
     methods = list(rows[0]["median_seconds"])
     sizes = [int(r["bytes_per_rank"]) for r in rows]
     fallback = [float(r["sar_fallback_over_sarcomm"]) for r in rows]
     single = [float(r["a2a_single_over_sarcomm"]) for r in rows]
+    # An earlier commit's all_to_all timed in the same run (--baseline-ref), where there is one.
+    before = [float(r["baseline_over_sarcomm"]) for r in rows if "baseline_over_sarcomm" in r]
     table_rows = [
         (
             human_bytes(r["bytes_per_rank"]),
             *(f"{r['median_seconds'][m] * 1e3:.3f}" for m in methods),
             ratio(r["sar_fallback_over_sarcomm"]),
             ratio(r["a2a_single_over_sarcomm"]),
+            *([ratio(r["baseline_over_sarcomm"])] if before else []),
         )
         for r in rows
     ]
     body = md_table(
-        ["bytes per rank", *(f"{m} ms" for m in methods), "fallback / sarcomm", "a2a_single / sarcomm"],
+        [
+            "bytes per rank",
+            *(f"{m} ms" for m in methods),
+            "fallback / sarcomm",
+            "a2a_single / sarcomm",
+            *(["baseline / sarcomm"] if before else []),
+        ],
         table_rows,
     )
     body += (
@@ -350,6 +415,11 @@ def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
         f"{doc.get('transport', 'loopback')}; {doc.get('statistic', 'median')}. Ratios above 1 mean sarcomm "
         "is faster. sar_fallback is SAR's own gloo path (isend to all, recv in rank order, barrier); "
         "a2a_single is the same exchange with all_to_all_single and split sizes."
+        + (
+            f" baseline is sarcomm's all_to_all at commit {baseline_commit(doc)}, timed in the same run."
+            if before and "baseline" in doc
+            else ""
+        )
     )
     # The smallest size from which sarcomm beats all_to_all_single at every larger size too.
     tail = len(single)
@@ -367,6 +437,11 @@ def all_to_all_section(doc: dict[str, Any], ctx: Context) -> Section:
             else "(not faster at the largest size)"
         ),
     ]
+    if before:
+        headline.append(
+            f"against the same code before this change (commit {baseline_commit(doc)}, same run): "
+            f"{span(before)}"
+        )
     plot = ""
     if ctx.plt is not None:
         fig, (left, right) = _new_figure(ctx, 2, 5.5)
@@ -411,9 +486,27 @@ def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
         f"{op} {label}": r["bound_fraction"]
         for op, by_size in two.items()
         for label, r in by_size.items()
-        # 0 marks the rows that are no wrapper (A/A calibration, all_to_all's own algorithm).
+        # 0 marks the rows that are no wrapper (A/A calibration, an earlier commit's all_to_all).
         if r.get("bound_fraction", 0) > 0 and label != "4 B"
     }
+    a2a = two.get("all_to_all", {})
+    if a2a:
+        old_row = doc.get("baseline", {}).get("row", "")
+        old = two.get(old_row, {})
+        headline.append(
+            "all_to_all with equal sizes adds "
+            + ", ".join(f"{r['added_s'] * 1e6:.2f} us at {label}" for label, r in a2a.items())
+            + " to a bare dist.all_to_all"
+            + (
+                " (before, at "
+                + baseline_commit(doc)
+                + ": "
+                + ", ".join(f"{r['added_s'] * 1e6:.2f} us at {label}" for label, r in old.items())
+                + ")"
+                if old
+                else ""
+            )
+        )
     if bounds:
         under = sum(b < 0.01 for b in bounds.values())
         headline.append(
@@ -447,7 +540,9 @@ def overhead_section(doc: dict[str, Any], ctx: Context) -> Section:
     body += (
         "\n\nadded = median of paired differences (wrapped minus the bare call beside it); bound = the "
         "wrapper-alone cost over the bare time. The A/A rows time bare against bare: their added is "
-        "the measurement's own noise. all_to_all is sarcomm's own algorithm, not a wrapper."
+        "the measurement's own noise. all_to_all sends equal sizes (sarcomm's equal-size path); the "
+        "row 'all_to_all at COMMIT (before)' is the same call through that commit's code, timed in the "
+        "same run."
     )
     plot = ""
     if ctx.plt is not None:
@@ -690,7 +785,9 @@ def failure_detection_section(doc: dict[str, Any], ctx: Context) -> Section:
 
 def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
     summary = doc["summary"]
-    by = {r["shape"]: r for r in summary}
+    # The comparison of shapes is SQLite's; an etcd run beside it is compared in the script's own
+    # headline lines (below).
+    by = {r["shape"]: r for r in summary if r.get("store", "sqlite") == "sqlite"}
     headline = []
     if "batched" in by and "single" in by:
         b, s = by["batched"], by["single"]
@@ -711,7 +808,9 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
         headline.append(
             "heartbeat ack p99 (probe streams, target under 20 ms): "
             + ", ".join(
-                f"{r['shape']} {r['probe_ack_p99_ms']:g} ms (max {r['probe_ack_max_ms']:g})" for r in probed
+                f"{r['shape']}{' on etcd' if r.get('store') == 'etcd' else ''} {r['probe_ack_p99_ms']:g} ms "
+                f"(max {r['probe_ack_max_ms']:g})"
+                for r in probed
             )
         )
     failed = sum(int(r.get("members_failed") or 0) for r in summary)
@@ -719,9 +818,11 @@ def heartbeat_load_section(doc: dict[str, Any], ctx: Context) -> Section:
     headline += _their_headline(doc)
     columns = [
         ("shape", "shape", "{}"),
+        ("store", "store", "{}"),
         ("streams", "streams", "{}"),
         ("members", "members", "{}"),
         ("coordinator_cpu_percent", "CPU % of a core", "{:g}"),
+        ("etcd_cpu_percent", "etcd CPU %", "{:g}"),
         ("reports_per_s", "reports/s", "{}"),
         ("rss_idle_mib", "RSS idle MiB", "{:g}"),
         ("rss_mib", "RSS end MiB", "{:g}"),
@@ -877,6 +978,47 @@ def state_writes_section(doc: dict[str, Any], ctx: Context) -> Section:
     return Section.of(doc, "state_writes", str(doc.get("title") or "State writes"), headline, body, plot)
 
 
+def heartbeat_load_etcd_section(doc: dict[str, Any], ctx: Context) -> Section:
+    """heartbeat_load.py --stores sqlite,etcd (results/heartbeat_load_etcd.json): the same load with
+    the coordinator on etcd beside SQLite, in one run; the script's headline compares them."""
+    section = heartbeat_load_section(doc, ctx)
+    return replace(section, name="heartbeat_load_etcd", title="Heartbeat load: the etcd store beside SQLite")
+
+
+def failover_section(doc: dict[str, Any], ctx: Context) -> Section:
+    """benchmarks/failover.py: the leader SIGKILLed under a job, per kill, etcd beside SQLite."""
+    rows = []
+    for result in doc["results"]:
+        for n, k in enumerate(result["kills"], 1):
+            rows.append(
+                [result["setup"], n, result["members"], f"{k['takeover_s']:g}"]
+                + [
+                    "-" if k.get(f"reattach_{q}_s") is None else f"{k[f'reattach_{q}_s']:g}"
+                    for q in ("p50", "p99", "max")
+                ]
+                + [f"{k['streams_reattached']}/{k['streams']}", k["members_failed"]]
+            )
+    header = [
+        "setup",
+        "kill",
+        "members",
+        "take-over s",
+        "re-attach p50 s",
+        "p99 s",
+        "max s",
+        "streams back",
+        "failed",
+    ]
+    ttl = doc.get("settings", {}).get("leader_ttl_s", "?")
+    body = md_table(header, rows, "l" + "r" * (len(header) - 1)) + (
+        f"\n\nLeader TTL {ttl} s. Take-over: the kill to the new leader's health SERVING (SQLite: the "
+        "restarted process's). Re-attach: the kill to each agent's first heartbeat answer after it; "
+        "members failed: judged after the reconnect grace and a liveness window."
+    )
+    title = str(doc.get("title") or "Failover")
+    return Section.of(doc, "failover", title, _their_headline(doc), body)
+
+
 def soak_section(doc: dict[str, Any], ctx: Context) -> Section:
     waves = doc["waves"]
     base, final, top = doc["baseline_rss_mib"], doc["final_rss_mib"], doc["max_rss_mib"]
@@ -1005,6 +1147,8 @@ RENDERERS: dict[str, Renderer] = {
 OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "failure_detection": failure_detection_section,
     "heartbeat_load": heartbeat_load_section,
+    "heartbeat_load_etcd": heartbeat_load_etcd_section,
+    "failover": failover_section,
     "soak": soak_section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)

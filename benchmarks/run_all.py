@@ -122,7 +122,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "failure_detection", *_discovered("failure_detection", quick="--quick --loopback"), optional=True
     ),
     # --pin: the coordinator on a core of its own, as on a head node; its clients on the other.
+    # (The etcd store beside SQLite is a separate run: heartbeat_load_etcd.json, see README.md.)
     Benchmark("heartbeat_load", *_discovered("heartbeat_load", "--pin --scaling"), optional=True),
+    # The leader SIGKILLed under a 1024-member job on etcd, beside a SQLite coordinator's restart.
+    Benchmark("failover", *_discovered("failover", "", "--members 128 --kills 1"), optional=True),
     Benchmark(
         "soak",
         *_discovered("soak", "--duration 300", "--duration 30 --members 200 --jobs 4 --per-host 10"),

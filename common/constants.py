@@ -12,7 +12,10 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
+    "EXTRA_PORTS_VARIABLE",
     "INTERFACE_VARIABLES",
+    "MAX_EXTRA_PORTS",
+    "METRICS_HOST_VARIABLE",
     "METRICS_PORT_VARIABLE",
     "PROGRESS_FILE_VARIABLE",
     "SOCKET_NAME_VARIABLE",
@@ -39,6 +42,16 @@ INTERFACE_VARIABLES: Final = (
 PROGRESS_FILE_VARIABLE: Final = "SAR_PROGRESS_FILE"
 #: The port a rank serves ``/metrics`` on (P + local rank; 0 any free port; -1 off).
 METRICS_PORT_VARIABLE: Final = "SAR_METRICS_PORT"
+#: The address a rank serves ``/metrics`` on (an IP address of its host; unset: every interface).
+METRICS_HOST_VARIABLE: Final = "SAR_METRICS_HOST"
+#: The extra ports reserved with the master port, for SAR's sampling workers (its worker k's
+#: process group listens on ``master_port() + k + 1``): the ports ``MASTER_PORT+1`` to
+#: ``MASTER_PORT+K``, comma-separated, K being ``sar-worker --extra-ports`` or
+#: ``coord_ip_init(..., extra_ports=K)``; unset when K is 0. The rule is
+#: :func:`sarcomm.common.ports.extra_ports`.
+EXTRA_PORTS_VARIABLE: Final = "SAR_EXTRA_PORTS"
+#: The most extra ports a job may reserve (SAR starts one sampling worker per DataLoader worker).
+MAX_EXTRA_PORTS: Final = 64
 #: The pid of the ``sar-worker`` that started a rank; a rank whose agent is gone stops itself.
 AGENT_PID_VARIABLE: Final = "SAR_AGENT_PID"
 

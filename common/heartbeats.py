@@ -13,6 +13,7 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
+from sarcomm.common.channel import connection_broke
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
 from sarcomm.common.replicas import ReplicaChannel
@@ -226,11 +227,9 @@ class HeartbeatStream:
                 and time.monotonic() - started >= self.stream_timeout - 0.05
             )
             failover = None if own_deadline else client.after_failure(target, err)
-            if (
-                failover is not None
-                or own_deadline
-                or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-            ):
+            # connection_broke: a coordinator killed mid-call can end the stream with grpc core's
+            # INTERNAL rather than UNAVAILABLE; that is a broken connection too, not an answer.
+            if failover is not None or own_deadline or connection_broke(err):
                 if self.connected and not own_deadline:
                     log.warning(
                         "Heartbeat stream to %s ended (%s: %s); reopening it; ranks keep running",

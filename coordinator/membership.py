@@ -13,7 +13,6 @@ loop's thread); the service's Join waits for the WORLD_FORMED event.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Iterable
 
 from sarcomm.common.errors import (
@@ -24,7 +23,7 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
 )
 from sarcomm.common.messages import Progress
-from sarcomm.coordinator import liveness
+from sarcomm.coordinator import liveness, rejoin
 from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.model import (
     MAX_HISTORY,
@@ -38,8 +37,8 @@ from sarcomm.coordinator.model import (
     MemberState,
     Stall,
     Ticket,
-    digest,
     member_rank,
+    new_members,
     rank_list,
 )
 from sarcomm.coordinator.ranks import Plan, host_key, plan_world
@@ -124,7 +123,7 @@ class Membership:
 
     # -- join ------------------------------------------------------------------------------------
 
-    def join(self, spec: JoinSpec) -> Ticket:
+    def join(self, spec: JoinSpec, join_id: str = "") -> Ticket:
         """Add the members of ``spec`` to the job's forming world; form it if it is now complete.
 
         Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
@@ -163,27 +162,7 @@ class Membership:
                     f"{holder.host!r}; each rank can be requested once"
                 )
         job.max_restarts = max(job.max_restarts, spec.max_restarts)
-        now = self._clock.wall()
-        ticket_members: list[Member] = []
-        ticket_secrets: list[str] = []
-        join_call = job.join_calls
-        for request in spec.members:
-            secret = secrets.token_urlsafe(24)
-            member = Member(
-                member_id=secrets.token_hex(8),
-                secret_digest=digest(secret),
-                host=spec.host,
-                local_rank=request.local_rank,
-                requested_rank=request.rank,
-                store_port=spec.store_port,
-                interfaces=spec.interfaces,
-                peer_address=spec.peer_address,
-                socket_name=spec.socket_name,
-                joined_at=now,
-                join_call=join_call,
-            )
-            ticket_members.append(member)
-            ticket_secrets.append(secret)
+        ticket_members, ticket_secrets = new_members(spec, self._clock.wall(), job.join_calls, join_id)
         # The last join forms the world: choose ranks and interfaces before anything changes, so
         # that a choice that fails leaves the job as it was instead of full and never formed.
         plan = (
@@ -210,6 +189,14 @@ class Membership:
         if plan is not None:
             self._form(job, plan)
         return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
+
+    def reanswer(self, job_name: str, join_id: str) -> Ticket | None:
+        """The ticket of a Join answered before a restart or take-over, re-issued for a resend."""
+        job = self._jobs.get(job_name)
+        ticket = rejoin.reissue(job, join_id) if job is not None else None
+        if ticket is not None:
+            self._persist(ticket.job)
+        return ticket
 
     def answered(self, ticket: Ticket, answered: bool = True) -> None:
         """Whether ``ticket``'s Join was answered (see :func:`liveness.mark_answered`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,9 @@ class Member:
     # The stream that last carried a report of this member (an opaque token of the service), so
     # that the end of an older stream, replaced by a newer one, does not count as a loss.
     stream: object | None = field(default=None, repr=False)
+    # SHA-256 of the join id of the Join that brought it ("" when none was sent). Persisted, so a
+    # Join resent after a take-over or restart gets its world's answer (see :mod:`.rejoin`).
+    join_digest: str = ""
     # Which join call of its generation brought the member (0, 1, ...): two agents on one host
     # each get a contiguous block, in the order they joined. Only needed until the world forms.
     join_call: int = 0
@@ -242,6 +246,34 @@ class Ticket:
     job: Job
     members: tuple[Member, ...]
     secrets: tuple[str, ...]
+
+
+def new_members(
+    spec: JoinSpec, joined_at: float, join_call: int, join_id: str
+) -> tuple[list[Member], list[str]]:
+    """The members a Join brings, in request order, and their secrets (only digests are kept)."""
+    members: list[Member] = []
+    issued: list[str] = []
+    for request in spec.members:
+        secret = secrets.token_urlsafe(24)
+        members.append(
+            Member(
+                member_id=secrets.token_hex(8),
+                secret_digest=digest(secret),
+                host=spec.host,
+                local_rank=request.local_rank,
+                requested_rank=request.rank,
+                store_port=spec.store_port,
+                interfaces=spec.interfaces,
+                peer_address=spec.peer_address,
+                socket_name=spec.socket_name,
+                joined_at=joined_at,
+                join_call=join_call,
+                join_digest=digest(join_id) if join_id else "",
+            )
+        )
+        issued.append(secret)
+    return members, issued
 
 
 def digest(secret: str) -> str:

@@ -65,6 +65,7 @@ def member_record(member: Member) -> dict[str, Any]:
         "failure": member.failure.value if member.failure is not None else None,
         "last_heartbeat": member.last_heartbeat,
         "metrics_address": member.metrics_address,
+        "join_digest": member.join_digest,
     }
 
 
@@ -95,6 +96,7 @@ def member_from_record(record: dict[str, Any]) -> Member:
         failure=FailureReason(failure) if failure is not None else None,
         last_heartbeat=record["last_heartbeat"],
         metrics_address=record["metrics_address"],
+        join_digest=record.get("join_digest", ""),
     )
 
 

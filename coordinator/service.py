@@ -99,8 +99,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         key = (spec.job, validation.join_id(request.join_id)) if request.join_id else None
         ticket = self._retried(key)
+        if ticket is None and key is not None:
+            # Answered by the coordinator before a take-over or restart, but the answer was lost.
+            ticket = self._membership.reanswer(*key)
+            if ticket is not None:
+                self._tickets.setdefault(key[0], {})[key[1]] = ticket
+                log.info("%s: a resent Join (join_id %s) answered again", ticket.job.label, key[1])
         if ticket is None:
-            ticket = self._membership.join(spec)
+            ticket = self._membership.join(spec, key[1] if key is not None else "")
             self._metrics.joins.inc(len(spec.members))
             if key is not None:
                 self._tickets.setdefault(key[0], {})[key[1]] = ticket

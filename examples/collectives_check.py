@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import time
 
 import torch
 
@@ -27,6 +28,12 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="how many times to run each collective")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds between rounds (a job that lasts, e.g. through a coordinator failover)",
+    )
     args = parser.parse_args()
 
     info = sar.init()
@@ -47,6 +54,8 @@ def main() -> int:
                 got,
                 torch.full((peer + rank + 1, 3), float(100 * peer + rank + round_)),
             )
+        if args.pause > 0:
+            time.sleep(args.pause)
     print(
         f"rank {rank}/{world} on {socket.gethostname()} (generation {info.generation}, master "
         f"{info.master_addr}:{info.master_port}, backend {info.backend}): all_reduce and all_to_all "

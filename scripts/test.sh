@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), run the static checks, then the whole test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k membership`.
+# Set up (scripts/setup.sh), run the static checks, then the whole test suite, then the collectives
+# and exit-path tests again on the oldest torch sarcomm admits (scripts/test-torch-floor.sh, its own
+# venv; SARCOMM_TORCH_FLOOR=0 skips it). Extra arguments go to pytest, e.g.
+# `bash scripts/test.sh -k membership` (not to the floor run, which always runs its two files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 bash scripts/check.sh
 python -m pytest -ra "$@"
+if [ "${SARCOMM_TORCH_FLOOR:-1}" != 0 ]; then
+  deactivate
+  bash scripts/test-torch-floor.sh
+fi

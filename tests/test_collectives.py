@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
-from sarcomm.worker import backends, collectives, comm, metrics, model_sync, timing, torch_ops
+from sarcomm.worker import backends, collectives, comm, metrics, model_sync, sar_compat, timing, torch_ops
 from sarcomm.worker.backends import BackendProbe
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
@@ -294,6 +294,16 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
 
     out.update(_model_helpers(rank, world))
     out["exchange_delta"] = _delta("exchange_tensors", lambda: collectives.exchange_tensors(tensors))
+    # SAR's exchange_single_tensor, one round of its ring: rank r sends r to r+1 (tests/test_sar_names.py
+    # checks it in depth).
+    single = torch.zeros(2)
+    out["single_delta"] = _delta(
+        "exchange_single_tensor",
+        lambda: sar_compat.exchange_single_tensor(
+            (rank - 1) % world, (rank + 1) % world, single, torch.full((2,), float(rank))
+        ),
+    )
+    out["single"] = single.tolist()
 
     # An error inside a collective is counted: src outside the world fails on every rank alike.
     def bad_broadcast() -> None:
@@ -510,6 +520,7 @@ def test_every_op_records_calls_and_bytes_sent(world: tuple[int, dict[int, dict[
         assert r["sync_params"] == (1, sum(4 * n for n in (6, 2, 2, 2, 2, 2)) + 8 if rank == 0 else 0, 0)
         assert r["gather_grads_False"][0] == 1
         assert r["exchange_delta"][0] == 1
+        assert (r["single_delta"], r["single"]) == ((1, 8, 0), [float((rank - 1) % size)] * 2)
         assert r["broadcast_error_delta"] == (0, 0, 1)
         if rank == 0:
             assert r["send_delta"] == [(1, 4, 0)] * (size - 1)
@@ -627,16 +638,26 @@ def test_adopted_backend_reads_torch_mixed_backend_names() -> None:
     assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
 
 
-def test_collective_timeout_defaults_to_300_s_and_reads_sar_collective_timeout() -> None:
-    assert backends.collective_timeout({}) == datetime.timedelta(seconds=300)
-    assert backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": "12.5"}) == datetime.timedelta(seconds=12.5)
+def _exit_seconds(environ: dict[str, str]) -> datetime.timedelta:
+    return datetime.timedelta(seconds=backends.exit_timeout(environ))
+
+
+@pytest.mark.parametrize(
+    ("variable", "read", "default"),
+    [("SAR_COLLECTIVE_TIMEOUT", backends.collective_timeout, 300), ("SAR_EXIT_TIMEOUT", _exit_seconds, 30)],
+)
+def test_timeouts_have_their_default_and_read_their_variable(
+    variable: str, read: Callable[[dict[str, str]], datetime.timedelta], default: int
+) -> None:
+    assert read({}) == datetime.timedelta(seconds=default)
+    assert read({variable: "12.5"}) == datetime.timedelta(seconds=12.5)
     for bad in ("abc", "0", "-3", "inf", "nan"):
         with pytest.raises(
             InvalidArgumentError,
-            match=rf"^SAR_COLLECTIVE_TIMEOUT='{bad}' is not a valid timeout: it must be a number of seconds "
+            match=rf"^{variable}='{bad}' is not a valid timeout: it must be a number of seconds "
             r"greater than 0\.$",
         ):
-            backends.collective_timeout({"SAR_COLLECTIVE_TIMEOUT": bad})
+            read({variable: bad})
 
 
 def test_socket_environment_fills_only_interface_variables_the_user_left_unset() -> None:

@@ -12,6 +12,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+import pytest
+
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.messages import Assignment, Event, MemberReport, Progress
 from sarcomm.coordinator.model import MemberState
@@ -169,3 +172,62 @@ async def test_restored_members_get_the_restore_grace_before_they_are_judged(
         judged = second.member("again", 1)
         assert (judged.state, judged.failure) == (MemberState.FAILED, FailureReason.MISSED_HEARTBEATS)
         assert second.member("again", 0).state is MemberState.RUNNING
+
+
+def _join_request(job: str, join_id: str) -> pb.JoinRequest:
+    """One host bringing a whole world of two members, as an agent with ``--nproc-per-node 2``."""
+    return pb.JoinRequest(
+        job=job,
+        world_size=2,
+        host="h0",
+        interfaces=[pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)],
+        members=[pb.MemberSpec(local_rank=0), pb.MemberSpec(local_rank=1)],
+        store_port=29500,
+        join_id=join_id,
+    )
+
+
+async def test_a_join_resent_after_a_takeover_gets_its_world_with_new_secrets(
+    state_backend: dict[str, Any],
+) -> None:
+    # The answer to a Join that formed the world is lost with the coordinator that wrote it (a
+    # leader SIGKILLed, a restart): the client sends the same Join (same join_id) to the one that
+    # holds the state now, and gets the same world back, not FAILED_PRECONDITION "running".
+    async with in_process_coordinator(FakeClock(), **state_backend) as first, first.client() as client:
+        answered = await client.stub.Join(_join_request("lost", "a" * 32), timeout=WAIT_S)
+    async with in_process_coordinator(FakeClock(monotonic=5.0), **state_backend) as second:
+        async with second.client() as client:
+            again = await client.stub.Join(_join_request("lost", "a" * 32), timeout=WAIT_S)
+            # Another join id brought no member of this world: a running job is refused as before.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.stub.Join(_join_request("lost", "b" * 32), timeout=WAIT_S)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert (again.generation, again.master_addr, again.master_port) == (
+            answered.generation, answered.master_addr, answered.master_port,
+        )  # fmt: skip
+        assert [(a.rank, a.member_id) for a in again.assignments] == [
+            (a.rank, a.member_id) for a in answered.assignments
+        ]
+        # Fresh secrets (only digests were stored); the new ones are the ones that count.
+        assert {a.secret for a in again.assignments}.isdisjoint(a.secret for a in answered.assignments)
+        members = [
+            Assignment(rank=a.rank, world_size=2, local_rank=a.local_rank, local_world_size=2,
+                       master_addr=again.master_addr, master_port=again.master_port, interface="lo",
+                       address="127.0.0.1", generation=again.generation, member_id=a.member_id,
+                       secret=a.secret, job="lost", restart_count=0)
+            for a in again.assignments
+        ]  # fmt: skip
+        await report(second, *members)
+        # A resend to the same coordinator is the ordinary retry: the same answer, same secrets.
+        async with second.client() as client:
+            repeated = await client.stub.Join(_join_request("lost", "a" * 32), timeout=WAIT_S)
+        assert [a.secret for a in repeated.assignments] == [a.secret for a in again.assignments]
+    async with in_process_coordinator(FakeClock(monotonic=9.0), **state_backend) as third:
+        await report(third, *members)  # the secrets issued again were stored
+        assert [third.member("lost", r).last_report > 0 for r in (0, 1)] == [True, True]
+        # Once its members were heard from, the join id is not answered again: a member that
+        # reported had its answer, and its secret must not change under it.
+        async with third.client() as client:
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client.stub.Join(_join_request("lost", "a" * 32), timeout=WAIT_S)
+        assert late.value.code() is grpc.StatusCode.FAILED_PRECONDITION

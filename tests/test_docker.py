@@ -143,9 +143,12 @@ class Project:
     env: dict[str, str]
     http_port: int
     prometheus_port: int
+    # The compose files, in order (docker-compose.yml, then any override such as docker-compose.etcd.yml).
+    files: tuple[Path, ...] = (COMPOSE_FILE,)
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        command = [*self.compose, "--project-name", self.name, "--file", str(COMPOSE_FILE), *args]
+        files = [arg for path in self.files for arg in ("--file", str(path))]
+        command = [*self.compose, "--project-name", self.name, *files, *args]
         return run(command, timeout, self.env)
 
     def up(self, *services: str) -> None:
@@ -174,9 +177,13 @@ class Project:
 
     def workers(self) -> list[dict[str, Any]]:
         """``docker inspect`` of every worker container of the project."""
+        return self.containers("worker")
+
+    def containers(self, service: str) -> list[dict[str, Any]]:
+        """``docker inspect`` of every container of ``service`` in the project."""
         ids = docker(
             "ps", "-a", "--quiet", "--filter", f"label=com.docker.compose.project={self.name}",
-            "--filter", "label=com.docker.compose.service=worker",
+            "--filter", f"label=com.docker.compose.service={service}",
         ).split()  # fmt: skip
         return list(json.loads(docker("inspect", *ids))) if ids else []
 
@@ -205,8 +212,16 @@ def logs(container: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def project(compose: list[str], job: str, command: str, tmp_path: Path) -> Iterator[Project]:
-    """A compose project running ``command`` on every worker; ``down -v`` however the test ends."""
+def project(
+    compose: list[str],
+    job: str,
+    command: str,
+    tmp_path: Path,
+    files: tuple[Path, ...] = (COMPOSE_FILE,),
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[Project]:
+    """A compose project of ``files`` running ``command`` on every worker, with ``extra_env`` on
+    top of the test's variables; ``down -v`` however the test ends."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SARCOMM_")}
     http_port, grpc_port, prometheus_port, grafana_port = (free_port() for _ in range(4))
     config = tmp_path / "prometheus"
@@ -225,8 +240,9 @@ def project(compose: list[str], job: str, command: str, tmp_path: Path) -> Itera
         SARCOMM_HTTP_PORT=str(http_port), SARCOMM_GRPC_PORT=str(grpc_port),
         SARCOMM_PROMETHEUS_PORT=str(prometheus_port), SARCOMM_GRAFANA_PORT=str(grafana_port),
     )  # fmt: skip
+    env.update(extra_env or {})
     name = f"sarcommtest{os.getpid()}{job}"
-    proj = Project(compose, name, env, http_port, prometheus_port)
+    proj = Project(compose, name, env, http_port, prometheus_port, files)
     try:
         yield proj
     finally:

@@ -66,10 +66,15 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 class World:
-    """Agents or self-registered ranks of one job, a Watch on it, and its control directory."""
+    """Agents or self-registered ranks of one job, a Watch on it, and its control directory.
 
-    def __init__(self, coord: CoordinatorProcess, job: str, control: Path) -> None:
+    ``target`` is what agents and the Watch are given as ``--coord`` (default ``coord``'s address;
+    the failover tests give every replica's, ``a,b``); ``coord``'s log goes into failure messages.
+    """
+
+    def __init__(self, coord: CoordinatorProcess, job: str, control: Path, target: str | None = None) -> None:
         self.coord, self.job, self.control = coord, job, control
+        self.target = target or coord.grpc_target
         self.procs: list[subprocess.Popen[str]] = []
         self.events: list[tuple[float, Event]] = []
         self._stop = threading.Event()
@@ -87,7 +92,7 @@ class World:
         try:
             while not self._stop.is_set():
                 try:
-                    async with CoordinatorClient(self.coord.grpc_target, timeout=5.0) as client:
+                    async with CoordinatorClient(self.target, timeout=5.0) as client:
                         async for event in client.watch(self.job, timeout=600.0):
                             self.events.append((time.monotonic(), event))
                 except SarcommError:
@@ -98,7 +103,7 @@ class World:
     def agent(self, *flags: str, netns: str | None = None, coord: str | None = None) -> subprocess.Popen[str]:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord or self.coord.grpc_target,
+            [*prefix, sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord or self.target,
              "--job", self.job, "--heartbeat-interval", "0.25", "--join-timeout", "60", "--backend", "gloo",
              *flags, "--", sys.executable, RANK_SCRIPT, str(self.control)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_clean_env(),

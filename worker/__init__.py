@@ -10,6 +10,8 @@ Start-up::
     sar.initialize_comms(rank, world_size, master_ip, "gloo")
     # or, under sar-worker / torchrun / mpirun / srun:
     info = sar.init()
+    ...
+    sar.finalize()  # optional: Leave now (self-registered processes also leave at exit)
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "world_size": "comm",
     "comm_device": "comm",
     "backend": "comm",
+    "master_ip": "comm",
+    "master_port": "comm",
+    "finalize": "lifecycle",
+    "nfs_ip_init": "sar_compat",
     # collectives
     "all_to_all": "collectives",
     "all_reduce": "collectives",
@@ -44,6 +50,11 @@ _EXPORTS: dict[str, str] = {
     "send": "collectives",
     "recv": "collectives",
     "barrier": "collectives",
+    "configure_all_to_all": "collectives",
+    "all_to_all_config": "collectives",
+    "exchange_single_tensor": "sar_compat",
+    "CommThread": "task_thread",
+    "comm_thread": "task_thread",
     # coordinator client
     "CoordinatorClient": "sarcomm.common.client",
     "Assignment": "sarcomm.common.messages",
@@ -57,6 +68,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "comm":  # SAR's code says ``sar.comm.rank()``: the submodule, loaded on first use
+        return importlib.import_module("sarcomm.worker.comm")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'sarcomm.worker' has no attribute {name!r}")
@@ -79,8 +92,10 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.worker.collectives import all_gather as all_gather
     from sarcomm.worker.collectives import all_reduce as all_reduce
     from sarcomm.worker.collectives import all_to_all as all_to_all
+    from sarcomm.worker.collectives import all_to_all_config as all_to_all_config
     from sarcomm.worker.collectives import barrier as barrier
     from sarcomm.worker.collectives import broadcast as broadcast
+    from sarcomm.worker.collectives import configure_all_to_all as configure_all_to_all
     from sarcomm.worker.collectives import exchange_tensors as exchange_tensors
     from sarcomm.worker.collectives import gather as gather
     from sarcomm.worker.collectives import gather_grads as gather_grads
@@ -94,8 +109,15 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads these
     from sarcomm.worker.comm import comm_device as comm_device
     from sarcomm.worker.comm import initialize_comms as initialize_comms
     from sarcomm.worker.comm import is_initialized as is_initialized
+    from sarcomm.worker.comm import master_ip as master_ip
+    from sarcomm.worker.comm import master_port as master_port
     from sarcomm.worker.comm import rank as rank
     from sarcomm.worker.comm import world_size as world_size
+    from sarcomm.worker.lifecycle import finalize as finalize
     from sarcomm.worker.registration import coord_ip_init as coord_ip_init
+    from sarcomm.worker.sar_compat import exchange_single_tensor as exchange_single_tensor
+    from sarcomm.worker.sar_compat import nfs_ip_init as nfs_ip_init
     from sarcomm.worker.startup import WorkerInfo as WorkerInfo
     from sarcomm.worker.startup import init as init
+    from sarcomm.worker.task_thread import CommThread as CommThread
+    from sarcomm.worker.task_thread import comm_thread as comm_thread

@@ -41,6 +41,7 @@ from sarcomm.common.client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.ports import PortBlock
 from sarcomm.worker.agent_config import AgentConfig, rank_environment
 from sarcomm.worker.agent_decisions import (
     Action,
@@ -67,6 +68,7 @@ from sarcomm.worker.agent_decisions import (
     liveness_age,
     process_runs,
 )
+from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.output import Console, RankOutput, log_paths
 from sarcomm.worker.progress import ProgressReader
 from sarcomm.worker.rank_process import command_problem, launch_command, process_state
@@ -82,7 +84,8 @@ class _Rank:
     rank: int
     member_id: str
     secret: str = field(repr=False)
-    #: This rank's address on its interface: where its /metrics endpoint is reachable.
+    #: Where this rank's /metrics endpoint is reachable: its address on its interface, or the
+    #: --metrics-host it listens on.
     address: str
     progress: ProgressReader
     output: RankOutput
@@ -154,6 +157,7 @@ class Agent:
         self._environ = dict(os.environ if environ is None else environ)
         self._host = netinfo.host_name()
         self._console: Console | None = None
+        self._ports = PortBlock([])
 
     async def run(self) -> AgentResult:
         """Join, run the ranks, restart up to ``max_restarts`` times after a failure.
@@ -182,6 +186,7 @@ class Agent:
                         elif isinstance(action, Exit):
                             return action.result
         finally:
+            self._ports.close()
             if self._console is not None:
                 self._console.close()
 
@@ -199,11 +204,13 @@ class Agent:
 
     async def _join(self, client: CoordinatorClient, generation: int) -> JoinResult:
         config = self.config
-        # Held from before Join until just before the ranks start, so no other process takes the
-        # port that rank 0's TCPStore will listen on if rank 0 lands here.
-        reservation = netinfo.reserve_port("")
+        # The store port is held from before Join until the answer, so no other process takes the
+        # port rank 0's TCPStore will listen on if rank 0 lands here; the extra ports (SAR's
+        # sampling workers', --extra-ports) until the next join or the end, if the store is here.
+        self._ports.close()
+        self._ports = PortBlock.reserve(config.extra_ports)
         try:
-            return await client.join_many(
+            joined = await client.join_many(
                 config.job,
                 config.world_size,
                 nproc=config.nproc_per_node,
@@ -212,14 +219,17 @@ class Agent:
                 local_world_size=config.node_ranks,
                 host=self._host,
                 socket_name=config.socket_name,
-                store_port=int(reservation.getsockname()[1]),
+                store_port=self._ports.store_port,
                 generation=generation,
                 join_timeout=config.join_timeout,
                 backend=config.backend,
                 max_restarts=config.max_restarts,
             )
-        finally:
-            reservation.close()
+        except BaseException:
+            self._ports.close()
+            raise
+        self._ports.keep_if_master(joined.master_port)
+        return joined
 
     async def _run_generation(
         self, client: CoordinatorClient, joined: JoinResult, restarts: int
@@ -283,7 +293,7 @@ class _Run:
                 rank=a.rank,
                 member_id=a.member_id,
                 secret=a.secret,
-                address=a.address,
+                address=metrics_report_host(config.metrics_host, a.address),
                 progress=ProgressReader(progress_dir / f"rank{a.rank}.progress"),
                 output=RankOutput(
                     a.rank,

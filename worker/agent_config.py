@@ -15,15 +15,18 @@ from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
+    EXTRA_PORTS_VARIABLE,
     INTERFACE_VARIABLES,
+    METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
     PROGRESS_FILE_VARIABLE,
     SOCKET_NAME_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.messages import JoinResult
+from sarcomm.common.ports import check_extra_ports, extra_ports
 from sarcomm.common.tls import ClientTls
-from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE
+from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE, metrics_host
 from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
 
 __all__ = [
@@ -59,6 +62,8 @@ class AgentConfig:
         metrics_port: where the ranks serve /metrics: P > 0 gives local rank i port P+i, 0 (the
             default) any free port, -1 no endpoint. The agent reports each bound port to the
             coordinator, which lists it in ``/sd``.
+        metrics_host: the IP address the ranks serve /metrics on ("", the default: every
+            interface); given to them as ``SAR_METRICS_HOST``.
         join_timeout: seconds to wait for the world to form (None: the coordinator's default).
         heartbeat_interval: seconds between heartbeats (default 1; keep it at or below the
             coordinator's ``--heartbeat-interval``).
@@ -73,6 +78,8 @@ class AgentConfig:
             filled in; "" for none); see :mod:`sarcomm.worker.output`.
         log_dir: folder for each rank's output files (None: no files).
         tee: where the ranks' output goes: the console, the files or both.
+        extra_ports: ports after the master port reserved with it for SAR's sampling workers
+            (0..MAX_EXTRA_PORTS, default 0), handed to the ranks as ``SAR_EXTRA_PORTS``.
     """
 
     coord: str
@@ -85,6 +92,7 @@ class AgentConfig:
     socket_name: str = ""
     max_restarts: int = 0
     metrics_port: int = 0
+    metrics_host: str = ""
     join_timeout: float | None = None
     heartbeat_interval: float = 1.0
     stop_grace: float = 10.0
@@ -95,6 +103,7 @@ class AgentConfig:
     output_tag: str = DEFAULT_OUTPUT_TAG
     log_dir: Path | None = None
     tee: Tee = Tee.CONSOLE
+    extra_ports: int = 0
 
     def __post_init__(self) -> None:
         # One form of a list (no spaces around its items): the ranks get it in SAR_COORD.
@@ -128,6 +137,11 @@ class AgentConfig:
                 f"--metrics-port {self.metrics_port} must be -1 (no metrics), 0 (any free port) or in "
                 f"1..{65536 - self.nproc_per_node}, so that port + local rank stays a TCP port."
             )
+        if metrics_host(self.metrics_host, "--metrics-host") != self.metrics_host:
+            raise InvalidArgumentError(
+                f"--metrics-host {shorten(self.metrics_host)} must be an IP address written as "
+                f"{metrics_host(self.metrics_host, '--metrics-host')!r} (or '' for every interface)."
+            )
         if self.join_timeout is not None and not self.join_timeout > 0:
             raise InvalidArgumentError(
                 f"--join-timeout {self.join_timeout} must be a positive number of seconds."
@@ -136,6 +150,7 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--heartbeat-interval {self.heartbeat_interval} must be a positive number of seconds."
             )
+        check_extra_ports(self.extra_ports, "--extra-ports")
         if not self.stop_grace >= 0:
             raise InvalidArgumentError(f"stop_grace {self.stop_grace} must be a number of seconds >= 0.")
         node_ranks = self.node_ranks
@@ -200,11 +215,13 @@ def rank_environment(
 
     Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
     at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
+    ``SAR_METRICS_HOST`` (with ``--metrics-host``),
     ``SARCOMM_HEARTBEAT_INTERVAL`` (how often the rank's library stamps its progress record),
     ``SAR_AGENT_PID`` (the agent: a rank whose agent is gone stops, see
     :data:`~sarcomm.common.constants.AGENT_PID_VARIABLE`), ``OMP_NUM_THREADS`` unless set (see
-    :func:`omp_threads`) and,
-    when given, ``SAR_PROGRESS_FILE`` (where it keeps that record for the agent to read).
+    :func:`omp_threads`), with ``--extra-ports K`` ``SAR_EXTRA_PORTS`` (the K ports after the master
+    port, reserved on the master's host) and, when given, ``SAR_PROGRESS_FILE`` (where it keeps
+    that record for the agent to read).
     """
     member = joined.assignments[index]
     env = dict(base)
@@ -233,5 +250,9 @@ def rank_environment(
         env["OMP_NUM_THREADS"] = str(omp_threads(config.node_ranks))
     if progress_file is not None:
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
+    if config.metrics_host:
+        env[METRICS_HOST_VARIABLE] = config.metrics_host
+    if config.extra_ports:
+        env[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(joined.master_port, config.extra_ports)))
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})
     return env

@@ -1,26 +1,44 @@
 """SAR's ``all_to_all`` and ``exchange_tensors``: tensors of unequal sizes on every backend.
 
-all_to_all on gloo
-------------------
-gloo's ``all_to_all`` takes only tensors of one size, and SAR's fallback (``isend`` to everyone,
-blocking ``recv`` in rank order, then a ``barrier``) serialises the receives and adds a whole
-collective. Here each message is classified by its size, which its sender and its receiver both
-know, so every rank classifies every message the same way without talking:
+How all_to_all runs
+-------------------
+- **Equal sizes on gloo** (both lists plain lists of host-memory tensors of one shape and one
+  non-complex dtype, each message at most 64 KiB and at most ``small_message_bytes``) go straight
+  to gloo's own all_to_all, the process group's call itself: nothing is packed or copied in
+  Python, and what torch's ``dist.all_to_all`` would check again (4 us a call) is not. Above 64 KiB
+  gloo's list all_to_all is slower than the packed exchange (on 2 cores with 2 and 4 ranks: level
+  at 96 to 128 KiB a message, 1.4x slower at 256 KiB, 2x at 1 MiB), so larger equal messages take
+  the hybrid path. Each rank decides by its own lists alone, so ranks
+  can decide differently (a rank whose messages are all equal can have a peer whose messages are
+  not), and that is safe: gloo's equal-size all_to_all and the packed ``all_to_all_single`` of the
+  other path are the same exchange on the wire (one message per pair of ranks, on the same slot,
+  in the same order; ``tests/test_alltoall.py`` runs such mixtures), and a message that fits the
+  condition is small, hence packed, at its other end too. Equal messages above the threshold take
+  the hybrid path (whose point-to-point messages are faster there). On a torch whose gloo lacks the
+  list all_to_all the first call finds that out before anything is sent, and the process uses the
+  hybrid path from then on.
+- **Everything else on gloo**: the hybrid exchange of :mod:`sarcomm.worker.alltoall_gloo` (packed
+  small messages, point-to-point large ones).
+- **Other backends** (nccl, mpi, ucc, ccl) take unequal sizes natively and get ``dist.all_to_all``.
 
-- small messages (at most ``small_message_bytes``, 1 MiB by default) are packed into one
-  buffer and go through one ``all_to_all_single`` with split sizes, which pays gloo's per-message
-  latency once. It is issued asynchronously by every rank on every call, even with nothing to
-  pack, because it is a collective: skipping it would need knowledge of the other ranks' sizes.
-- large messages go point to point, straight from and into the caller's tensors (no packing
-  copies): all sends are posted first, then all receives, pairing rank ``r`` with ``r+s`` and
-  ``r-s`` at step ``s`` so that every link is busy at once, and nothing waits for a barrier.
-
-The threshold was chosen with ``benchmarks/all_to_all.py`` (results in ``benchmarks/results``).
-Other backends (nccl, mpi, ucc, ccl) take unequal sizes natively and get ``dist.all_to_all``.
+Rounds (``max_collective_size``)
+--------------------------------
+SAR's ``Config.max_collective_size`` caps the elements of one collective call. When a limit is in
+force, ``all_to_all`` and ``exchange_tensors`` run in rounds as SAR's all_to_all does: the number of
+rounds is ``max(1, elements this rank sends and receives // limit)``, agreed as the maximum over
+the ranks with one all_reduce, and round ``r`` of ``R`` carries rows ``[n*r//R, n*(r+1)//R)`` of
+every tensor of ``n`` rows (a 0-dimensional tensor counts as one row); both ends of a message cut
+the same rows. The limit in force (:func:`max_collective_size`) is sarcomm's own,
+``configure_all_to_all(max_collective_size=N)``, when N > 0; otherwise SAR's
+``sar.Config.max_collective_size`` when SAR's ``sar.config`` module is loaded in the process (read
+at every call, as SAR reads it); otherwise none. Like the rest of the configuration it must be the
+same on every rank.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -30,7 +48,9 @@ import torch.distributed as dist
 
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.worker import comm
-from sarcomm.worker.timing import raise_not_ready, route, timed, timed_call
+from sarcomm.worker.alltoall_checks import check_exchange_lists, check_sizes_with_peers, checked_sizes
+from sarcomm.worker.alltoall_gloo import hybrid_all_to_all
+from sarcomm.worker.timing import Unsupported, raise_not_ready, route, timed, timed_all_to_all, timed_call
 
 __all__ = [
     "AllToAllConfig",
@@ -39,18 +59,37 @@ __all__ = [
     "all_to_all_impl",
     "configure_all_to_all",
     "exchange_tensors",
+    "max_collective_size",
 ]
 
+log = logging.getLogger(__name__)
+
 _STATE: Final = comm.STATE
-# all_to_all's point-to-point messages use their own tag so that they can never be matched with
-# a user's send/recv (tag 0 by default) that is in flight at the same time.
-_A2A_TAG: Final = 0x5A2A
+#: Equal-size messages up to this many bytes go through gloo's list all_to_all (see above).
+NATIVE_MAX_BYTES: Final = 64 * 1024
+#: Where SAR keeps its Config class (read, never imported: importing SAR imports DGL).
+_SAR_CONFIG_MODULE: Final = "sar.config"
+
+
+def _check_count(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name}={shorten(value)} must be an integer {meaning}.")
+    if value < 0:
+        raise InvalidArgumentError(f"{name}={value} must be at least 0 ({meaning}; 0 = {_ZERO[name]}).")
+
+
+_ZERO: Final = {
+    "small_message_bytes": "all point to point",
+    "max_collective_size": "no limit",
+    "sar.Config.max_collective_size": "no limit",
+}
 
 
 @dataclass(frozen=True)
 class AllToAllConfig:
-    """How :func:`all_to_all` runs on gloo. Must be the same on every rank: both ends of a message
-    classify it by ``small_message_bytes``, and ``check_sizes`` adds collectives."""
+    """How :func:`all_to_all` runs. Must be the same on every rank: both ends of a message
+    classify it by ``small_message_bytes``, and ``check_sizes`` and ``max_collective_size`` add
+    collectives."""
 
     #: Messages of at most this many bytes are packed into one all_to_all_single; larger ones go
     #: point to point. 0 sends everything point to point.
@@ -59,38 +98,69 @@ class AllToAllConfig:
     #: that a sender/receiver size mismatch raises InvalidArgumentError on every rank instead of
     #: aborting the receiving process inside gloo.
     check_sizes: bool = False
+    #: Elements (sent plus received by a rank) above which all_to_all and exchange_tensors run in
+    #: rounds, as SAR's ``Config.max_collective_size``; 0 leaves it to SAR's Config (see the
+    #: module's documentation), which by default sets no limit.
+    max_collective_size: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.small_message_bytes, bool) or not isinstance(self.small_message_bytes, int):
-            raise InvalidArgumentError(
-                f"small_message_bytes={shorten(self.small_message_bytes)} must be an integer number of bytes."
-            )
-        if self.small_message_bytes < 0:
-            raise InvalidArgumentError(
-                f"small_message_bytes={self.small_message_bytes} must be at least 0 (0 = all point to point)."
-            )
+        _check_count("small_message_bytes", self.small_message_bytes, "number of bytes")
+        _check_count("max_collective_size", self.max_collective_size, "number of elements")
 
 
 _a2a_config = AllToAllConfig()
+# Whether a call may take the equal-size path as far as the configuration goes (no size check, no
+# sarcomm limit; SAR's limit is read at each call), and whether gloo has the list all_to_all.
+_plain = True
+_gloo_lists = True
 
 
-def configure_all_to_all(*, small_message_bytes: int | None = None, check_sizes: bool | None = None) -> None:
-    """Change how :func:`all_to_all` runs on gloo (see :class:`AllToAllConfig`); arguments left None
-    keep their value. Every rank must make the same call, between collectives. Raises
-    :class:`InvalidArgumentError` for a negative or non-integer ``small_message_bytes``."""
-    global _a2a_config
+def configure_all_to_all(
+    *,
+    small_message_bytes: int | None = None,
+    check_sizes: bool | None = None,
+    max_collective_size: int | None = None,
+) -> None:
+    """Change how :func:`all_to_all` runs (see :class:`AllToAllConfig`); arguments left None keep
+    their value. Every rank must make the same call, between collectives. Raises
+    :class:`InvalidArgumentError` for a negative or non-integer ``small_message_bytes`` or
+    ``max_collective_size``."""
+    global _a2a_config, _plain
     current = _a2a_config
     _a2a_config = AllToAllConfig(
         small_message_bytes=current.small_message_bytes
         if small_message_bytes is None
         else small_message_bytes,
         check_sizes=current.check_sizes if check_sizes is None else check_sizes,
+        max_collective_size=current.max_collective_size
+        if max_collective_size is None
+        else max_collective_size,
     )
+    _plain = not _a2a_config.check_sizes and _a2a_config.max_collective_size == 0
 
 
 def all_to_all_config() -> AllToAllConfig:
     """The :class:`AllToAllConfig` in force."""
     return _a2a_config
+
+
+def max_collective_size() -> int:
+    """The limit in force, in elements (0: none): sarcomm's ``max_collective_size`` when above 0,
+    else SAR's ``Config.max_collective_size`` when ``sar.config`` is loaded, else 0. Raises
+    :class:`InvalidArgumentError` when SAR's value is not a non-negative integer."""
+    own = _a2a_config.max_collective_size
+    if own:
+        return own
+    module = sys.modules.get(_SAR_CONFIG_MODULE)
+    return 0 if module is None else _sar_limit(module)
+
+
+def _sar_limit(module: object) -> int:
+    value = getattr(getattr(module, "Config", None), "max_collective_size", 0)
+    if value is None:
+        return 0
+    _check_count("sar.Config.max_collective_size", value, "number of elements")
+    return int(value)
 
 
 def all_to_all(
@@ -105,15 +175,71 @@ def all_to_all(
     ``recv_list[i]`` must share dtype and trailing shape (all but the first dimension), and
     ``send_list[rank]`` and ``recv_list[rank]`` the whole shape; all tensors one device, unless
     ``move_to_comm_device`` (then everything is moved to :func:`comm_device` and results are
-    copied back). Blocks until this rank's part is done. Raises :class:`InvalidArgumentError` for
-    lists that break these rules, :class:`FailedPreconditionError` before initialize_comms, the
-    recorded :class:`PeerFailedError` after a peer failed, and the backend's errors.
+    copied back). Runs in rounds when a ``max_collective_size`` is in force. Blocks until this
+    rank's part is done. Raises :class:`InvalidArgumentError` for lists that break these rules,
+    :class:`FailedPreconditionError` before initialize_comms, the recorded
+    :class:`PeerFailedError` after a peer failed, and the backend's errors.
     """
     state = _STATE
     if not state.ready:
         raise_not_ready("all_to_all")
+    # Equal sizes on gloo: gloo's own all_to_all, directly (see the module's documentation).
+    group = state.cpu_group
+    if (
+        _plain
+        and _gloo_lists
+        and (group is not None or state.backend == "gloo")
+        and (_SAR_CONFIG_MODULE not in sys.modules or max_collective_size() == 0)
+        and (not move_to_comm_device or state.comm_device.type == "cpu")
+        and isinstance(recv_list, list)
+        and isinstance(send_list, list)
+        and _equal_small_cpu(recv_list, send_list, state.world_size)
+    ):
+        stats = state.stats["all_to_all"] if group is None else state.cpu_stats["all_to_all"]
+        nbytes = send_list[0].nbytes * (state.world_size - 1)
+        try:
+            timed_all_to_all(stats, nbytes, recv_list, send_list, group)
+            return
+        except Unsupported as exc:
+            _no_gloo_lists(exc)
+    _all_to_all_general(recv_list, send_list, move_to_comm_device)
+
+
+def _equal_small_cpu(recv_list: list[torch.Tensor], send_list: list[torch.Tensor], world: int) -> bool:
+    """Whether both lists hold ``world`` host-memory tensors of one shape and one non-complex
+    dtype, each at most :data:`NATIVE_MAX_BYTES` and ``small_message_bytes``. False for anything
+    else (the general path judges it). The lists' type is checked by the caller."""
+    if len(send_list) != world or len(recv_list) != world:
+        return False
+    try:
+        first = send_list[0]
+        shape, dtype = first.shape, first.dtype
+        nbytes = first.nbytes
+        if nbytes > NATIVE_MAX_BYTES or nbytes > _a2a_config.small_message_bytes or dtype.is_complex:
+            return False
+        for t in send_list:
+            if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
+                return False
+        for t in recv_list:
+            if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
+                return False
+    except AttributeError:  # not a tensor
+        return False
+    return True
+
+
+def _no_gloo_lists(exc: Unsupported) -> None:
+    global _gloo_lists
+    _gloo_lists = False
+    log.info("gloo has no list all_to_all in this torch (%s); equal sizes take the hybrid path", exc)
+
+
+def _all_to_all_general(
+    recv_list: Sequence[torch.Tensor], send_list: Sequence[torch.Tensor], move_to_comm_device: bool
+) -> None:
+    state = _STATE
     world, me = state.world_size, state.rank
-    _check_exchange_lists(recv_list, send_list, world, me, move_to_comm_device)
+    check_exchange_lists(recv_list, send_list, world, me, move_to_comm_device)
     if move_to_comm_device:
         device = state.comm_device
         sends = [t.to(device) for t in send_list]
@@ -122,7 +248,7 @@ def all_to_all(
         sends, recvs = list(send_list), list(recv_list)
     nbytes = sum([t.nbytes for t in sends]) - sends[me].nbytes
     group, stats = route("all_to_all", None, sends[me])
-    timed(stats, nbytes, all_to_all_impl, recvs, sends, group)
+    timed(stats, nbytes, all_to_all_impl, recvs, sends, group, max_collective_size())
     if move_to_comm_device:
         for mine, moved in zip(recv_list, recvs, strict=True):
             if mine is not moved:
@@ -169,114 +295,39 @@ def exchange_tensors(
     group, stats = route("exchange_tensors", None, sends[0])
     nbytes = sum(t.nbytes for i, t in enumerate(sends) if i != me)
 
+    limit = max_collective_size()
+
     def run() -> list[torch.Tensor]:
         if recv_sizes is None:
             rows = _exchange_rows([t.shape[0] for t in sends], group)
         else:
-            rows = _checked_sizes(recv_sizes, world)
+            rows = checked_sizes(recv_sizes, world)
             if rows[me] != sends[me].shape[0]:
                 raise InvalidArgumentError(
                     f"recv_sizes[{me}]={rows[me]} but tensors[{me}] has {sends[me].shape[0]} rows: rank {me} "
                     "keeps its own part, so they must be equal."
                 )
         recvs = [torch.empty((n, *trailing), dtype=dtype, device=device) for n in rows]
-        all_to_all_impl(recvs, sends, group)
+        all_to_all_impl(recvs, sends, group, limit)
         return recvs
 
     received = timed_call(stats, nbytes, run)
     return [t.to(first.device) for t in received]
 
 
-def _checked_sizes(recv_sizes: Sequence[int], world: int) -> list[int]:
-    if len(recv_sizes) != world:
-        raise InvalidArgumentError(
-            f"recv_sizes has {len(recv_sizes)} entries; exchange_tensors needs one per rank "
-            f"(world size {world})."
-        )
-    rows = []
-    for i, n in enumerate(recv_sizes):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise InvalidArgumentError(f"recv_sizes[{i}]={shorten(n)} must be a non-negative integer.")
-        rows.append(n)
-    return rows
-
-
 def _exchange_rows(rows: list[int], group: dist.ProcessGroup | None) -> list[int]:
-    """Every rank's row count for this rank: one equal-split all_to_all_single of int64 (on the
-    CPU group for nccl jobs, where the default group cannot carry CPU tensors)."""
-    size_group = _STATE.cpu_group if _STATE.cpu_group is not None else group
+    """Every rank's row count for this rank: one equal-split all_to_all_single of int64."""
     mine = torch.tensor(rows, dtype=torch.int64)
     theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=size_group)
+    dist.all_to_all_single(theirs, mine, group=_cpu_side(group))
     return [int(n) for n in theirs.tolist()]
 
 
-def _check_exchange_lists(
-    recv_list: Sequence[torch.Tensor], send_list: Sequence[torch.Tensor], world: int, me: int, moving: bool
-) -> None:
-    for name, tensors in (("recv_list", recv_list), ("send_list", send_list)):
-        if len(tensors) != world:
-            raise InvalidArgumentError(
-                f"{name} has {len(tensors)} tensors; all_to_all needs one per rank (world size {world})."
-            )
-    # One pass, cheap tests first: this runs on every call, and at small sizes the call's cost is
-    # mostly Python (torch.Size slices and torch.device objects are built only when needed; a
-    # non-tensor is looked for only once an attribute lookup failed).
-    try:
-        _check_pairs(recv_list, send_list, world, me, moving)
-    except AttributeError:
-        for name, tensors in (("recv_list", recv_list), ("send_list", send_list)):
-            for i, t in enumerate(tensors):
-                if not isinstance(t, torch.Tensor):
-                    raise InvalidArgumentError(
-                        f"{name}[{i}] is a {type(t).__name__}, not a torch.Tensor."
-                    ) from None
-        raise
-
-
-def _check_pairs(
-    recv_list: Sequence[torch.Tensor], send_list: Sequence[torch.Tensor], world: int, me: int, moving: bool
-) -> None:
-    first = send_list[0]
-    on_cpu = first.is_cpu
-    device = first.device
-    for i in range(world):
-        sent, got = send_list[i], recv_list[i]
-        if sent.dtype != got.dtype:
-            raise InvalidArgumentError(
-                f"send_list[{i}] has dtype {sent.dtype} but recv_list[{i}] has dtype {got.dtype}: the "
-                f"tensors exchanged with rank {i} must share a dtype."
-            )
-        dims = sent.dim()
-        if dims != got.dim() or (dims > 1 and sent.shape[1:] != got.shape[1:]):
-            raise InvalidArgumentError(
-                f"send_list[{i}] has shape {tuple(sent.shape)} but recv_list[{i}] has {tuple(got.shape)}: "
-                f"the tensors exchanged with rank {i} must share every dimension but the first."
-            )
-        if i == me and sent.shape != got.shape:
-            raise InvalidArgumentError(
-                f"send_list[{i}] has shape {tuple(sent.shape)} but recv_list[{i}] has {tuple(got.shape)}: "
-                f"rank {me} keeps its own part, so both must have the same shape."
-            )
-        if moving or (on_cpu and sent.is_cpu and got.is_cpu):
-            continue
-        for name, t in (("send_list", sent), ("recv_list", got)):
-            if t.device != device:
-                raise InvalidArgumentError(
-                    f"{name}[{i}] is on {t.device} but send_list[0] is on {device}: all tensors must "
-                    "be on one device (or pass move_to_comm_device=True)."
-                )
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's memory as a flat uint8 tensor (no copy when it is contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def all_to_all_impl(
-    recvs: list[torch.Tensor], sends: list[torch.Tensor], group: dist.ProcessGroup | None
+    recvs: list[torch.Tensor], sends: list[torch.Tensor], group: dist.ProcessGroup | None, limit: int = 0
 ) -> None:
-    """The exchange itself, unrecorded; ``recvs`` are filled in place. Validated lists, one device."""
+    """The exchange itself, unrecorded; ``recvs`` are filled in place. Validated lists, one device.
+    ``limit`` > 0 runs it in rounds of about that many elements (see the module's documentation)."""
     state = _STATE
     if group is None or group is state.cpu_group:
         me, world, peers = state.rank, state.world_size, None
@@ -284,12 +335,37 @@ def all_to_all_impl(
         me, world = dist.get_rank(group), dist.get_world_size(group)
         peers = [dist.get_global_rank(group, r) for r in range(world)]
     if _a2a_config.check_sizes:
-        # The sizes are CPU tensors: an nccl job compares them on its CPU side group.
-        _check_sizes_with_peers(recvs, sends, state.cpu_group if group is None and state.cpu_group else group)
+        check_sizes_with_peers(recvs, sends, _cpu_side(group))
+    if not limit:
+        _exchange(recvs, sends, me, world, group, peers)
+        return
+    rounds = _agreed_rounds(recvs, sends, limit, group)
+    recv_rows = [_as_rows(t) for t in recvs]
+    send_rows = [_as_rows(t) for t in sends]
+    for r in range(rounds):
+        _exchange(
+            [_round_slice(t, r, rounds) for t in recv_rows],
+            [_round_slice(t, r, rounds) for t in send_rows],
+            me,
+            world,
+            group,
+            peers,
+        )
+
+
+def _exchange(
+    recvs: list[torch.Tensor],
+    sends: list[torch.Tensor],
+    me: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    peers: list[int] | None,
+) -> None:
+    state = _STATE
     if world == 1:
         recvs[0].copy_(sends[0])
     elif sends[me].is_cpu and (group is not None or state.backend == "gloo"):
-        _all_to_all_gloo(recvs, sends, me, world, group, peers, _a2a_config.small_message_bytes)
+        hybrid_all_to_all(recvs, sends, me, world, group, peers, _a2a_config.small_message_bytes)
     else:
         # nccl, mpi, ucc and ccl take unequal sizes; they want contiguous tensors.
         targets = [
@@ -302,183 +378,30 @@ def all_to_all_impl(
                 mine.copy_(target)
 
 
-def _all_to_all_gloo(
-    recvs: list[torch.Tensor],
-    sends: list[torch.Tensor],
-    me: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-    peers: list[int] | None,
-    small: int,
-) -> None:
-    """Hybrid exchange for gloo (see the module docstring) of CPU tensors. ``me`` and ``world``
-    are within ``group``; ``peers`` maps its ranks to global ones (None: identity).
-
-    At small sizes the cost is the number of torch calls (each a few microseconds, and more on a
-    busy host), so the packed part takes as few as possible: one ``cat``, one ``empty``, the
-    collective, one ``split`` and one ``_foreach_copy_`` for every received part and this rank's
-    own, where writing it with ``all_to_all_single`` takes a slice and a copy per peer. That holds
-    when the small messages share the dtype and trailing shape of this rank's own part (always so
-    for SAR's tensors): they are packed as they are and split by rows. Mixed lists go through byte
-    views.
-    """
-    mine = sends[me]
-    dims = mine.dim()
-    dtype = mine.dtype
-    trailing = mine.shape[1:] if dims > 1 else None
-    by_rows = dims > 0
-    # Rows (by_rows) and bytes of every small message, in rank order as all_to_all_single wants.
-    send_rows = [0] * world
-    recv_rows = [0] * world
-    send_bytes = [0] * world
-    recv_bytes = [0] * world
-    small_sends: list[int] = []
-    small_recvs: list[int] = []
-    large_sends: list[int] = []
-    large_recvs: list[int] = []
-    for p in range(world):
-        if p == me:
-            continue
-        for t, rows, nbytes, small_list, large_list in (
-            (sends[p], send_rows, send_bytes, small_sends, large_sends),
-            (recvs[p], recv_rows, recv_bytes, small_recvs, large_recvs),
-        ):
-            n = t.nbytes
-            if n > small:
-                large_list.append(p)
-            elif n:
-                small_list.append(p)
-                nbytes[p] = n
-                if by_rows:
-                    if (
-                        t.dtype != dtype
-                        or t.dim() != dims
-                        or (trailing is not None and t.shape[1:] != trailing)
-                    ):
-                        by_rows = False
-                    else:
-                        rows[p] = t.shape[0]
-    if by_rows:
-        send_splits, recv_splits = send_rows, recv_rows
-        parts = [sends[p] for p in small_sends]
-        packed_out = torch.empty((sum(recv_rows), *mine.shape[1:]), dtype=dtype)
-    else:
-        send_splits, recv_splits = send_bytes, recv_bytes
-        parts = [_byte_view(sends[p]) for p in small_sends]
-        packed_out = torch.empty(sum(recv_bytes), dtype=torch.uint8)
-    if len(parts) == 1 and parts[0].is_contiguous():
-        packed_in = parts[0]
-    elif parts:
-        packed_in = torch.cat(parts)
-    else:
-        packed_in = packed_out.new_empty((0, *packed_out.shape[1:]))
-    # The collective first (gloo's worker thread runs it), then the point-to-point messages, which
-    # gloo's transport threads carry while this thread posts the next one. Every rank issues the
-    # collective, even with nothing to pack: it cannot know that no peer has a small message.
-    overlap = bool(large_sends or large_recvs)
-    packed = dist.all_to_all_single(
-        packed_out, packed_in, recv_splits, send_splits, group=group, async_op=overlap
-    )
-    if overlap:
-        large_targets: list[tuple[torch.Tensor, torch.Tensor]] = []
-        works = _post_large(recvs, sends, me, world, group, peers, large_sends, large_recvs, large_targets)
-        recvs[me].copy_(mine)  # while the large messages travel
-        for work in works:
-            if work is not None:
-                work.wait()
-        if packed is not None:
-            packed.wait()
-        for into, target in large_targets:
-            if into is not target:
-                into.copy_(target)
-    # Without large messages this rank's own part is copied with the small ones, in one call.
-    _unpack_small(recvs, packed_out, recv_splits, small_recvs, by_rows, None if overlap else mine, me)
+def _agreed_rounds(
+    recvs: list[torch.Tensor], sends: list[torch.Tensor], limit: int, group: dist.ProcessGroup | None
+) -> int:
+    """SAR's count of rounds, ``max(1, elements sent and received // limit)``, as the maximum over
+    the ranks (one all_reduce of a CPU int64)."""
+    elements = sum(t.numel() for t in recvs) + sum(t.numel() for t in sends)
+    rounds = torch.tensor([max(1, elements // limit)], dtype=torch.int64)
+    dist.all_reduce(rounds, dist.ReduceOp.MAX, group=_cpu_side(group))
+    return int(rounds.item())
 
 
-def _post_large(
-    recvs: list[torch.Tensor],
-    sends: list[torch.Tensor],
-    me: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-    peers: list[int] | None,
-    large_sends: list[int],
-    large_recvs: list[int],
-    targets: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[dist.Work | None]:
-    """Post the large messages straight from and into the caller's tensors (a contiguous staging
-    tensor where one is not contiguous, listed in ``targets`` as (caller's, staging)): all sends
-    first, then all receives, pairing rank ``me`` with ``me+s`` and ``me-s`` at step ``s`` so that
-    every link is busy at once."""
-    large_sends.sort(key=lambda p: (p - me) % world)
-    large_recvs.sort(key=lambda p: (me - p) % world)
-    works: list[dist.Work | None] = []
-    for dst in large_sends:
-        out = sends[dst]
-        out = out if out.is_contiguous() else out.contiguous()
-        works.append(dist.isend(out, peers[dst] if peers is not None else dst, group=group, tag=_A2A_TAG))
-    for src in large_recvs:
-        into = recvs[src]
-        target = (
-            into if into.is_contiguous() else torch.empty_like(into, memory_format=torch.contiguous_format)
-        )
-        targets.append((into, target))
-        works.append(dist.irecv(target, peers[src] if peers is not None else src, group=group, tag=_A2A_TAG))
-    return works
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a one-row view of a 0-dimensional tensor."""
+    return t.view(1) if t.dim() == 0 else t
 
 
-def _unpack_small(
-    recvs: list[torch.Tensor],
-    packed_out: torch.Tensor,
-    recv_splits: list[int],
-    small_recvs: list[int],
-    by_rows: bool,
-    mine: torch.Tensor | None,
-    me: int,
-) -> None:
-    """Copy the received small parts out of ``packed_out`` into their tensors, and ``mine`` (when
-    given) into ``recvs[me]``, with one ``_foreach_copy_`` where the parts are rows."""
-    targets = [recvs[me]] if mine is not None else []
-    sources = [mine] if mine is not None else []
-    if small_recvs:
-        # split_with_sizes directly: torch.split goes through two Python layers first (3 us).
-        chunks = packed_out.split_with_sizes([recv_splits[p] for p in small_recvs])
-        if by_rows:
-            targets += [recvs[p] for p in small_recvs]
-            sources += chunks
-        else:
-            for p, chunk in zip(small_recvs, chunks, strict=True):
-                into = recvs[p]
-                if into.is_contiguous():
-                    _byte_view(into).copy_(chunk)  # a view of `into` itself
-                else:
-                    staging = torch.empty_like(into, memory_format=torch.contiguous_format)
-                    _byte_view(staging).copy_(chunk)
-                    into.copy_(staging)
-    if targets:
-        torch._foreach_copy_(targets, sources)
+def _round_slice(t: torch.Tensor, r: int, rounds: int) -> torch.Tensor:
+    """Round ``r``'s rows of ``t``: ``[n*r//rounds, n*(r+1)//rounds)``, a view (possibly empty)."""
+    n = t.shape[0]
+    return t[n * r // rounds : n * (r + 1) // rounds]
 
 
-def _check_sizes_with_peers(
-    recvs: Sequence[torch.Tensor], sends: Sequence[torch.Tensor], group: dist.ProcessGroup | None
-) -> None:
-    """Compare what each peer will send with what this rank expects; raise on every rank alike."""
-    state = _STATE
-    mine = torch.tensor([t.nbytes for t in sends], dtype=torch.int64)
-    theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=group)
-    expected = [t.nbytes for t in recvs]
-    wrong = [(i, int(n), expected[i]) for i, n in enumerate(theirs.tolist()) if int(n) != expected[i]]
-    flag = torch.tensor([1 if wrong else 0], dtype=torch.int32)
-    dist.all_reduce(flag, dist.ReduceOp.MAX, group=group)
-    if wrong:
-        i, sent, want = wrong[0]
-        raise InvalidArgumentError(
-            f"recv_list[{i}] holds {want} bytes but rank {i} sends {sent}: the receiving tensor must have "
-            "exactly the size the peer sends."
-        )
-    if int(flag.item()):
-        raise InvalidArgumentError(
-            f"all_to_all message sizes do not match on another rank (rank {state.rank}'s are right): a "
-            "recv_list tensor there differs from what its peer sends; that rank's error names it."
-        )
+def _cpu_side(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group that carries CPU tensors for an exchange on ``group``: an nccl job's gloo side
+    group in place of its default group."""
+    cpu_group = _STATE.cpu_group
+    return cpu_group if group is None and cpu_group is not None else group

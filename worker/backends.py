@@ -25,12 +25,15 @@ from sarcomm.worker.launch_env import socket_name_setting
 __all__ = [
     "CCL_MODULE",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "DEFAULT_EXIT_TIMEOUT_S",
+    "EXIT_TIMEOUT_VARIABLE",
     "TIMEOUT_VARIABLE",
     "BackendProbe",
     "adopted_backend",
     "choose_backend",
     "choose_comm_device",
     "collective_timeout",
+    "exit_timeout",
     "local_rank_from",
     "master_port_from",
     "needs_cpu_side_group",
@@ -42,6 +45,11 @@ __all__ = [
 #: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
 DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 300.0
 TIMEOUT_VARIABLE: Final = "SAR_COLLECTIVE_TIMEOUT"
+#: Seconds the exit hook may take to end the process groups before it cuts the exit short, unless
+#: SAR_EXIT_TIMEOUT says. A clean end takes milliseconds; what can take longer is a collective still
+#: waiting for a silent peer, which the group's destructor waits for (see sarcomm.worker.teardown).
+DEFAULT_EXIT_TIMEOUT_S: Final = 30.0
+EXIT_TIMEOUT_VARIABLE: Final = "SAR_EXIT_TIMEOUT"
 #: The oneCCL bindings' module: importing it registers the "ccl" backend with torch.distributed.
 CCL_MODULE: Final = "oneccl_bindings_for_pytorch"
 
@@ -162,19 +170,30 @@ def collective_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
     """The process group timeout: ``SAR_COLLECTIVE_TIMEOUT`` seconds from ``environ``, else
     :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it is a
     finite number greater than 0."""
-    raw = environ.get(TIMEOUT_VARIABLE)
+    return datetime.timedelta(seconds=_seconds(environ, TIMEOUT_VARIABLE, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def exit_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds the exit hook may take to end the process groups: ``SAR_EXIT_TIMEOUT`` from
+    ``environ``, else :data:`DEFAULT_EXIT_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it
+    is a finite number greater than 0."""
+    return _seconds(environ, EXIT_TIMEOUT_VARIABLE, DEFAULT_EXIT_TIMEOUT_S)
+
+
+def _seconds(environ: Mapping[str, str], variable: str, default: float) -> float:
+    raw = environ.get(variable)
     if raw is None or raw.strip() == "":
-        return datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidArgumentError(
-            f"{TIMEOUT_VARIABLE}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
+            f"{variable}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
             "greater than 0."
         )
-    return datetime.timedelta(seconds=seconds)
+    return seconds
 
 
 def socket_environment(environ: Mapping[str, str]) -> dict[str, str]:

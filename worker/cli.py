@@ -4,8 +4,9 @@
 
     sar-worker --coord HOST:PORT --job NAME --world-size N [--rank R] [--nproc-per-node K]
                [--backend auto|gloo|nccl|ccl|mpi|ucc] [--socket-name IFACE] [--max-restarts M]
-               [--metrics-port P] [--join-timeout S] [--heartbeat-interval S] [--token-file PATH]
-               [--tls-ca PATH] [--tls-cert PATH --tls-key PATH] -- COMMAND [ARGS...]
+               [--metrics-port P] [--metrics-host HOST] [--extra-ports K] [--join-timeout S]
+               [--heartbeat-interval S] [--token-file PATH] [--tls-ca PATH] [--tls-cert PATH --tls-key PATH]
+               -- COMMAND [ARGS...]
     sar-worker --coord ... --job ... --world-size N SUBCOMMAND [...]
 
 Every flag falls back to ``SARCOMM_<FLAG>`` (``--world-size`` -> ``SARCOMM_WORLD_SIZE``); a flag on
@@ -30,12 +31,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import parse_targets, validate_target
-from sarcomm.common.constants import BACKENDS, SOCKET_NAME_VARIABLE
+from sarcomm.common.constants import BACKENDS, MAX_EXTRA_PORTS, SOCKET_NAME_VARIABLE
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker import bench
 from sarcomm.worker.agent_config import AgentConfig
-from sarcomm.worker.launch_env import SlurmTask, slurm_task
+from sarcomm.worker.launch_env import SlurmTask, metrics_host, slurm_task
 from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee
 from sarcomm.worker.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 
@@ -118,6 +119,13 @@ def _backend(text: str) -> str:
     return text
 
 
+def _ip_or_empty(text: str) -> str:
+    try:
+        return metrics_host(text, "--metrics-host")
+    except InvalidArgumentError as exc:
+        raise ValueError from exc
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError
@@ -161,6 +169,11 @@ _OPTIONS: tuple[_Option, ...] = (
             metavar="M"),
     _Option("--metrics-port", *_integer(-1, 65535), "where the ranks serve /metrics: local rank i "
             "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
+    _Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
+            "/metrics on, e.g. 127.0.0.1 (default: every interface)", default="", metavar="HOST"),
+    _Option("--extra-ports", *_integer(0, MAX_EXTRA_PORTS), "ports after the master port to reserve "
+            "with it for SAR's sampling workers, given to the ranks as SAR_EXTRA_PORTS", default=0,
+            metavar="K"),
     _Option("--join-timeout", _seconds, "a positive number of seconds", "seconds to wait for the "
             "world to form (default: the coordinator's --join-timeout)", metavar="S"),
     _Option("--heartbeat-interval", _seconds, "a positive number of seconds", "seconds between "

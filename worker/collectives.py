@@ -25,6 +25,10 @@ send                  the tensor's bytes
 recv, barrier         0
 ====================  ===============================================================
 
+SAR's keyword names are accepted where sarcomm's differ: ``all_to_all(recv_tensors=...,
+send_tensors=...)`` (this module's thin entry resolves them, :mod:`sarcomm.worker.sar_keywords`) and
+``all_reduce(red_tensor=...)``.
+
 Where each lives: :mod:`sarcomm.worker.timing` (the recording wrapper and ``all_reduce``),
 :mod:`sarcomm.worker.alltoall` (``all_to_all``, ``exchange_tensors``; how all_to_all runs on gloo),
 :mod:`sarcomm.worker.model_sync` (``sync_params``, ``gather_grads``) and
@@ -33,9 +37,13 @@ Where each lives: :mod:`sarcomm.worker.timing` (the recording wrapper and ``all_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+from sarcomm.worker import alltoall, sar_keywords
 from sarcomm.worker.alltoall import (
     AllToAllConfig,
-    all_to_all,
     all_to_all_config,
     configure_all_to_all,
     exchange_tensors,
@@ -76,3 +84,28 @@ __all__ = [
     "set_progress_hook",
     "sync_params",
 ]
+
+
+_all_to_all = alltoall.all_to_all
+
+
+def all_to_all(
+    recv_list: Sequence[torch.Tensor] | None = None,
+    send_list: Sequence[torch.Tensor] | None = None,
+    move_to_comm_device: bool = False,
+    *,
+    recv_tensors: Sequence[torch.Tensor] | None = None,
+    send_tensors: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Send ``send_list[i]`` to rank ``i`` and receive rank ``i``'s tensor into ``recv_list[i]``,
+    in place, as SAR's all_to_all (sizes may differ between peers, on every backend); the rules and
+    errors are those of :func:`sarcomm.worker.alltoall.all_to_all`.
+
+    ``recv_tensors`` and ``send_tensors`` are SAR's keyword names for ``recv_list`` and
+    ``send_list``; passing both spellings of one is a ``TypeError`` naming both. This entry only
+    resolves the names (two ``is None`` tests when sarcomm's are used) and calls the exchange.
+    """
+    if recv_list is None or send_list is None or recv_tensors is not None or send_tensors is not None:
+        recv_list = sar_keywords.required("all_to_all", "recv_list", recv_list, "recv_tensors", recv_tensors)
+        send_list = sar_keywords.required("all_to_all", "send_list", send_list, "send_tensors", send_tensors)
+    _all_to_all(recv_list, send_list, move_to_comm_device)

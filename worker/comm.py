@@ -32,21 +32,22 @@ import atexit
 import importlib
 import logging
 import os
-import socket
 import threading
-from typing import Final
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
 
+import sarcomm.worker as _package
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
-from sarcomm.worker import metrics, registration
+from sarcomm.worker import metrics, registration, sar_keywords
 from sarcomm.worker.backends import (
     CCL_MODULE,
     adopted_backend,
     choose_backend,
     choose_comm_device,
     collective_timeout,
+    exit_timeout,
     local_rank_from,
     master_port_from,
     needs_cpu_side_group,
@@ -54,6 +55,7 @@ from sarcomm.worker.backends import (
     socket_environment,
 )
 from sarcomm.worker.services import start_rank_services
+from sarcomm.worker.teardown import ExitDeadline, end_groups, shutdown_sockets, socket_inodes
 
 __all__ = [
     "OPS",
@@ -80,6 +82,7 @@ OPS: Final = (
     "all_to_all",
     "all_reduce",
     "exchange_tensors",
+    "exchange_single_tensor",
     "sync_params",
     "gather_grads",
     "broadcast",
@@ -106,6 +109,7 @@ class CommState:
         "cpu_backend",
         "cpu_group",
         "cpu_stats",
+        "exit_timeout",
         "initialized",
         "master_addr",
         "master_port",
@@ -144,6 +148,8 @@ class CommState:
         #: The sockets (``socket:[inode]``) the process groups opened: gloo's connections to the
         #: peers and the store's; abort_backend shuts them down.
         self.backend_sockets: frozenset[str] = frozenset()
+        #: Seconds the exit hook may take to end the groups (SAR_EXIT_TIMEOUT).
+        self.exit_timeout = 0.0
 
 
 #: The state of this process. Internal to sarcomm.worker: use the getters below.
@@ -151,14 +157,22 @@ STATE: Final = CommState()
 
 
 def initialize_comms(
-    rank: int,
-    world_size: int,
-    master_ip_address: str,
-    backend: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_ip_address: str | None = None,
+    backend: str | None = None,
     comm_device: torch.device | str | None = None,
     master_port_number: int | None = None,
+    *,
+    _rank: int | None = None,
+    _world_size: int | None = None,
+    _comm_device: torch.device | str | None = None,
 ) -> None:
     """Initialise ``torch.distributed`` for this rank, as SAR's ``initialize_comms`` does.
+
+    ``rank``, ``world_size``, ``master_ip_address`` and ``backend`` are required; SAR's keyword
+    names ``_rank``, ``_world_size`` and ``_comm_device`` are accepted for ``rank``,
+    ``world_size`` and ``comm_device`` (both spellings of one argument: ``TypeError``).
 
     ``backend`` is one of ``auto``, ``gloo``, ``nccl``, ``ccl``, ``mpi``, ``ucc``.
     ``comm_device`` defaults to ``cuda:LOCAL_RANK`` for nccl and ``cpu`` otherwise.
@@ -174,6 +188,14 @@ def initialize_comms(
     Raises :class:`InvalidArgumentError` for a bad rank, world size, address, port, backend, device
     or timeout, and whatever ``torch.distributed`` raises when the rendezvous fails.
     """
+    func = "initialize_comms"
+    rank = sar_keywords.required(func, "rank", rank, "_rank", _rank)
+    world_size = sar_keywords.required(func, "world_size", world_size, "_world_size", _world_size)
+    device_arg = sar_keywords.one_of(func, "comm_device", comm_device, "_comm_device", _comm_device)
+    comm_device = cast("torch.device | str | None", device_arg)
+    if master_ip_address is None or backend is None:
+        missing = "master_ip_address" if master_ip_address is None else "backend"
+        raise TypeError(f"initialize_comms() missing required argument {missing!r}.")
     _check_rank(rank, world_size)
     if not isinstance(master_ip_address, str) or not master_ip_address.strip():
         raise InvalidArgumentError(
@@ -182,6 +204,7 @@ def initialize_comms(
     environ = os.environ
     probe = probe_backends()
     timeout = collective_timeout(environ)
+    exit_seconds = exit_timeout(environ)
     job, generation = environ.get("SAR_JOB", ""), environ.get("SAR_GENERATION", "")
 
     if dist.is_initialized():
@@ -215,7 +238,7 @@ def initialize_comms(
     if device.type == "cuda":
         # Collectives without an explicit device (barrier, object collectives) use the current one.
         torch.cuda.set_device(device)
-    sockets_before = _socket_inodes() if not dist.is_initialized() else None
+    sockets_before = socket_inodes() if not dist.is_initialized() else None
     if not dist.is_initialized():
         log.info(
             "job %s rank %s generation %s: initialising %s process group of %s ranks via %s:%s "
@@ -233,11 +256,11 @@ def initialize_comms(
     if sockets_before is not None:
         # What the new groups opened (gloo connects every pair at creation): only these are shut
         # down on abort, never the coordinator's connection or the user's own sockets.
-        STATE.backend_sockets = frozenset(_socket_inodes().values()) - frozenset(sockets_before.values())
+        STATE.backend_sockets = frozenset(socket_inodes().values()) - frozenset(sockets_before.values())
 
     STATE.rank, STATE.world_size, STATE.backend, STATE.comm_device = rank, world_size, name, device
     STATE.master_addr, STATE.master_port, STATE.owns_group = master_ip_address, port, owns_group
-    STATE.cpu_group = cpu_group
+    STATE.cpu_group, STATE.exit_timeout = cpu_group, exit_seconds
     STATE.cpu_backend = "gloo" if cpu_group is not None else name
     STATE.stats = {op: metrics.collective_stats(op, name) for op in OPS}
     STATE.cpu_stats = {op: metrics.collective_stats(op, STATE.cpu_backend) for op in OPS}
@@ -278,12 +301,26 @@ def _import_ccl() -> None:
 def destroy_comms() -> None:
     """Forget the state; destroy the CPU side group, and the default process group too when
     :func:`initialize_comms` created it (one it found already there is left to its owner).
-    Afterwards :func:`initialize_comms` may be called again, e.g. for a new generation."""
-    if STATE.cpu_group is not None and dist.is_initialized():
-        dist.destroy_process_group(STATE.cpu_group)
-    if STATE.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-    STATE.reset()
+    Afterwards :func:`initialize_comms` may be called again, e.g. for a new generation.
+
+    Safe on every torch sarcomm admits: the groups' backends end with the GIL released (torch
+    before 2.8 ended them holding it, which deadlocks with a gloo thread freeing a tensor; see
+    :mod:`sarcomm.worker.teardown`)."""
+    groups: list[dist.ProcessGroup] = []
+    if dist.is_initialized():
+        if STATE.cpu_group is not None:
+            groups.append(STATE.cpu_group)
+        if STATE.owns_group:
+            groups.append(_default_group())
+    STATE.reset()  # drops STATE's reference to the side group: end_groups must hold the last one
+    end_groups(groups)
+
+
+def _default_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:  # is_initialized() said there is one
+        raise FailedPreconditionError("torch.distributed has no default process group to destroy.")
+    return group
 
 
 _exit_hook_installed = False
@@ -292,17 +329,23 @@ _exit_hook_installed = False
 def _destroy_at_exit() -> None:
     """Destroy the groups at interpreter exit, once registered: a process that exits with gloo's
     threads still running is aborted by torch's C++ runtime ("terminate called without an active
-    exception", SIGABRT), which turns a clean exit 0 into a crash for the agent."""
+    exception", SIGABRT), which turns a clean exit 0 into a crash for the agent. The hook runs under
+    a deadline (``SAR_EXIT_TIMEOUT``, :class:`~sarcomm.worker.teardown.ExitDeadline`): an exit
+    never hangs, even when a collective still waits for a silent peer."""
     global _exit_hook_installed
     if _exit_hook_installed:
         return
     _exit_hook_installed = True
 
     def destroy() -> None:
-        try:
-            destroy_comms()
-        except Exception as exc:  # exiting anyway: report, do not mask the exit status
-            log.warning("destroying the process group at exit failed: %s", exc)
+        if not STATE.initialized:
+            return
+        label = f"job {os.environ.get('SAR_JOB', '')} rank {STATE.rank}"
+        with ExitDeadline(STATE.exit_timeout, STATE.backend_sockets, label):
+            try:
+                destroy_comms()
+            except Exception as exc:  # exiting anyway: report, do not mask the exit status
+                log.warning("destroying the process group at exit failed: %s", exc)
 
     atexit.register(destroy)
 
@@ -367,52 +410,11 @@ def abort_backend() -> None:
             world.abort()
         except Exception as exc:  # best effort: the sockets below still unblock the CPU side group
             log.warning("aborting the %s process group failed: %s", STATE.backend, exc)
-    closed = _shutdown_sockets(STATE.backend_sockets)
+    closed = shutdown_sockets(STATE.backend_sockets)
     log.warning(
         "rank %s: aborted the process group after a peer failure (%d connection(s) shut down)",
         STATE.rank, closed,
     )  # fmt: skip
-
-
-def _socket_inodes() -> dict[int, str]:
-    """This process's socket descriptors: fd -> ``socket:[inode]`` (empty where /proc is missing)."""
-    found: dict[int, str] = {}
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed since the listing
-            continue
-        if link.startswith("socket:["):
-            found[int(fd)] = link
-    return found
-
-
-def _shutdown_sockets(inodes: frozenset[str]) -> int:
-    """``shutdown(SHUT_RDWR)`` every connected socket among ``inodes``; returns how many."""
-    closed = 0
-    for fd, link in _socket_inodes().items():
-        if link not in inodes:
-            continue
-        try:
-            # A duplicate descriptor: shutdown acts on the socket itself, and closing the duplicate
-            # leaves the backend's own descriptor open (it gets errors, not a reused fd number).
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            closed += 1
-        except OSError:  # not connected (any more), or not a TCP socket
-            pass
-        finally:
-            sock.close()
-    return closed
 
 
 def _state() -> CommState:
@@ -467,3 +469,11 @@ def master_port() -> int:
 # A coordinator that watches this process (it registered itself) reports failed peers from its
 # heartbeat thread: collectives then raise at once instead of waiting for a peer that is gone.
 registration.add_peer_failure_listener(mark_peer_failed)
+
+
+def __getattr__(name: str) -> Any:
+    # SAR's code calls its collectives as ``sar.comm.all_reduce(...)``: with ``import
+    # sarcomm.worker as sar`` that is this module, so SAR's names that live elsewhere resolve here.
+    if name in sar_keywords.SAR_COMM_NAMES_ELSEWHERE:
+        return getattr(_package, name)  # the package's lazy export (loaded on first use, not here)
+    raise AttributeError(f"module 'sarcomm.worker.comm' has no attribute {name!r}")

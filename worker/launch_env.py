@@ -7,14 +7,17 @@ Imports neither torch nor the coordinator client: the agent side may use it.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
     DEFAULT_HEARTBEAT_INTERVAL,
+    METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
     SOCKET_NAME_VARIABLE,
 )
@@ -27,7 +30,10 @@ __all__ = [
     "agent_pid_setting",
     "detect_launcher",
     "heartbeat_interval_setting",
+    "metrics_host",
+    "metrics_host_setting",
     "metrics_port_setting",
+    "metrics_report_host",
     "parse_launch_env",
     "slurm_task",
     "socket_name_setting",
@@ -281,6 +287,47 @@ def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None
             "(0: any free port, -1: no metrics endpoint)."
         )
     return None if port == -1 else port
+
+
+#: Where a rank's ``/metrics`` endpoint listens unless told: every IPv4 interface.
+ALL_INTERFACES: Final = "0.0.0.0"
+
+
+def metrics_host(text: str, source: str) -> str:
+    """``text`` (the value of ``source``, a flag or variable) as the address to serve ``/metrics``
+    on: an IP address, written as Python's ``ipaddress`` writes it; "" means every interface.
+
+    Only an IP address: the coordinator lists a rank's endpoint in ``/sd`` only on an address of
+    the rank's own host (or the wildcard), and a host name would have to be resolved first.
+    Raises :class:`InvalidArgumentError` naming ``source`` otherwise.
+    """
+    text = text.strip()
+    if not text:
+        return ""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{source}={shorten(text)} must be an IP address of this host to serve /metrics on "
+            f"(e.g. 127.0.0.1; {ALL_INTERFACES} or unset: every interface)."
+        ) from None
+
+
+def metrics_host_setting(environ: Mapping[str, str]) -> str:
+    """The address this rank serves ``/metrics`` on: ``SAR_METRICS_HOST`` (``sar-worker
+    --metrics-host`` sets it), else every interface (``0.0.0.0``). Raises
+    :class:`InvalidArgumentError` for a value that is not an IP address."""
+    return metrics_host(environ.get(METRICS_HOST_VARIABLE, ""), METRICS_HOST_VARIABLE) or ALL_INTERFACES
+
+
+def metrics_report_host(bind_host: str, member_address: str) -> str:
+    """The address to report to the coordinator for an endpoint bound on ``bind_host``: the
+    member's own address when it listens on every interface ("" or a wildcard, reachable there),
+    else ``bind_host`` itself, where it really listens (an address of the member's host, which the
+    coordinator accepts and lists in ``/sd``)."""
+    if not bind_host or ipaddress.ip_address(bind_host).is_unspecified:
+        return member_address
+    return bind_host
 
 
 @dataclass(frozen=True)

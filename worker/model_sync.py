@@ -83,16 +83,25 @@ def sync_params(model: torch.nn.Module) -> None:
     timed_call(state.stats["sync_params"], nbytes, run)
 
 
-def gather_grads(model: torch.nn.Module, average: bool = False) -> None:
+def gather_grads(model: torch.nn.Module, average: bool = False, *, bucketed: bool = True) -> None:
     """Sum (``average=True``: average) every parameter's gradient across ranks, in place, as SAR's
     gather_grads; call it before ``optimizer.step()``.
 
-    Dense gradients go in flat buckets of about 25 MiB per dtype (one all_reduce each, not one per
-    parameter). Ranks may differ in which parameters have a gradient: a first, small all_reduce
-    agrees on that set, a missing gradient counts as zeros and then holds the sum; a parameter
-    without a gradient on every rank keeps ``grad`` None. Every rank must pass a model of the same
-    architecture. Blocks. Raises :class:`FailedPreconditionError` before initialize_comms, the
-    recorded :class:`PeerFailedError` after a peer failed, and the backend's errors.
+    ``bucketed=True`` (the default): dense gradients go in flat buckets of about 25 MiB per dtype,
+    one all_reduce per bucket. ``bucketed=False`` sums in SAR's order, bit for bit: one all_reduce
+    per parameter with a gradient, in ``model.parameters()`` order, each on that gradient alone
+    (on :func:`comm_device`, copied back where it lives elsewhere), as SAR does. The two can differ
+    in the last bits above two ranks, because the backend splits a large flat buffer into other
+    chunks than a single gradient, so the additions happen in another order. Cost of SAR's order:
+    one collective per parameter instead of one per bucket (a model of P parameters in B buckets:
+    1 + P all_reduce calls instead of 1 + B), each paying the backend's per-call latency (about
+    40 us on gloo over loopback) where a bucket pays it once; see ``benchmarks/RESULTS.md``.
+
+    Ranks may differ in which parameters have a gradient: a first, small all_reduce agrees on that
+    set, a missing gradient counts as zeros and then holds the sum; a parameter without a gradient
+    on every rank keeps ``grad`` None. Every rank must pass a model of the same architecture and
+    the same ``bucketed``. Blocks. Raises :class:`FailedPreconditionError` before initialize_comms,
+    the recorded :class:`PeerFailedError` after a peer failed, and the backend's errors.
     """
     state = _STATE
     if not state.ready:
@@ -104,12 +113,12 @@ def gather_grads(model: torch.nn.Module, average: bool = False) -> None:
 
     def run() -> None:
         with torch.no_grad():
-            _gather_grads(params, average)
+            _gather_grads(params, average, bucketed)
 
     timed_call(state.stats["gather_grads"], nbytes, run)
 
 
-def _gather_grads(params: list[torch.nn.Parameter], average: bool) -> None:
+def _gather_grads(params: list[torch.nn.Parameter], average: bool, bucketed: bool) -> None:
     state = _STATE
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
     # MAX over ranks: a parameter has a gradient when any rank has one.
@@ -135,4 +144,14 @@ def _gather_grads(params: list[torch.nn.Parameter], average: bool) -> None:
         if average:
             flat.div_(world)
 
-    _bucketed(dense, reduce, write_back=True)
+    if bucketed:
+        _bucketed(dense, reduce, write_back=True)
+        return
+    # SAR's order: one all_reduce per gradient, on the comm device as SAR does (in an nccl job a CPU
+    # gradient goes to the GPU and through NCCL, not through the gloo side group, so that the sums
+    # are the ones SAR gets).
+    for grad in dense:
+        target = grad if grad.device == state.comm_device else grad.to(state.comm_device)
+        reduce(target, None)
+        if target is not grad:
+            grad.copy_(target)

@@ -7,7 +7,10 @@ registers through the same :func:`register`.
 
 A process that registered itself is kept alive at the coordinator by a heartbeat stream running on
 a private event-loop thread, carrying the progress its collectives note; it reports ``Leave`` when
-the interpreter exits (exit code 1 after an uncaught exception, else 0). A failure of another rank
+the interpreter exits (exit code 1 after an uncaught exception, else 0), when it is a
+``multiprocessing`` child whose target ends (such a child ends with ``os._exit``, so atexit never
+runs there: a multiprocessing finalizer does it, 0 when the target returned, else 1 and the
+exception), or when :func:`leave` (``sar.finalize()``) says so. A failure of another rank
 that the heartbeats report is logged, kept for :func:`peer_failure` and handed to every listener of
 :func:`add_peer_failure_listener` (the communication state registers one, so that the next
 collective, and one already waiting, raises :class:`~sarcomm.common.errors.PeerFailedError`
@@ -22,6 +25,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -32,18 +36,30 @@ from typing import Any, TypeVar
 from sarcomm.common import netinfo
 from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client import CoordinatorClient
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, SOCKET_NAME_VARIABLE, EventKind
+from sarcomm.common.constants import (
+    DEFAULT_JOIN_TIMEOUT,
+    EXTRA_PORTS_VARIABLE,
+    SOCKET_NAME_VARIABLE,
+    EventKind,
+)
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
 from sarcomm.common.heartbeats import HeartbeatStream
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.ports import PortBlock, check_extra_ports, extra_ports
 from sarcomm.common.tls import ClientTls, read_token_file
-from sarcomm.worker.launch_env import heartbeat_interval_setting, socket_name_setting
+from sarcomm.worker.launch_env import (
+    heartbeat_interval_setting,
+    metrics_host_setting,
+    metrics_report_host,
+    socket_name_setting,
+)
 from sarcomm.worker.progress import ProgressWriter
 from sarcomm.worker.services import install_progress
 
 __all__ = [
     "add_peer_failure_listener",
     "coord_ip_init",
+    "leave",
     "peer_failure",
     "peer_verdict_wait",
     "register",
@@ -120,6 +136,8 @@ class _Registration:
         self._uncaught: BaseException | None = None
         # A forked child (a DataLoader worker) inherits the atexit hook but is not the member.
         self._pid = os.getpid()
+        #: The extra ports (extra_ports=K) this process holds while it is the job's master.
+        self.ports = PortBlock([])
 
     @property
     def client_timeout(self) -> float:
@@ -138,14 +156,16 @@ class _Registration:
         self.result = self._thread.run(_join(), deadline + 10.0)
         return self.result
 
-    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter) -> None:
-        """Heartbeat for the joined member, with the progress the collectives note in ``progress``."""
+    def start_heartbeats(self, result: JoinResult, progress: ProgressWriter, metrics_host: str) -> None:
+        """Heartbeat for the joined member, with the progress the collectives note in ``progress``
+        and its ``/metrics`` endpoint, bound on ``metrics_host``."""
         member = result.assignments[0]
+        report_host = metrics_report_host(metrics_host, member.address)
 
         def reports() -> list[MemberReport]:
             seq, op, in_collective, since = progress.current  # one tuple, swapped whole by the writer
             port = progress.metrics_port
-            metrics_address = host_port(member.address, port) if port else ""
+            metrics_address = host_port(report_host, port) if port else ""
             return [
                 MemberReport(
                     member.member_id, member.secret, Progress(seq, op, in_collective, since), metrics_address
@@ -199,6 +219,35 @@ class _Registration:
 
         sys.excepthook = excepthook
         atexit.register(self.close)
+        # A multiprocessing child (fork, forkserver) ends with os._exit, so atexit never runs
+        # there; multiprocessing runs its own finalizers first, in every start method, inside the
+        # `finally` around the process's target, where an exception in flight is still visible.
+        multiprocessing.util.Finalize(None, self._close_at_process_exit, exitpriority=100)
+
+    def _close_at_process_exit(self) -> None:
+        """Leave as a multiprocessing child ends: 0 when its target returned, else the status and
+        the reason of the exception that is ending it."""
+        error = sys.exc_info()[1]
+        if error is None:
+            self.close()
+        elif isinstance(error, SystemExit):
+            code = error.code  # sys.exit(None) is 0; sys.exit("message") is 1 with that message
+            if not isinstance(code, int | None):
+                self.close(1, str(code)[:512])
+                return
+            # torch.multiprocessing.spawn's wrapper turns an exception into sys.exit(1): name it.
+            cause = error.__context__
+            reason = (
+                f"exited with code {code} after {type(cause).__name__}: {cause}" if code and cause else ""
+            )
+            self.close(code or 0, reason[:512])
+        else:
+            self._uncaught = error
+            self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, exit_code: int | None = None, reason: str = "") -> None:
         """Stop heartbeating and report ``Leave`` (bounded by the client's timeout); idempotent.
@@ -208,6 +257,7 @@ class _Registration:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        self.ports.close()
         if exit_code is None:
             exit_code = 1 if self._uncaught is not None else 0
             if self._uncaught is not None and not reason:
@@ -242,6 +292,18 @@ class _Registration:
 _registration: _Registration | None = None
 _registration_lock = threading.Lock()
 _peer_failure_listeners: list[Callable[[PeerFailedError], None]] = []
+
+
+def leave(exit_code: int = 0, reason: str = "") -> bool:
+    """Report ``Leave`` with ``exit_code`` for this self-registered process now and stop its
+    heartbeats (bounded by the client's timeout); True when it was a member that had not left.
+    Later calls, and the exit hooks, do nothing. Under ``sar-worker`` (not self-registered) it does
+    nothing and returns False: the agent reports the rank's exit."""
+    registration = _registration
+    if registration is None or registration.closed:
+        return False
+    registration.close(exit_code, reason)
+    return True
 
 
 def add_peer_failure_listener(listener: Callable[[PeerFailedError], None]) -> None:
@@ -284,12 +346,17 @@ def register(
     token: str | None,
     heartbeat_interval: float | None,
     environ: MutableMapping[str, str],
+    extra_ports_count: int = 0,
 ) -> JoinResult:
-    """Join at ``coord``, start heartbeats, export the variables; shared by both entry points."""
+    """Join at ``coord``, start heartbeats, export the variables; shared by both entry points.
+    ``extra_ports_count`` ports after the master port are reserved with it (see
+    :class:`~sarcomm.common.ports.PortBlock`) and held until this process leaves."""
     global _registration
     coord = ",".join(parse_targets(coord))
+    check_extra_ports(extra_ports_count, "extra_ports")
     interval = heartbeat_interval_setting(environ, heartbeat_interval)
     socket_name = socket_name_setting(environ)
+    metrics_host = metrics_host_setting(environ)
     if socket_name:
         # Checked here so a typo is reported on the host that made it, with the names that exist.
         netinfo.check_socket_name(socket_name)
@@ -305,7 +372,7 @@ def register(
         if token is None and environ.get("SARCOMM_TOKEN_FILE"):
             token = read_token_file(environ["SARCOMM_TOKEN_FILE"], "SARCOMM_TOKEN_FILE")
         registration = _Registration(coord, token, interval, tls)
-        reservation = netinfo.reserve_port("")
+        registration.ports = PortBlock.reserve(extra_ports_count)
         try:
             result = registration.join(
                 (timeout or DEFAULT_JOIN_TIMEOUT) + registration.client_timeout,
@@ -316,17 +383,17 @@ def register(
                 local_ranks=[local_rank],
                 local_world_size=local_world_size,
                 socket_name=socket_name,
-                store_port=int(reservation.getsockname()[1]),
+                store_port=registration.ports.store_port,
                 join_timeout=timeout,
                 backend="" if backend == "auto" else backend,
             )
         except BaseException:
             registration.close(0, "join failed")
             raise
-        finally:
-            # Released now so that rank 0's TCPStore (this process, in initialize_comms) can bind it.
-            reservation.close()
-        registration.start_heartbeats(result, install_progress(None, interval))
+        # The store port is released now so that rank 0's TCPStore (this process, in
+        # initialize_comms) can bind it; the extra ports stay held while this process is the master.
+        registration.ports.keep_if_master(result.master_port)
+        registration.start_heartbeats(result, install_progress(None, interval), metrics_host)
         _registration = registration
     member = result.assignments[0]
     environ.update(
@@ -348,6 +415,8 @@ def register(
     )
     if backend != "auto":
         environ["SAR_BACKEND"] = backend
+    if extra_ports_count:
+        environ[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(result.master_port, extra_ports_count)))
     log.info(
         "job=%s rank=%d generation=%d: registered at %s; master %s:%d, interface %s",
         result.job, member.rank, result.generation, coord, result.master_addr, result.master_port,
@@ -366,6 +435,7 @@ def coord_ip_init(
     token: str | None = None,
     backend: str = "auto",
     heartbeat_interval: float | None = None,
+    extra_ports: int = 0,
 ) -> str:
     """Drop-in for SAR's ``nfs_ip_init(rank, ip_file)``: join ``job`` at the coordinator ``coord``
     as ``rank`` and return the master address. ``coord`` may list the coordinator's replicas
@@ -379,7 +449,10 @@ def coord_ip_init(
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``SAR_MEMBER_ID``,
     ``SAR_MEMBER_SECRET``, ``SAR_RESTART_COUNT``. Heartbeats then run on a private thread every
     ``heartbeat_interval`` seconds (default ``SARCOMM_HEARTBEAT_INTERVAL``, else 1), and ``Leave``
-    is reported at interpreter exit.
+    is reported at interpreter exit. ``extra_ports=K`` (0..64) reserves the K ports after the master
+    port with it, for SAR's sampling workers (``master_port() + k + 1``), held by the master's
+    process until it leaves, and exports them as ``SAR_EXTRA_PORTS`` (comma-separated); every rank
+    of a job must give the same K.
 
     Raises:
         InvalidArgumentError: a bad argument, or ``SAR_SOCKET_NAME`` names no interface here.
@@ -404,5 +477,6 @@ def coord_ip_init(
         token=token,
         heartbeat_interval=heartbeat_interval,
         environ=os.environ,
+        extra_ports_count=extra_ports,
     )
     return result.master_addr

@@ -6,9 +6,11 @@ agent, and the ``/metrics`` endpoint.
   heartbeat interval, and stops the rank once its agent (``SAR_AGENT_PID``) is gone; a process that
   registered itself keeps the record in memory for its own heartbeats. The collectives find the
   writer through :func:`add_progress_listener`, so this module never imports them (nor torch).
-- Metrics: :func:`start_rank_services` serves ``/metrics`` on the port
-  :func:`~sarcomm.worker.launch_env.metrics_port_setting` says, and notes the bound port in the
-  record, from where the heartbeats carry it to the coordinator.
+- Metrics: :func:`start_rank_services` serves ``/metrics`` on the address and port
+  :func:`~sarcomm.worker.launch_env.metrics_host_setting` and
+  :func:`~sarcomm.worker.launch_env.metrics_port_setting` say (``SAR_METRICS_HOST``,
+  ``SAR_METRICS_PORT``), and notes the bound port in the record, from where the heartbeats carry
+  it to the coordinator.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from pathlib import Path
 
 from sarcomm.common.constants import PROGRESS_FILE_VARIABLE
 from sarcomm.worker import metrics
-from sarcomm.worker.launch_env import agent_pid_setting, heartbeat_interval_setting, metrics_port_setting
+from sarcomm.worker.launch_env import (
+    agent_pid_setting,
+    heartbeat_interval_setting,
+    metrics_host_setting,
+    metrics_port_setting,
+)
 from sarcomm.worker.progress import ProgressWriter
 
 __all__ = [
@@ -136,14 +143,15 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     port = metrics_port_setting(env, member=bool(env.get("SAR_MEMBER_ID")))
     if port is None:
         return
+    host = metrics_host_setting(env)
     bound = metrics.serving_port()
     if bound is None:
         try:
-            _, bound = metrics.start_metrics_server(port)
+            _, bound = metrics.start_metrics_server(port, host)
         except OSError as exc:
             log.error(
-                "rank %s: cannot serve /metrics on port %d (%s); continuing without the endpoint",
-                env.get("RANK", "?"), port, exc,
+                "rank %s: cannot serve /metrics on %s port %d (%s); continuing without the endpoint",
+                env.get("RANK", "?"), host, port, exc,
             )  # fmt: skip
             return
     if writer is not None:

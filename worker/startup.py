@@ -76,6 +76,7 @@ def init(
     initialize: bool = True,
     timeout: float | None = None,
     token: str | None = None,
+    extra_ports: int = 0,
 ) -> WorkerInfo:
     """Find out who this process is and (``initialize=True``) initialise ``torch.distributed``.
 
@@ -90,6 +91,8 @@ def init(
 
     ``backend`` defaults to ``SAR_BACKEND``, else "auto". ``timeout`` bounds a join (seconds;
     None: the coordinator's ``--join-timeout``); ``token`` is the coordinator's bearer token.
+    ``extra_ports=K`` reserves the K ports after the master port when registering (as
+    ``coord_ip_init``'s; under ``sar-worker`` its ``--extra-ports`` does).
 
     Raises:
         InvalidArgumentError: a variable or argument breaks its rule (the message names it, its
@@ -132,6 +135,7 @@ def init(
             token=token,
             heartbeat_interval=None,
             environ=env,
+            extra_ports_count=extra_ports,
         )
         info = _worker_info(result.assignments[0], chosen_backend)
     else:

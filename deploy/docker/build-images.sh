@@ -15,8 +15,14 @@
 #   4. with --prometheus: $SARCOMM_PROMETHEUS_IMAGE (default sarcomm-prometheus:local), Prometheus
 #      from Debian's `prometheus` package on the same base, for machines that cannot pull
 #      prom/prometheus. Kept by its tag and the package's version.
+#   5. with --etcd: $SARCOMM_ETCD_IMAGE (default sarcomm-etcd:local), etcd from Debian's
+#      `etcd-server` package (3.4) on the same base, for docker-compose.etcd.yml. Kept by its tag
+#      and the package's version.
 #
-# Usage: bash deploy/docker/build-images.sh [--prometheus] [--refresh]
+# The image installs sarcomm with its `etcd` extra (the etcd store's client), so one image serves
+# both the SQLite and the etcd compose files.
+#
+# Usage: bash deploy/docker/build-images.sh [--prometheus] [--etcd] [--refresh]
 #   --refresh   rebuild the base image and the wheelhouse even when they exist
 #
 # Environment: SARCOMM_TORCH_VERSION (2.13.0), SARCOMM_TORCH_INDEX (an extra index for torch, e.g.
@@ -33,13 +39,16 @@ WHEELHOUSE="$HERE/wheelhouse"
 TORCH_VERSION="${SARCOMM_TORCH_VERSION:-2.13.0}"
 IMAGE="${SARCOMM_IMAGE:-sarcomm:latest}"
 PROMETHEUS_IMAGE="${SARCOMM_PROMETHEUS_IMAGE:-sarcomm-prometheus:local}"
+ETCD_IMAGE="${SARCOMM_ETCD_IMAGE:-sarcomm-etcd:local}"
 EXIT_CANNOT=3
 
 with_prometheus=0
+with_etcd=0
 refresh=0
 for arg in "$@"; do
   case "$arg" in
     --prometheus) with_prometheus=1 ;;
+    --etcd) with_etcd=1 ;;
     --refresh) refresh=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build-images.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
@@ -113,7 +122,7 @@ fi
 read -r py_version glibc machine < <(docker run --rm --network none --entrypoint python3 "$BASE" -c \
   'import platform, sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}", platform.libc_ver()[1] or "0.0", platform.machine())')
 docker run --rm -i --network none --entrypoint python3 "$BASE" -c \
-  'import sys, tomllib; print("\n".join(tomllib.load(sys.stdin.buffer)["project"]["dependencies"]))' \
+  'import sys, tomllib; p = tomllib.load(sys.stdin.buffer)["project"]; print("\n".join(p["dependencies"] + p.get("optional-dependencies", {}).get("etcd", [])))' \
   <"$ROOT/pyproject.toml" >"$tmp/requirements.txt"
 key="$( { cat "$tmp/requirements.txt"; echo "torch==$TORCH_VERSION ${SARCOMM_TORCH_INDEX:-}"
           echo "$py_version $glibc $machine"; } | sha256sum | cut -c1-16)"
@@ -188,6 +197,34 @@ if [ "$with_prometheus" = 1 ]; then
         --build-arg BASE_IMAGE="$BASE" --label "$label=$version" "$ctx" >"$tmp/prometheus.log" 2>&1; then
       tail -n 20 "$tmp/prometheus.log" >&2
       echo "build-images.sh: docker build of $PROMETHEUS_IMAGE failed (log above)" >&2
+      exit 1
+    fi
+  fi
+fi
+# -- 5. etcd from Debian's package ------------------------------------------------------------------
+if [ "$with_etcd" = 1 ]; then
+  label="sarcomm.etcd.deb"
+  have="$(docker image inspect --format "{{index .Config.Labels \"$label\"}}" "$ETCD_IMAGE" 2>/dev/null || true)"
+  candidate="$(apt-cache policy etcd-server 2>/dev/null | awk '/Candidate:/ {print $2}' || true)"
+  if [ -n "$have" ] && { [ -z "$candidate" ] || [ "$candidate" = "$have" ]; }; then
+    step "image $ETCD_IMAGE: present (Debian etcd-server $have)"
+  else
+    command -v apt-get >/dev/null 2>&1 || cannot "no apt-get to fetch Debian's etcd-server package"
+    mkdir -p "$tmp/etcd" && chmod 777 "$tmp/etcd"
+    fetch_etcd() { (cd "$tmp/etcd" && apt-get download -qq etcd-server) >/dev/null 2>&1; }
+    fetch_etcd || { apt-get update -qq >/dev/null 2>&1 || true; fetch_etcd; } \
+      || cannot "apt-get download etcd-server failed (no Debian mirror?)"
+    deb="$(ls "$tmp"/etcd/etcd-server_*.deb)"
+    version="$(dpkg-deb --field "$deb" Version)"
+    step "image $ETCD_IMAGE: Debian etcd-server $version on $BASE"
+    dpkg-deb --extract "$deb" "$tmp/etcd/root"
+    ctx="$tmp/etcd/context"
+    mkdir -p "$ctx"
+    cp "$tmp/etcd/root/usr/bin/etcd" "$HERE/etcd.Dockerfile" "$ctx/"
+    if ! docker build --network none --file "$ctx/etcd.Dockerfile" --tag "$ETCD_IMAGE" \
+        --build-arg BASE_IMAGE="$BASE" --label "$label=$version" "$ctx" >"$tmp/etcd.log" 2>&1; then
+      tail -n 20 "$tmp/etcd.log" >&2
+      echo "build-images.sh: docker build of $ETCD_IMAGE failed (log above)" >&2
       exit 1
     fi
   fi

@@ -9,6 +9,11 @@ the same way on its ``--listen`` port (``SARCOMM_LISTEN``, default 50051, on loo
 on every address); a ``sar-worker`` is healthy while it runs (a worker's health is the coordinator's
 business: it watches heartbeats, and the agent exits when its job fails).
 
+A coordinator on an etcd store (``--store etcd://...``, one of several replicas) is healthy while
+the server as a whole serves (the service ``""``), leading or standing by: a standby answers
+NOT_SERVING for ``sarcomm.v1.Coordinator`` by design, and is what takes over when the leader dies;
+one shutting down answers NOT_SERVING for both.
+
 The health service needs no token. When the coordinator serves TLS (``--tls-cert``), the check
 trusts ``SARCOMM_HEALTHCHECK_CA`` or else that certificate, and sends ``SARCOMM_HEALTHCHECK_CERT``
 and ``SARCOMM_HEALTHCHECK_KEY`` as its client certificate when set (``--tls-client-ca``);
@@ -63,8 +68,8 @@ def local_target(listen: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def check(target: str, tls_cert: str | None = None) -> int:
-    """Ask ``target``'s health service; 0 on SERVING, else 1 with a line on stderr."""
+def check(target: str, tls_cert: str | None = None, service: str = SERVICE) -> int:
+    """Ask ``target``'s health service about ``service``; 0 on SERVING, else 1 with a line on stderr."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -84,17 +89,18 @@ def check(target: str, tls_cert: str | None = None) -> int:
         channel = grpc.insecure_channel(target)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
-        response = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT_S)
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
     except grpc.RpcError as exc:
         print(f"unhealthy: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     finally:
         channel.close()
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    name = service or "the server"
     if response.status != health_pb2.HealthCheckResponse.SERVING:
-        print(f"unhealthy: {target}: {SERVICE} is {status}", file=sys.stderr)
+        print(f"unhealthy: {target}: {name} is {status}", file=sys.stderr)
         return 1
-    print(f"healthy: {target}: {SERVICE} is {status}")
+    print(f"healthy: {target}: {name} is {status}")
     return 0
 
 
@@ -107,7 +113,8 @@ def main(argv: list[str]) -> int:
             if "status" in args[1:]:
                 continue
             listen = flag(args, env, "listen") or f"0.0.0.0:{DEFAULT_PORT}"
-            return check(local_target(listen), flag(args, env, "tls-cert"))
+            replica = (flag(args, env, "store") or "").startswith("etcd://")
+            return check(local_target(listen), flag(args, env, "tls-cert"), "" if replica else SERVICE)
     if any(Path(arg).name == "sar-worker" for args, _ in running for arg in args[:2]):
         print("healthy: sar-worker is running")
         return 0
