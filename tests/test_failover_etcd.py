@@ -36,6 +36,9 @@ from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_fo
 #: The leader's lease: a standby takes over within this after the leader stops renewing it.
 TTL_S = 2
 GRACE_S = 5.0
+#: How long two fresh coordinators may take to elect one and have the other name it (generous: the
+#: two cores here are shared, and etcd's first elections are slow under load).
+ELECTION_S = 30.0
 LIVENESS_S = 0.5 * 3
 DEADLINE_S = 20.0
 AGENT_DEADLINE_S = 120.0
@@ -63,13 +66,15 @@ def replicas(
         for coord in coords:
             coord.start()
         leading = wait_for(
-            lambda: [c for c in coords if _role(c) == "leader"] or None, 15, what="one coordinator to lead"
+            lambda: [c for c in coords if _role(c) == "leader"] or None,
+            ELECTION_S,
+            what="one coordinator to lead",
         )
         leader = leading[0]
         standby = next(c for c in coords if c is not leader)
         wait_for(
             lambda: _named_leader(standby) == leader.grpc_target,
-            15,
+            ELECTION_S,
             what="the standby to know the leader",
         )
         yield leader, standby
