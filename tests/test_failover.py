@@ -36,6 +36,7 @@ from sarcomm.common.replicas import CONNECT_S
 from sarcomm.worker import cli as worker_cli
 from sarcomm.worker.agent_config import AgentConfig
 from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.failover_job import agent_job
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 from tests.standby import Standby
 
@@ -45,7 +46,6 @@ DEADLINE_S = 20.0
 # the liveness rule: a member judged after 0.5 s x 3 of silence once the grace is over.
 GRACE_S = 4.0
 # Bounds a sar-worker's whole run: torch imports, rendezvous, collectives, shutdown.
-AGENT_DEADLINE_S = 120.0
 LIVENESS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--reconnect-grace", str(GRACE_S))
 
 
@@ -477,60 +477,29 @@ async def test_status_with_no_leader_among_the_replicas_says_what_each_one_is() 
 
 # -- a sar-worker job across a move of its coordinator -------------------------------------------
 
-RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "agent_rank.py")
-
 
 def test_an_agent_job_runs_on_while_its_coordinator_moves_to_the_other_address_and_finishes(
     moving: tuple[CoordinatorProcess, CoordinatorProcess], tmp_path: Path
 ) -> None:
     a, b = moving
-    out = tmp_path / "ranks"
-    out.mkdir()
-    coord = f"{a.grpc_target},{b.grpc_target}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
-    agent_log = tmp_path / "agent.log"
-    with agent_log.open("wb") as log_file:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord, "--job", "moves",
-             "--world-size", "2", "--nproc-per-node", "2", "--backend", "gloo",
-             "--heartbeat-interval", "0.25", "--join-timeout", "60",
-             "--", sys.executable, RANK_SCRIPT, "failover", str(out)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    try:
-        wait_for(
-            lambda: all((out / f"rank{r}.before").exists() for r in (0, 1)),
-            AGENT_DEADLINE_S,
-            what=lambda: f"both ranks past their first all_reduce; agent:\n{agent_log.read_text()}",
-        )
+    with agent_job(f"{a.grpc_target},{b.grpc_target}", "moves", tmp_path) as job:
         a.kill()
         b.start()
         wait_for(
-            lambda: f"following the leader at {b.grpc_target}" in agent_log.read_text(),
+            lambda: f"following the leader at {b.grpc_target}" in job.log_text(),
             GRACE_S,
-            what=lambda: f"the agent following b within the grace; agent:\n{agent_log.read_text()}",
+            what=lambda: f"the agent following b within the grace; agent:\n{job.log_text()}",
         )
         # Past the grace and a whole liveness window: the ranks still run, b fails nobody.
         stays_false(
             lambda: (
-                agent.poll() is not None or "missed heartbeats" in b.log() or "connection lost" in b.log()
+                job.agent.poll() is not None or "missed heartbeats" in b.log() or "connection lost" in b.log()
             ),
             GRACE_S + 0.5 * 3 + 1.0,
             what=lambda: f"the agent exiting or b failing a member; b:\n{b.log()}",
         )
-        (out / "go").write_text("")
-        code = agent.wait(AGENT_DEADLINE_S)
-        assert code == 0, agent_log.read_text()
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
-    for rank in (0, 1):
-        seen = json.loads((out / f"rank{rank}.json").read_text())
-        assert seen["coord"] == coord  # the ranks got the whole list
-        assert seen["before"] == [3.0]
-        assert seen["all_reduce"] == [3.0, 30.0]
-        assert seen["all_to_all"] == [[float(100 * src + rank)] * (src + rank + 1) for src in range(2)]
+        job.finish()
+    job.check_ranks()
     jobs = {j["job"]: j for j in b.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
     assert jobs["moves"]["state"] == "FINISHED"
     assert {m["state"] for m in jobs["moves"]["members"]} == {"LEFT"}

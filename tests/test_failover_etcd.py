@@ -31,6 +31,7 @@ from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, MemberReport
 from tests.conftest import CoordinatorProcess
 from tests.etcd_cluster import EtcdCluster
+from tests.failover_job import AGENT_DEADLINE_S, agent_job
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 
 #: The leader's lease: a standby takes over within this after the leader stops renewing it.
@@ -41,8 +42,6 @@ GRACE_S = 5.0
 ELECTION_S = 30.0
 LIVENESS_S = 0.5 * 3
 DEADLINE_S = 20.0
-AGENT_DEADLINE_S = 120.0
-RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "agent_rank.py")
 _FAILED = ("missed heartbeats", "connection lost")
 
 
@@ -206,48 +205,20 @@ def test_a_sar_worker_job_runs_through_a_take_over_and_finishes(
     replicas: tuple[CoordinatorProcess, CoordinatorProcess], tmp_path: Path
 ) -> None:
     leader, standby = replicas
-    out = tmp_path / "ranks"
-    out.mkdir()
-    coord = f"{leader.grpc_target},{standby.grpc_target}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
-    agent_log = tmp_path / "agent.log"
-    with agent_log.open("wb") as log_file:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord, "--job", "etcd-agent",
-             "--world-size", "2", "--nproc-per-node", "2", "--backend", "gloo",
-             "--heartbeat-interval", "0.25", "--join-timeout", "60",
-             "--", sys.executable, RANK_SCRIPT, "failover", str(out)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    try:
-        wait_for(
-            lambda: all((out / f"rank{r}.before").exists() for r in (0, 1)),
-            AGENT_DEADLINE_S,
-            what=lambda: f"both ranks past their first all_reduce; agent:\n{agent_log.read_text()}",
-        )
+    with agent_job(f"{leader.grpc_target},{standby.grpc_target}", "etcd-agent", tmp_path) as running:
         leader.kill()
         wait_for(
-            lambda: f"following the leader at {standby.grpc_target}" in agent_log.read_text(),
+            lambda: f"following the leader at {standby.grpc_target}" in running.log_text(),
             TTL_S + GRACE_S,
-            what=lambda: f"the agent following the new leader; agent:\n{agent_log.read_text()}",
+            what=lambda: f"the agent following the new leader; agent:\n{running.log_text()}",
         )
         stays_false(
-            lambda: agent.poll() is not None or _failed_anyone(standby),
+            lambda: running.agent.poll() is not None or _failed_anyone(standby),
             GRACE_S + LIVENESS_S + 1.0,
             what=lambda: f"the agent exiting or the new leader failing a member:\n{standby.log()}",
         )
-        (out / "go").write_text("")
-        assert agent.wait(AGENT_DEADLINE_S) == 0, agent_log.read_text()
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
-    for rank in (0, 1):
-        seen = json.loads((out / f"rank{rank}.json").read_text())
-        assert seen["coord"] == coord
-        assert seen["before"] == [3.0]
-        assert seen["all_reduce"] == [3.0, 30.0]
-        assert seen["all_to_all"] == [[float(100 * src + rank)] * (src + rank + 1) for src in range(2)]
+        running.finish()
+    running.check_ranks()
     job = {j["job"]: j for j in standby.get_json("/v1/jobs")["jobs"]}["etcd-agent"]  # type: ignore[index]
     assert (job["state"], job["generation"]) == ("FINISHED", 1)
     assert {m["state"] for m in job["members"]} == {"LEFT"}
