@@ -1000,7 +1000,12 @@ def render_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
                 f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
             )
         )
-    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+    return _aligned(rows)
+
+
+def _aligned(rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table, the first row its head, columns right-aligned and padded."""
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     return "\n".join(lines)
@@ -1037,10 +1042,7 @@ def render_etcd_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> 
                 f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
             )
         )
-    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
-    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
+    return _aligned(rows)
 
 
 def verdict(outcomes: Sequence[Outcome]) -> str:
