@@ -7,15 +7,18 @@ wait for the file ``go`` and then finish their collectives; :func:`check_ranks` 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.messages import Assignment, MemberReport
 from tests.helpers import wait_for
 
 #: Bounds an agent's whole job (start, join, the ranks' collectives, exit).
@@ -77,3 +80,25 @@ def agent_job(coord: str, job: str, tmp_path: Path) -> Iterator[AgentJob]:
         if agent.poll() is None:
             agent.kill()
             agent.wait(10)
+
+
+@contextlib.asynccontextmanager
+async def answering(client: CoordinatorClient, member: Assignment) -> AsyncIterator[list[str]]:
+    """Heartbeat ``member`` every 0.25 s through ``client``; yields the list of the replicas
+    (``client.target`` at the time) that answered each report, in order."""
+    answered_by: list[str] = []
+
+    def reports() -> list[MemberReport]:
+        return [MemberReport(member.member_id, member.secret)]
+
+    async with client.heartbeats(reports, 0.25) as stream:
+
+        async def read() -> None:
+            async for _ in stream:
+                answered_by.append(client.target)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            yield answered_by
+        finally:
+            reader.cancel()

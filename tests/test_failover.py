@@ -36,7 +36,7 @@ from sarcomm.common.replicas import CONNECT_S
 from sarcomm.worker import cli as worker_cli
 from sarcomm.worker.agent_config import AgentConfig
 from tests.conftest import CoordinatorProcess, StartCoordinator
-from tests.failover_job import agent_job
+from tests.failover_job import agent_job, answering
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 from tests.standby import Standby
 
@@ -393,18 +393,7 @@ async def test_a_heartbeat_stream_whose_coordinator_stops_answering_moves_to_the
     b = start_coordinator(*LIVENESS)
     async with CoordinatorClient(f"{a.grpc_target},{b.grpc_target}", timeout=10.0) as client:
         member = await asyncio.wait_for(client.join("hung", 1, host="h", interfaces=[LO]), DEADLINE_S)
-        answered_by: list[str] = []
-
-        def reports() -> list[MemberReport]:
-            return [MemberReport(member.member_id, member.secret)]
-
-        async with client.heartbeats(reports, 0.25) as stream:
-
-            async def read() -> None:
-                async for _ in stream:
-                    answered_by.append(client.target)
-
-            reader = asyncio.ensure_future(read())
+        async with answering(client, member) as answered_by:
             await wait_for_async(lambda: a.grpc_target in answered_by, DEADLINE_S, what="an answer from a")
             assert a.proc is not None
             a.proc.send_signal(signal.SIGSTOP)
@@ -416,7 +405,6 @@ async def test_a_heartbeat_stream_whose_coordinator_stops_answering_moves_to_the
                 moved = time.monotonic() - stopped
             finally:
                 a.proc.send_signal(signal.SIGCONT)
-            reader.cancel()
     assert HEARTBEAT_SILENT_S <= moved < HEARTBEAT_SILENT_S + 3.0, moved
 
 

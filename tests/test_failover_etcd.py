@@ -31,7 +31,7 @@ from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, MemberReport
 from tests.conftest import CoordinatorProcess
 from tests.etcd_cluster import EtcdCluster
-from tests.failover_job import AGENT_DEADLINE_S, agent_job
+from tests.failover_job import AGENT_DEADLINE_S, agent_job, answering
 from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 
 #: The leader's lease: a standby takes over within this after the leader stops renewing it.
@@ -313,18 +313,7 @@ async def test_a_join_waiting_at_a_hung_leader_goes_to_the_new_one_once_the_hear
         running = await asyncio.wait_for(
             client.join("etcd-running", 1, host="a", interfaces=[LO]), DEADLINE_S
         )
-        answers: list[str] = []
-
-        def reports() -> list[MemberReport]:
-            return [MemberReport(running.member_id, running.secret)]
-
-        async with client.heartbeats(reports, 0.25) as stream:
-
-            async def read() -> None:
-                async for _ in stream:
-                    answers.append(client.target)
-
-            reader = asyncio.ensure_future(read())
+        async with answering(client, running) as answers:
             waiting = asyncio.ensure_future(client.join("etcd-hung", 2, host="a", interfaces=[LO]))
             await wait_for_async(
                 lambda: _members(leader, "etcd-hung") == 1, DEADLINE_S, what="the Join to wait"
@@ -338,7 +327,6 @@ async def test_a_join_waiting_at_a_hung_leader_goes_to_the_new_one_once_the_hear
             second = await asyncio.wait_for(other.join("etcd-hung", 2, host="b", interfaces=[LO]), DEADLINE_S)
             first = await asyncio.wait_for(waiting, 5.0)
             formed = time.monotonic() - stopped
-            reader.cancel()
     assert formed < TTL_S + GRACE_S, formed
     assert (first.generation, second.generation) == (1, 1)
     assert sorted([first.rank, second.rank]) == [0, 1]
