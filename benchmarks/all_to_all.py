@@ -3,14 +3,15 @@
 Starts ``--world`` local ranks (default 4) on 127.0.0.1 and times, for each size from 1 KiB to
 64 MiB sent per rank, three ways of delivering the same unequal messages:
 
-- ``sarcomm``: ``sarcomm.worker.collectives.all_to_all`` (the hybrid of one packed
+- ``sarcomm``: ``sarcomm.worker.library.collectives.all_to_all`` (the hybrid of one packed
   all_to_all_single for small messages and direct point-to-point for large ones);
 - ``sar_fallback``: what SAR does on gloo: ``isend`` to every peer, blocking ``recv`` from each in
   rank order, then a ``barrier``;
 - ``a2a_single``: what a user would write with ``all_to_all_single``: ``torch.cat`` the send list,
   one call with split sizes, copy the output's slices into the receive tensors;
 - ``baseline`` (with ``--baseline-ref REF``): sarcomm's all_to_all as it was at git revision REF
-  (``worker/alltoall.py`` there, loaded beside the current one), for before/after in one run.
+  (``worker/library/collectives/alltoall.py`` there, loaded beside the current one), for
+  before/after in one run.
 
 Rank ``s`` sends rank ``d`` a share of the size proportional to ``1 + (s + 2d) % world``, so every
 message size differs. Calls are interleaved (the method order rotates every iteration, each call
@@ -117,7 +118,7 @@ def a2a_single(recv: list[torch.Tensor], send: list[torch.Tensor]) -> None:
 def methods(
     thresholds: list[int], old_source: tuple[str, str] | None
 ) -> dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], None]]:
-    from sarcomm.worker import collectives
+    from sarcomm.worker.library import collectives
 
     default = collectives.all_to_all_config().small_message_bytes
     found: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], None]] = {
@@ -128,7 +129,7 @@ def methods(
     if old_source is not None:
         commit, source = old_source
         found["baseline"] = baseline.load(
-            source, "alltoall_baseline", f"{commit}:worker/alltoall.py"
+            source, "alltoall_baseline", f"{commit}:worker/library/collectives/alltoall.py"
         ).all_to_all
     for threshold in thresholds:
 
@@ -157,7 +158,7 @@ def rank_main(
 ) -> None:
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
-    from sarcomm.worker import comm
+    from sarcomm.worker.library import comm
 
     comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
     table = methods(thresholds, old_source)
@@ -285,9 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--markdown", help="write the table here as Markdown")
-    parser.add_argument("--baseline-ref", help="also time worker/alltoall.py as it was at this git revision")
+    parser.add_argument(
+        "--baseline-ref",
+        help="also time worker/library/collectives/alltoall.py as it was at this git revision",
+    )
     args = parser.parse_args(argv)
-    old_source = baseline.source_at(args.baseline_ref, "worker/alltoall.py") if args.baseline_ref else None
+    old_source = (
+        baseline.source_at(args.baseline_ref, "worker/library/collectives/alltoall.py")
+        if args.baseline_ref
+        else None
+    )
     sizes = parse_sizes(args.sizes)
     thresholds = [parse_size(t) for t in args.thresholds.split(",") if t.strip()]
     with socket.socket() as sock:
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(gathered, sizes)
     print_table(rows, args.world)
     if args.json:
-        from sarcomm.worker import collectives
+        from sarcomm.worker.library import collectives
 
         report = {
             "benchmark": "all_to_all",

@@ -3,8 +3,9 @@ times the code before and after a change in one run (interleaved, on the same ma
 
 ``source_at(ref, path)`` reads the file from git; ``load(source, name)`` executes it as a module of
 its own. The old module imports its neighbours from the current tree, so it runs as long as the
-names it imports still exist (``worker/alltoall.py`` at 3abd83d imports ``sarcomm.worker.comm``
-and four helpers of ``sarcomm.worker.timing``).
+names it imports still exist: the all_to_all module of 3abd83d (``worker/alltoall.py`` there) imports
+``sarcomm.worker.comm`` and four helpers of ``sarcomm.worker.timing``, names of the layout before
+``worker/library/``, so a baseline from before the move needs a checkout of its own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Starts a ``sar-coordinator`` on free loopback ports (state in memory), then one ``sar-worker``
 agent with ``--nproc-per-node`` = ``--world`` local ranks (4) on gloo, whose COMMAND is the
-built-in bench (``worker/bench.py``): every op over the size sweep, each result checked. The
+built-in bench (``worker/agent/bench.py``): every op over the size sweep, each result checked. The
 bench's own JSON (rows of op, bytes, time_us, algbw, busbw, wrong) is kept as it is, with the
 command, the machine and the wall time added, so that ``report.py`` can label it. The agent's
 exit status is this script's: 1 when any value was wrong.
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--heartbeat-interval", str(args.heartbeat_interval),
         ]  # fmt: skip
         worker_cmd = [
-            sys.executable, "-m", "sarcomm.worker.cli",
+            sys.executable, "-m", "sarcomm.worker.agent.cli",
             "--coord", f"{LOOPBACK}:{grpc_port}", "--job", "bench-sweep",
             "--world-size", str(args.world), "--nproc-per-node", str(args.world), "--backend", args.backend,
             "--heartbeat-interval", str(args.heartbeat_interval),

@@ -68,7 +68,7 @@ IN_FLIGHT_S = 0.05
 async def client_main(config: dict[str, Any]) -> dict[str, Any]:
     """Join ``agents`` agents of ``per_agent`` members each; heartbeat until the stop file appears;
     return every agent's answer times."""
-    from sarcomm.common.client import CoordinatorClient
+    from sarcomm.common.client.coordinator_client import CoordinatorClient
     from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
     from sarcomm.common.messages import MemberReport, Progress
 

@@ -238,7 +238,7 @@ class Watcher:
         self._thread.start()
 
     async def _watch(self, target: str, job: str) -> None:
-        from sarcomm.common.client import CoordinatorClient
+        from sarcomm.common.client.coordinator_client import CoordinatorClient
         from sarcomm.common.constants import EventKind
         from sarcomm.common.errors import SarcommError
 
@@ -334,7 +334,7 @@ def run_once(
         for i in range(WORLD):
             iface = {"GLOO_SOCKET_IFNAME": "eth0"} if hosts.netns else {}
             if mode == "agent":
-                command = [sys.executable, "-m", "sarcomm.worker.cli", "--coord", target, "--job", job,
+                command = [sys.executable, "-m", "sarcomm.worker.agent.cli", "--coord", target, "--job", job,
                            "--world-size", str(WORLD), "--rank", str(i), "--backend", "gloo",
                            "--heartbeat-interval", str(args.interval), "--metrics-port", "-1",
                            "--", sys.executable, script, "_rank", "agent", str(control)]  # fmt: skip

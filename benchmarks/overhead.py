@@ -12,8 +12,8 @@ Three measurements, all on gloo over loopback:
 3. ``world2``: every op in a two-rank gloo group (separate processes), bare vs wrapped, 4 bytes
    and 64 KiB to 16 MiB. ``all_to_all`` sends equal sizes (its equal-size path against gloo's own
    all_to_all). ``--baseline-ref REF`` adds a row timing the all_to_all of commit REF
-   (``worker/alltoall.py`` there, loaded beside the current one) against the same bare call, so
-   that before and after are measured in one run.
+   (``worker/library/collectives/alltoall.py`` there, loaded beside the current one) against the
+   same bare call, so that before and after are measured in one run.
 
 Bare and wrapped calls are interleaved so that drifting load and clock speed hit both sides
 alike: (1) in blocks of many calls (a call is too short to time alone), (2) and (3) call by call
@@ -119,7 +119,7 @@ class _Done:
 
 def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
     """(1): every op's wrapper against a backend that does nothing, in this process (world size 1)."""
-    from sarcomm.worker import collectives as sar
+    from sarcomm.worker.library import collectives as sar
 
     results = {}
     t = torch.zeros(1)
@@ -161,7 +161,7 @@ def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
 
 def world1(quick: bool) -> dict[str, float]:
     """(2): a real 4-byte gloo all_reduce in a one-rank group."""
-    from sarcomm.worker import collectives
+    from sarcomm.worker.library import collectives
 
     tensor = torch.zeros(1)
     pairs = 5_000 if quick else 30_000
@@ -173,7 +173,7 @@ def pair_ops(
 ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     """op -> (bare call, wrapped call) over tensors of ``nbytes`` bytes (float32); ``old``, the
     baseline's alltoall module, adds its all_to_all under ``ref``."""
-    from sarcomm.worker import collectives as sar
+    from sarcomm.worker.library import collectives as sar
 
     n = max(1, nbytes // 4)
     t = torch.zeros(n)
@@ -215,10 +215,14 @@ def world2_rank(
 ) -> None:
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
-    from sarcomm.worker import comm
+    from sarcomm.worker.library import comm
 
     ref, source = old_source if old_source is not None else ("", "")
-    old = baseline.load(source, "alltoall_baseline", f"{ref}:worker/alltoall.py") if source else None
+    old = (
+        baseline.load(source, "alltoall_baseline", f"{ref}:worker/library/collectives/alltoall.py")
+        if source
+        else None
+    )
 
     comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -323,14 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", help="write the tables here as Markdown")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, sizes up to 1 MiB")
     parser.add_argument(
-        "--baseline-ref", help="also time worker/alltoall.py as it was at this git revision (before/after)"
+        "--baseline-ref",
+        help="also time worker/library/collectives/alltoall.py as it was at this git revision (before/after)",
     )
     args = parser.parse_args(argv)
-    old_source = baseline.source_at(args.baseline_ref, "worker/alltoall.py") if args.baseline_ref else None
+    old_source = (
+        baseline.source_at(args.baseline_ref, "worker/library/collectives/alltoall.py")
+        if args.baseline_ref
+        else None
+    )
     started = time.monotonic()
     os.environ.setdefault("SAR_SOCKET_NAME", "lo")
     torch.set_num_threads(1)
-    from sarcomm.worker import comm
+    from sarcomm.worker.library import comm
 
     comm.initialize_comms(0, 1, "127.0.0.1", "gloo", master_port_number=free_port())
     try:

@@ -51,7 +51,7 @@ from typing import Any
 
 import psutil
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import JoinResult, MemberReport
 

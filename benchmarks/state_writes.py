@@ -3,7 +3,7 @@
 Every change to a job rewrites its record in the SQLite state file. The coordinator used to write
 it at once, on the event loop (``immediate``, the baseline); it now marks the job and a flush a
 moment later writes each marked job once, from a writer thread, with Join and Leave answers waiting
-for it (``write_behind``, :mod:`sarcomm.coordinator.persistence`). Both run here on the same
+for it (``write_behind``, :mod:`sarcomm.coordinator.storage.persistence`). Both run here on the same
 domain objects (a real :class:`Membership`, a real SQLite file in WAL mode) and the same events,
 for a job of N single-rank members:
 
@@ -40,10 +40,10 @@ from typing import Any
 from recording import describe, write_results
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.membership import JoinSpec, MemberRequest, Membership, Progress
-from sarcomm.coordinator.persistence import WriteBehind
-from sarcomm.coordinator.records import write_at_once
-from sarcomm.coordinator.store import JobRow, SqliteStore
+from sarcomm.coordinator.domain.membership import JoinSpec, MemberRequest, Membership, Progress
+from sarcomm.coordinator.storage.persistence import WriteBehind
+from sarcomm.coordinator.storage.records import write_at_once
+from sarcomm.coordinator.storage.store import JobRow, SqliteStore
 
 LO = InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK)
 MODES = ("immediate", "write_behind")

@@ -1,67 +1,68 @@
-"""The one error hierarchy of sarcomm, and its mapping to gRPC status codes.
+"""The one error hierarchy of sarcomm.
 
-Domain code raises these; the gRPC servicer turns them into a status with :func:`to_status`, and
-the client turns a status back into the same class with :func:`from_rpc_error`. Messages are whole
-sentences that name the field, the value and the rule, because they reach users verbatim.
+Domain code raises these. Each class names the gRPC status it stands for (``code``, the status
+code's name), but this module imports no gRPC: the mapping to and from wire statuses is
+:mod:`sarcomm.common.status`, used only at the edges (the servicer's interceptor and the client's
+channel), so the domain stays free of gRPC. Messages are whole sentences that name the field, the
+value and the rule, because they reach users verbatim.
 """
 
 from __future__ import annotations
-
-import grpc
 
 
 class SarcommError(Exception):
     """Base of every error sarcomm raises on purpose."""
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: The name of the gRPC status code this error is sent as (``grpc.StatusCode[code]``).
+    code: str = "UNKNOWN"
 
 
 class InvalidArgumentError(SarcommError, ValueError):
     """Raised when a request field or a setting has a value its rule forbids."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = "INVALID_ARGUMENT"
 
 
 class FailedPreconditionError(SarcommError):
     """Raised when a request is valid but the job is in a state that does not allow it."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = "FAILED_PRECONDITION"
 
 
 class AlreadyExistsError(SarcommError):
     """Raised when a member claims something another member holds, such as a rank."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = "ALREADY_EXISTS"
 
 
 class NotFoundError(SarcommError):
     """Raised when a request names a job or member the coordinator does not know."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = "NOT_FOUND"
 
 
 class UnauthenticatedError(SarcommError):
     """Raised when a call carries no valid token or member secret."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = "UNAUTHENTICATED"
 
 
 class ResourceExhaustedError(SarcommError):
     """Raised when a configured limit (jobs, members, streams, waiters) would be exceeded."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = "RESOURCE_EXHAUSTED"
 
 
 class JoinTimeoutError(SarcommError, TimeoutError):
     """Raised when a job's world did not form before the join deadline."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = "DEADLINE_EXCEEDED"
 
 
 class CoordinatorUnavailableError(SarcommError, ConnectionError):
     """Raised when the coordinator could not be reached before the call's deadline."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = "UNAVAILABLE"
 
 
 class NotLeaderError(CoordinatorUnavailableError):
@@ -96,7 +97,7 @@ class StateError(SarcommError):
     a sarcomm state, or it cannot be read or written. The message names the path and the cause
     and says what to do."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = "FAILED_PRECONDITION"
 
 
 class PeerFailedError(SarcommError, RuntimeError):
@@ -105,43 +106,13 @@ class PeerFailedError(SarcommError, RuntimeError):
     ``rank``, ``host`` and ``reason`` name the failed peer (``rank`` is None when unknown).
     """
 
-    code = grpc.StatusCode.ABORTED
+    code = "ABORTED"
 
     def __init__(self, message: str, *, rank: int | None = None, host: str = "", reason: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.host = host
         self.reason = reason
-
-
-_BY_CODE: dict[grpc.StatusCode, type[SarcommError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgumentError,
-        FailedPreconditionError,
-        AlreadyExistsError,
-        NotFoundError,
-        UnauthenticatedError,
-        ResourceExhaustedError,
-        JoinTimeoutError,
-        CoordinatorUnavailableError,
-        PeerFailedError,
-    )
-}
-
-
-def to_status(error: SarcommError) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and details a servicer sends for ``error``."""
-    return error.code, str(error)
-
-
-def from_rpc_error(error: grpc.RpcError) -> SarcommError:
-    """The sarcomm error that a failed call's status stands for (``SarcommError`` if unmapped)."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    details = error.details() if hasattr(error, "details") else str(error)
-    cls = _BY_CODE.get(code, SarcommError)
-    message = details or f"the coordinator answered {code.name} without details"
-    return cls(message)
 
 
 def shorten(value: object, limit: int = 64) -> str:

@@ -22,8 +22,8 @@ from sarcomm.common.errors import InvalidArgumentError, SarcommError
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
-from sarcomm.coordinator.etcd_config import DEFAULT_LEADER_TTL, EtcdSettings, read_password_file
 from sarcomm.coordinator.server import serve
+from sarcomm.coordinator.storage.etcd_config import DEFAULT_LEADER_TTL, EtcdSettings, read_password_file
 
 log = logging.getLogger("sarcomm.coordinator")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.coordinator.etcd_config import EtcdSettings
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 
 @dataclass(frozen=True)

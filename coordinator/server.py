@@ -24,17 +24,18 @@ from grpc_reflection.v1alpha import reflection
 
 from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
-from sarcomm.coordinator import liveness, systemd
-from sarcomm.coordinator.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator import systemd
+from sarcomm.coordinator.api.http import HttpApi
+from sarcomm.coordinator.api.interceptor import StatusInterceptor
+from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.http import HttpApi
-from sarcomm.coordinator.interceptor import StatusInterceptor
-from sarcomm.coordinator.membership import Membership
-from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.records import load_state
-from sarcomm.coordinator.replica import Replica
-from sarcomm.coordinator.router import LeaderRouter
-from sarcomm.coordinator.store import SqliteStore, StateStore
+from sarcomm.coordinator.domain import liveness
+from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator.domain.membership import Membership
+from sarcomm.coordinator.ha.replica import Replica
+from sarcomm.coordinator.ha.router import LeaderRouter
+from sarcomm.coordinator.storage.records import load_state
+from sarcomm.coordinator.storage.store import SqliteStore, StateStore
 from sarcomm.coordinator.term import Term
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from google.protobuf import json_format
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
+from sarcomm.common.client.replicas import ReplicaRole
 from sarcomm.common.errors import CoordinatorUnavailableError
-from sarcomm.common.replicas import ReplicaRole
 from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
 

@@ -15,16 +15,15 @@ from collections.abc import Callable, Iterator
 
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.errors import NotLeaderError, SarcommError
-from sarcomm.coordinator.clock import Clock
+from sarcomm.coordinator.api.events import EventHub, FormedWaiters
+from sarcomm.coordinator.api.metrics import CoordinatorMetrics
+from sarcomm.coordinator.api.service import CoordinatorService
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.events import EventHub, FormedWaiters
-from sarcomm.coordinator.membership import Membership
-from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.model import Job, JobEvent
-from sarcomm.coordinator.persistence import WriteBehind
-from sarcomm.coordinator.records import StoredState
-from sarcomm.coordinator.service import CoordinatorService
-from sarcomm.coordinator.store import StateStore
+from sarcomm.coordinator.domain.clock import Clock
+from sarcomm.coordinator.domain.membership import Membership
+from sarcomm.coordinator.domain.model import Job, JobEvent, StoredState
+from sarcomm.coordinator.storage.persistence import WriteBehind
+from sarcomm.coordinator.storage.store import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Static checks: generated code fresh, ruff lint + format, mypy --strict over the sarcomm namespace
-# and over tests, benchmarks and examples. Any failure fails the script (after every check ran).
+# and over tests, benchmarks and examples, the import contracts. Any failure fails the script (after
+# every check ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,19 +10,13 @@ python protos/generate.py --check || status=1
 ruff check . || status=1
 ruff format --check . || status=1
 
-# mypy resolves modules by path, but the repository keeps coordinator/ and worker/ beside
-# protos/sarcomm/ and only installation maps them under `sarcomm`. Lay the package out as it
-# installs, check that, and print paths as they are in the repository.
-tree=build/typecheck
-rm -rf "$tree" && mkdir -p "$tree/sarcomm"
-cp -r protos/sarcomm/. "$tree/sarcomm/"
-cp -r common "$tree/sarcomm/common"
-cp -r coordinator "$tree/sarcomm/coordinator"
-cp -r worker "$tree/sarcomm/worker"
-find "$tree" -name __pycache__ -prune -exec rm -rf {} +
-MYPYPATH="$tree" mypy -p sarcomm 2>&1 \
-  | sed -e "s#$tree/sarcomm/coordinator/#coordinator/#" -e "s#$tree/sarcomm/worker/#worker/#" -e "s#$tree/sarcomm/common/#common/#" \
-        -e "s#$tree/sarcomm/#protos/sarcomm/#" || status=1
+# mypy and import-linter find modules by path, but the repository keeps coordinator/ and worker/
+# beside protos/sarcomm/ and only installation maps them under `sarcomm`: scripts/linktree.sh lays
+# the package out as it installs, as links to these files (paths in reports are under it).
+tree=$(bash scripts/linktree.sh)
+MYPYPATH="$tree" mypy -p sarcomm || status=1
+# The layering contracts of pyproject.toml ([tool.importlinter]).
+PYTHONPATH="$tree" lint-imports --no-cache || status=1
 
 # Tests, benchmarks and examples, --strict like the package (same pyproject config), against the
 # installed layout above. Their scripts run as files and import their neighbours by bare name

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import pytest
 
-from sarcomm.coordinator.etcd_config import EtcdSettings
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 # The three-member etcd cluster of the etcd store and failover tests, as a fixture for every file.
 from tests.etcd_cluster import etcd_cluster  # noqa: F401

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.model import Job, Member
+from sarcomm.coordinator.domain.model import Job, Member
 from sarcomm.coordinator.server import Coordinator
 from tests.helpers import wait_for_async
 
@@ -30,7 +30,7 @@ LOOPBACK = (InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK),)
 
 
 class FakeClock:
-    """A :class:`sarcomm.coordinator.clock.Clock` that moves only when told (:meth:`advance`)."""
+    """A :class:`sarcomm.coordinator.domain.clock.Clock` that moves only when told (:meth:`advance`)."""
 
     def __init__(self, monotonic: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
         self.mono = monotonic

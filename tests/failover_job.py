@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.messages import Assignment, MemberReport
-from tests.helpers import wait_for
+from tests.helpers import SAR_WORKER, wait_for
 
 #: Bounds an agent's whole job (start, join, the ranks' collectives, exit).
 AGENT_DEADLINE_S = 120.0
@@ -62,7 +62,7 @@ def agent_job(coord: str, job: str, tmp_path: Path) -> Iterator[AgentJob]:
     log = tmp_path / "agent.log"
     with log.open("wb") as log_file:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord, "--job", job,
+            [*SAR_WORKER, "--coord", coord, "--job", job,
              "--world-size", "2", "--nproc-per-node", "2", "--backend", "gloo",
              "--heartbeat-interval", "0.25", "--join-timeout", "60",
              "--", sys.executable, RANK_SCRIPT, "failover", str(out)],

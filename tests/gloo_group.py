@@ -45,7 +45,7 @@ def _child(
 ) -> None:
     os.environ.update(env)
     try:
-        from sarcomm.worker import comm, registration
+        from sarcomm.worker.library import comm, registration
 
         if coord is None:
             comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo", master_port_number=port)

@@ -19,6 +19,7 @@ import asyncio
 import inspect
 import json
 import socket
+import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -27,8 +28,11 @@ from typing import Any, TypeAlias, TypeVar, overload
 import grpc
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.membership import JoinSpec, Member, MemberRequest
+from sarcomm.coordinator.domain.membership import JoinSpec, Member, MemberRequest
 from sarcomm.v1 import coordinator_pb2 as pb
+
+# The `sar-worker` command as this interpreter runs it (the installed script may be another venv's).
+SAR_WORKER: list[str] = [sys.executable, "-m", "sarcomm.worker.agent.cli"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -244,7 +248,7 @@ class FakeClock:
     def __call__(self) -> float:
         return self.now
 
-    # The coordinator's Clock protocol (sarcomm.coordinator.clock): both read the one ``now``.
+    # The coordinator's Clock protocol (sarcomm.coordinator.domain.clock): both read the one ``now``.
     def monotonic(self) -> float:
         return self.now
 

@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sarcomm.common.channel import COORDINATOR_SERVICE
+from sarcomm.common.client.channel import COORDINATOR_SERVICE
 from sarcomm.common.errors import LEADER_METADATA_KEY
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.messages import MemberReport
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc

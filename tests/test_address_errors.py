@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CoordinatorProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import SAR_WORKER, free_port, wait_for
 
 #: "Within seconds": the probe runs once a second while the channel fails; start-up included.
 SAY_S = 10.0
@@ -54,7 +54,7 @@ def _worker(
 ) -> tuple[subprocess.Popen[bytes], Path]:
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord, "--job", "addr",
+            [*SAR_WORKER, "--coord", coord, "--job", "addr",
              "--world-size", "1", "--join-timeout", "120", "--", "true"],
             stdout=out, stderr=subprocess.STDOUT, env=_env(),
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The agent's decisions (sarcomm.worker.agent_decisions.decide), without processes or a coordinator."""
+"""The agent's decisions (sarcomm.worker.agent.decisions.decide), without processes or a coordinator."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event
-from sarcomm.worker.agent_decisions import (
+from sarcomm.worker.agent.decisions import (
     EXIT_PEER_FAILED,
     EXIT_SPAWN_FAILED,
     Action,

@@ -20,15 +20,15 @@ import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progress, paced_interval
-from sarcomm.worker import cli
-from sarcomm.worker.agent import _Rank
-from sarcomm.worker.agent_config import AgentConfig, omp_threads, rank_environment
-from sarcomm.worker.agent_decisions import exit_code_of, liveness_age, process_runs
-from sarcomm.worker.output import RankOutput
+from sarcomm.worker.agent import cli
+from sarcomm.worker.agent.config import AgentConfig, omp_threads, rank_environment
+from sarcomm.worker.agent.decisions import exit_code_of, liveness_age, process_runs
+from sarcomm.worker.agent.output import RankOutput
+from sarcomm.worker.agent.rank_process import process_state
+from sarcomm.worker.agent.supervisor import _Rank
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
-from sarcomm.worker.rank_process import process_state
 from tests.conftest import CoordinatorProcess, StartCoordinator
-from tests.helpers import free_port_run, stays_false, wait_for
+from tests.helpers import SAR_WORKER, free_port_run, stays_false, wait_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "agent_rank.py")
@@ -57,7 +57,7 @@ class Agents:
         env["TEST_COORD_HTTP"] = self.coord.http_url
         proc = subprocess.Popen(
             [
-                sys.executable, "-m", "sarcomm.worker.cli", "--coord", self.coord.grpc_target, "--job", job,
+                *SAR_WORKER, "--coord", self.coord.grpc_target, "--job", job,
                 "--heartbeat-interval", "0.25", "--join-timeout", "60", *flags, "--", *command,
             ],
             stdout=subprocess.PIPE,
@@ -323,7 +323,7 @@ def test_max_restarts_rejoins_the_next_generation_and_reruns_every_rank(
 
 def test_a_socket_name_that_does_not_exist_is_refused_before_joining(coordinator: CoordinatorProcess) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coordinator.grpc_target, "--job", "nic",
+        [*SAR_WORKER, "--coord", coordinator.grpc_target, "--job", "nic",
          "--world-size", "1", "--socket-name", "nosuch9", "--", "true"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "SAR_SOCKET_NAME": ""},
     )  # fmt: skip

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker import alltoall, collectives
+from sarcomm.worker.library import collectives
+from sarcomm.worker.library.collectives import alltoall
 from tests.gloo_group import run_gloo
 
 WORLD_SIZES = (2, 3, 4)

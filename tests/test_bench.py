@@ -8,16 +8,17 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker import bench, bench_rank, cli
+from sarcomm.worker.agent import bench, cli
+from sarcomm.worker.library import bench_rank
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
+from tests.helpers import SAR_WORKER
 
 # Bounds the end-to-end run: agent start, two ranks importing torch, a 42-row sweep, shutdown.
 E2E_DEADLINE_S = 90.0
@@ -257,7 +258,7 @@ def test_sar_worker_bench_runs_checks_and_reports_every_op(
     out = tmp_path / "results" / "bench.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
     argv = [
-        sys.executable, "-m", "sarcomm.worker.cli", "--coord", coordinator.grpc_target, "--job", "bench",
+        *SAR_WORKER, "--coord", coordinator.grpc_target, "--job", "bench",
         "--world-size", "2", "--nproc-per-node", "2", "--backend", "gloo", "--heartbeat-interval", "0.25",
         "--join-timeout", "60", "bench", "--sizes", "1K:64K", "--iters", "3", "--warmup", "1",
         "--json", str(out),

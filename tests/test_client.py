@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 
 from sarcomm.common.addresses import validate_target
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import (
     AlreadyExistsError,

@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
-from sarcomm.worker import backends, collectives, comm, metrics, model_sync, sar_compat, timing, torch_ops
-from sarcomm.worker.backends import BackendProbe
+from sarcomm.worker.library import backends, collectives, comm, metrics, sar_compat
+from sarcomm.worker.library.backends import BackendProbe
+from sarcomm.worker.library.collectives import model_sync, timing, torch_ops
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
 from tests.helpers import wait_for_sd

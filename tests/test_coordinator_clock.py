@@ -17,7 +17,7 @@ import pytest
 
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.messages import Assignment, Event, MemberReport, Progress
-from sarcomm.coordinator.model import MemberState
+from sarcomm.coordinator.domain.model import MemberState
 from sarcomm.coordinator.status import render
 from sarcomm.v1 import coordinator_pb2 as pb
 from tests.coordinator_fixture import LOOPBACK, FakeClock, InProcessCoordinator, in_process_coordinator

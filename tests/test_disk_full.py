@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CoordinatorProcess
-from tests.helpers import free_port, wait_for
+from tests.helpers import SAR_WORKER, free_port, wait_for
 
 AGENT_DEADLINE_S = 120.0
 
@@ -63,7 +63,7 @@ def test_a_world_forming_on_a_full_disk_forms_once_when_space_returns(
         filler = fill(small_disk)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
         command = [
-            sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", "dfull",
+            *SAR_WORKER, "--coord", coord.grpc_target, "--job", "dfull",
             "--world-size", "2", "--join-timeout", "90", "--output-tag", "",
             "--", sys.executable, "-c", "import os; print('RANK', os.environ['RANK'])",
         ]  # fmt: skip

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError, LeadershipLostError, StoreUnavailableError
-from sarcomm.coordinator import etcd_client
-from sarcomm.coordinator.etcd_client import EtcdClient
-from sarcomm.coordinator.etcd_config import EtcdSettings, parse_store_url
-from sarcomm.coordinator.etcd_store import EtcdStore
-from sarcomm.coordinator.leadership import LeaderRecord
-from sarcomm.coordinator.membership import Membership
-from sarcomm.coordinator.records import job_record, load_state
-from sarcomm.coordinator.store import SqliteStore, StateStore, encode_job
+from sarcomm.coordinator.domain.membership import Membership
+from sarcomm.coordinator.ha.leadership import LeaderRecord
+from sarcomm.coordinator.storage import etcd_client
+from sarcomm.coordinator.storage.etcd_client import EtcdClient
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings, parse_store_url
+from sarcomm.coordinator.storage.etcd_store import EtcdStore
+from sarcomm.coordinator.storage.records import job_record, load_state
+from sarcomm.coordinator.storage.store import SqliteStore, StateStore, encode_job
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
 from tests.tls_files import make_tls_files

@@ -2,7 +2,7 @@
 
 On torch 2.2.1 a rank that finished training sometimes never exited: the exit hook's destroy of
 the process group joined gloo's threads holding the GIL while a gloo thread waited for the GIL to
-finish the last collective (``sarcomm.worker.teardown`` has the whole story). These tests run real
+finish the last collective (``sarcomm.worker.library.teardown`` has the whole story). These tests run real
 four-rank gloo jobs (processes started as a user's script is, so that the interpreter's exit hooks
 run), check every collective's values, and bound every exit by a deadline. ``bash
 scripts/test-torch-floor.sh`` runs them on torch 2.2.1 in its own venv; the main suite on the
@@ -168,7 +168,7 @@ def test_an_exit_while_a_collective_waits_for_a_silent_peer_ends_at_the_deadline
 DEADLINE_SCRIPT = """
 import ctypes, logging, sys, time
 logging.basicConfig(level=logging.INFO)
-from sarcomm.worker.teardown import ExitDeadline
+from sarcomm.worker.library.teardown import ExitDeadline
 
 def hang():
     with ExitDeadline(0.5, frozenset(), "test"):

@@ -20,7 +20,7 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.ports import PortBlock, check_extra_ports, extra_ports
 from tests.conftest import CoordinatorProcess
-from tests.helpers import wait_for
+from tests.helpers import SAR_WORKER, wait_for
 
 RANK_SCRIPT = Path(__file__).parent / "scripts" / "extra_ports_rank.py"
 EXTRA = 3
@@ -46,7 +46,7 @@ class Job:
         rank = [sys.executable, str(RANK_SCRIPT), str(self.out), str(self.go)]
         if how == "sar-worker":
             command = [
-                sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", name,
+                *SAR_WORKER, "--coord", coord.grpc_target, "--job", name,
                 "--world-size", "1", "--extra-ports", str(EXTRA), "--socket-name", "lo", "--", *rank,
             ]  # fmt: skip
         else:

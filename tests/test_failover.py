@@ -26,18 +26,18 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.addresses import parse_targets
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
+from sarcomm.common.client.failover import BACKOFF_MAX_S, Failover
+from sarcomm.common.client.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
+from sarcomm.common.client.replicas import CONNECT_S
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError, NotLeaderError
-from sarcomm.common.failover import BACKOFF_MAX_S, Failover
-from sarcomm.common.heartbeats import SILENT_MIN_S as HEARTBEAT_SILENT_S
 from sarcomm.common.messages import Event, HeartbeatReply, MemberReport
-from sarcomm.common.replicas import CONNECT_S
-from sarcomm.worker import cli as worker_cli
-from sarcomm.worker.agent_config import AgentConfig
+from sarcomm.worker.agent import cli as worker_cli
+from sarcomm.worker.agent.config import AgentConfig
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.failover_job import agent_job, answering
-from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
+from tests.helpers import LO, SAR_WORKER, free_port, stays_false, stays_false_async, wait_for, wait_for_async
 from tests.standby import Standby
 
 # Bounds every wait of a test on a coordinator.
@@ -198,7 +198,7 @@ async def _join_one(client: CoordinatorClient, job: str) -> int:
 async def test_a_client_given_standby_then_leader_joins_through_the_hint(
     leader: CoordinatorProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="sarcomm.common.replicas")
+    caplog.set_level(logging.WARNING, logger="sarcomm.common.client.replicas")
     async with Standby(leader.grpc_target) as standby:
         async with CoordinatorClient(f"{standby.target},{leader.grpc_target}", timeout=10.0) as client:
             assert await _join_one(client, "hinted") == 0
@@ -206,7 +206,7 @@ async def test_a_client_given_standby_then_leader_joins_through_the_hint(
             # Once the leader is known, calls go straight to it.
             assert [j.job for j in await client.list_jobs("hinted")] == ["hinted"]
         assert standby.calls == {"Join": 1}
-    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.replicas"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.client.replicas"]
     assert lines == [f"following the leader at {leader.grpc_target} ({standby.target} is a standby)"]
 
 
@@ -224,14 +224,14 @@ async def test_a_single_address_that_is_a_standby_is_followed_to_its_leader(
 async def test_a_client_given_a_dead_address_then_the_leader_reaches_it_within_seconds(
     leader: CoordinatorProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="sarcomm.common.replicas")
+    caplog.set_level(logging.WARNING, logger="sarcomm.common.client.replicas")
     dead = f"127.0.0.1:{free_port()}"
     async with CoordinatorClient(f"{dead},{leader.grpc_target}", timeout=10.0) as client:
         started = time.monotonic()
         assert await _join_one(client, "past-dead") == 0
         # A refused connection fails at once; the bound is one replica's connect budget.
         assert time.monotonic() - started < CONNECT_S + 2.0
-    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.replicas"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.client.replicas"]
     assert lines == [f"following the leader at {leader.grpc_target} ({dead} is unreachable)"]
 
 
@@ -260,7 +260,7 @@ def test_sar_worker_given_replicas_it_cannot_use_names_each_ones_problem_within_
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
     with log.open("wb") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.worker.cli", "--coord", f"{refused},{unresolved}",
+            [*SAR_WORKER, "--coord", f"{refused},{unresolved}",
              "--job", "lost", "--world-size", "1", "--join-timeout", "120", "--", "true"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, MemberReport
 from tests.conftest import CoordinatorProcess
@@ -107,14 +107,14 @@ async def test_a_client_given_the_standby_first_joins_at_the_leader_through_its_
     replicas: tuple[CoordinatorProcess, CoordinatorProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
     leader, standby = replicas
-    caplog.set_level(logging.WARNING, logger="sarcomm.common.replicas")
+    caplog.set_level(logging.WARNING, logger="sarcomm.common.client.replicas")
     async with CoordinatorClient(f"{standby.grpc_target},{leader.grpc_target}", timeout=10.0) as client:
         member = await asyncio.wait_for(client.join("etcd-hint", 1, host="h", interfaces=[LO]), DEADLINE_S)
         assert client.target == leader.grpc_target
         assert (
             await asyncio.wait_for(client.leave(member.member_id, member.secret, 0), DEADLINE_S) == "FINISHED"
         )
-    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.replicas"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.client.replicas"]
     assert lines == [f"following the leader at {leader.grpc_target} ({standby.grpc_target} is a standby)"]
 
 

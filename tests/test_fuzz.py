@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import SarcommError
-from sarcomm.coordinator import validation
+from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.membership import JobState, Membership
+from sarcomm.coordinator.domain.membership import JobState, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
@@ -170,8 +170,8 @@ def test_join_in_process_refuses_whole_or_changes_only_its_job(
         spec = validation.join_spec(request, peer, Limits(max_world_size=1024))
         ticket = membership.join(spec)
     except SarcommError as error:
-        event(f"refused {error.code.name}")
-        assert error.code in DOCUMENTED  # noqa: PT017 (the property, not a test of one error)
+        event(f"refused {error.code}")
+        assert grpc.StatusCode[error.code] in DOCUMENTED  # noqa: PT017 (the property, not a test of one error)
         assert _victims_state(membership) == before
         return
     event(f"accepted, job {ticket.job.state.value}")
@@ -226,7 +226,7 @@ def test_leave_and_heartbeat_in_process_refuse_other_members_and_bad_fields(
                     checked_id, checked_secret, checked, address, age=validation.age_seconds(age, "age")
                 )
         except SarcommError as error:
-            assert error.code in DOCUMENTED  # noqa: PT017 (the property, not a test of one error)
+            assert grpc.StatusCode[error.code] in DOCUMENTED  # noqa: PT017 (the property, not a test of one error)
         else:
             pytest.fail(f"{action} with another member's secret was accepted")
         assert _victims_state(membership) == before

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import CoordinatorProcess
+from tests.helpers import SAR_WORKER
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gcn" / "train.py"
 # Bounds each process's whole run: torch import, rendezvous, training, shutdown (about 10 s here).
@@ -73,7 +74,7 @@ def test_distributed_gcn_training_equals_single_process_training(
     train = ["--epochs", str(EPOCHS), "--nodes", str(NODES), "--dtype", "float64", "--optimizer", optimizer,
              "--lr", lr]  # fmt: skip
     agent = [
-        sys.executable, "-m", "sarcomm.worker.cli", "--coord", coordinator.grpc_target, "--job",
+        *SAR_WORKER, "--coord", coordinator.grpc_target, "--job",
         f"gcn-{optimizer}", "--world-size", str(WORLD_SIZE), "--nproc-per-node", "2", "--backend", "gloo",
         "--socket-name", "lo", "--heartbeat-interval", "0.25", "--join-timeout", "60", "--",
         sys.executable, str(EXAMPLE), *train, "--out", str(tmp_path / "distributed.pt"),

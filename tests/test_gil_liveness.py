@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CoordinatorProcess, StartCoordinator
-from tests.helpers import wait_for
+from tests.helpers import SAR_WORKER, wait_for
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "gil_rank.py")
 HOLD_S = 30
@@ -56,7 +56,7 @@ def test_ranks_holding_the_gil_for_30s_are_never_failed_by_agent_or_by_their_own
         "--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--join-timeout", "90"
     )
     agent = subprocess.Popen(
-        [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", "gil8",
+        [*SAR_WORKER, "--coord", coord.grpc_target, "--job", "gil8",
          "--world-size", str(RANKS), "--nproc-per-node", str(RANKS), "--heartbeat-interval", "0.25",
          "--backend", "gloo", "--", sys.executable, SCRIPT, str(tmp_path), str(HOLD_S)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import SarcommError
 from sarcomm.common.messages import Event
-from sarcomm.coordinator.membership import (
+from sarcomm.coordinator.domain.membership import (
     JobState,
     JoinSpec,
     MemberRequest,
@@ -39,9 +39,9 @@ from sarcomm.coordinator.membership import (
     MemberState,
     Progress,
 )
-from sarcomm.coordinator.store import SqliteStore
+from sarcomm.coordinator.storage.store import SqliteStore
 from tests.conftest import CoordinatorProcess, StartCoordinator, netns_unavailable
-from tests.helpers import LO, FakeClock, assigned_rank, free_port, stays_false, wait_for
+from tests.helpers import LO, SAR_WORKER, FakeClock, assigned_rank, free_port, stays_false, wait_for
 from tests.test_membership import stored_membership
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -103,7 +103,7 @@ class World:
     def agent(self, *flags: str, netns: str | None = None, coord: str | None = None) -> subprocess.Popen[str]:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord or self.target,
+            [*prefix, *SAR_WORKER, "--coord", coord or self.target,
              "--job", self.job, "--heartbeat-interval", "0.25", "--join-timeout", "60", "--backend", "gloo",
              *flags, "--", sys.executable, RANK_SCRIPT, str(self.control)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_clean_env(),
@@ -737,7 +737,8 @@ def test_history_keeps_each_ended_generation_and_survives_an_abandoned_rejoin() 
 
 def test_the_new_settings_name_field_value_and_rule() -> None:
     from sarcomm.common.errors import InvalidArgumentError
-    from sarcomm.coordinator import cli, validation
+    from sarcomm.coordinator import cli
+    from sarcomm.coordinator.api import validation
     from sarcomm.coordinator.config import CoordinatorConfig
 
     with pytest.raises(

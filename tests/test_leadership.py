@@ -10,8 +10,7 @@ import pytest
 
 from sarcomm.coordinator.cli import main
 from sarcomm.coordinator.config import CoordinatorConfig
-from sarcomm.coordinator.etcd_config import EtcdSettings
-from sarcomm.coordinator.leadership import (
+from sarcomm.coordinator.ha.leadership import (
     STANDBY_UNKNOWN,
     Decision,
     LeaderRecord,
@@ -20,6 +19,7 @@ from sarcomm.coordinator.leadership import (
     Role,
     decide,
 )
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 ME, OTHER = LeaderRecord("a:50051", "a:1:x"), LeaderRecord("b:50051", "b:2:y")
 

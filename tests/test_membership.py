@@ -16,10 +16,7 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.coordinator.etcd_client import EtcdClient
-from sarcomm.coordinator.etcd_config import EtcdSettings
-from sarcomm.coordinator.etcd_store import EtcdStore
-from sarcomm.coordinator.membership import (
+from sarcomm.coordinator.domain.membership import (
     EventKind,
     JobEvent,
     JobState,
@@ -28,9 +25,12 @@ from sarcomm.coordinator.membership import (
     MemberState,
     Ticket,
 )
-from sarcomm.coordinator.ranks import describe_missing
-from sarcomm.coordinator.records import load_state, write_at_once
-from sarcomm.coordinator.store import SqliteStore, StateStore
+from sarcomm.coordinator.domain.ranks import describe_missing
+from sarcomm.coordinator.storage.etcd_client import EtcdClient
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings
+from sarcomm.coordinator.storage.etcd_store import EtcdStore
+from sarcomm.coordinator.storage.records import load_state, write_at_once
+from sarcomm.coordinator.storage.store import SqliteStore, StateStore
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, assigned_rank, spec
 from tests.test_etcd_store import lead

@@ -21,6 +21,7 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.launch_env import metrics_host, metrics_host_setting, metrics_report_host
 from tests.conftest import CoordinatorProcess
+from tests.helpers import SAR_WORKER
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "metrics_host_rank.py")
 #: Bounds one run: torch import, rendezvous, the /sd wait (20 s at most).
@@ -44,7 +45,7 @@ def _run(cmd: list[str], env: dict[str, str], out: Path, coord: CoordinatorProce
 
 def _agent(coord: CoordinatorProcess, job: str, out: Path, *flags: str) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", job,
+        *SAR_WORKER, "--coord", coord.grpc_target, "--job", job,
         "--world-size", "1", "--backend", "gloo", "--heartbeat-interval", "0.25", *flags,
         "--", sys.executable, SCRIPT, "agent", str(out), job,
     ]  # fmt: skip

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.helpers import SAR_WORKER
 
 RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "output_rank.py")
 AGENT_DEADLINE_S = 120.0
@@ -22,7 +23,7 @@ def run_agent(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
     return subprocess.run(
         [
-            sys.executable, "-m", "sarcomm.worker.cli", "--coord", coord.grpc_target, "--job", job,
+            *SAR_WORKER, "--coord", coord.grpc_target, "--job", job,
             "--world-size", "2", "--nproc-per-node", "2", "--heartbeat-interval", "0.25", *flags,
             "--", sys.executable, RANK_SCRIPT, *(str(a) for a in args),
         ],

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from sarcomm.common.errors import CoordinatorUnavailableError
-from sarcomm.coordinator.etcd_client import EtcdClient
-from sarcomm.coordinator.etcd_config import EtcdSettings
-from sarcomm.coordinator.etcd_store import EtcdStore
-from sarcomm.coordinator.membership import Membership
-from sarcomm.coordinator.persistence import WriteBehind
-from sarcomm.coordinator.store import JobRow, SqliteStore, StateStore
+from sarcomm.coordinator.domain.membership import Membership
+from sarcomm.coordinator.storage.etcd_client import EtcdClient
+from sarcomm.coordinator.storage.etcd_config import EtcdSettings
+from sarcomm.coordinator.storage.etcd_store import EtcdStore
+from sarcomm.coordinator.storage.persistence import WriteBehind
+from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for_async
 from tests.test_etcd_store import lead
@@ -119,7 +119,7 @@ async def test_changes_marked_while_a_batch_is_written_go_into_the_next_one(stor
 async def test_a_failed_write_is_an_unavailable_error_and_is_retried(
     store: CountingStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sarcomm.coordinator.persistence.RETRY_DELAY_S", 0.05)
+    monkeypatch.setattr("sarcomm.coordinator.storage.persistence.RETRY_DELAY_S", 0.05)
     writes = WriteBehind(store)
     membership = Membership(liveness_timeout=30.0, persist=writes.mark)
     store.fail_next = 1
@@ -150,7 +150,7 @@ async def test_large_answers_pause_the_collector_only_while_they_compute() -> No
     pauses (see http.collector_paused); it must be back on whatever happens to the handler."""
     import gc
 
-    from sarcomm.coordinator import http
+    from sarcomm.coordinator.api import http
 
     assert gc.isenabled()
     seen: list[bool] = []

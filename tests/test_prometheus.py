@@ -38,7 +38,7 @@ from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import LO_PB as LO
-from tests.helpers import free_port, wait_for
+from tests.helpers import SAR_WORKER, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -68,7 +68,7 @@ RATE_INTERVAL = "5m"
 POLL_S = 0.25
 
 AGENT = [
-    sys.executable, "-m", "sarcomm.worker.cli", "--job", JOB, "--world-size", "4", "--nproc-per-node", "2",
+    *SAR_WORKER, "--job", JOB, "--world-size", "4", "--nproc-per-node", "2",
     "--backend", "gloo", "--socket-name", "lo", "--heartbeat-interval", "0.25", "--join-timeout", "60",
 ]  # fmt: skip
 

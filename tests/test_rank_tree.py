@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
 from tests.conftest import CoordinatorProcess
-from tests.helpers import wait_for
+from tests.helpers import SAR_WORKER, wait_for
 
 #: The rank launcher ends the tree with SIGTERM, then SIGKILL 2 s later; "within seconds".
 GONE_S = 5.0
@@ -65,7 +64,7 @@ def test_sigkill_of_an_agent_ends_its_ranks_whole_process_tree_within_seconds(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "sarcomm.worker.cli", "--coord", coordinator.grpc_target, "--job",
+        [*SAR_WORKER, "--coord", coordinator.grpc_target, "--job",
          f"tree{sleeps}", "--world-size", "1", "--heartbeat-interval", "0.25", "--", *command],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )  # fmt: skip

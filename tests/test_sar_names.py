@@ -24,8 +24,8 @@ import torch
 
 import sarcomm.worker as sar
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError
-from sarcomm.worker import collectives, comm, metrics, sar_keywords
-from sarcomm.worker.task_thread import CommThread
+from sarcomm.worker.library import collectives, comm, metrics, sar_keywords
+from sarcomm.worker.library.task_thread import CommThread
 from tests.gloo_group import run_gloo
 from tests.helpers import free_port
 

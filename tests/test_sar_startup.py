@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker import launch_env, registration, startup
+from sarcomm.worker import launch_env
 from sarcomm.worker.launch_env import LaunchEnv, detect_launcher, parse_launch_env
-from sarcomm.worker.startup import WorkerInfo
+from sarcomm.worker.library import registration, startup
+from sarcomm.worker.library.startup import WorkerInfo
 from tests.conftest import CoordinatorProcess
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from sarcomm.common.client import CoordinatorClient
+from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.errors import CoordinatorUnavailableError, UnauthenticatedError
 from sarcomm.common.messages import MemberReport
 from sarcomm.common.tls import ClientTls
@@ -33,7 +33,7 @@ from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, StartCoordinator
-from tests.helpers import LO, LO_PB, wait_for_async
+from tests.helpers import LO, LO_PB, SAR_WORKER, wait_for_async
 from tests.tls_files import TlsFiles, make_tls_files
 
 TOKEN = "tok-7f3a9c1e5b2d4f60-secret"
@@ -474,7 +474,7 @@ def _clean_env() -> dict[str, str]:
 async def _sar_worker(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "sarcomm.worker.cli", *args],
+        [*SAR_WORKER, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -502,7 +502,7 @@ def _no_inherited_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_sar_worker_reads_tls_from_flags_and_variables_and_the_flag_wins(tls_files: TlsFiles) -> None:
-    from sarcomm.worker import cli as worker_cli
+    from sarcomm.worker.agent import cli as worker_cli
 
     base = ["--coord", "head:50051", "--job", "j", "--world-size", "2", "--", "true"]
     env = {"SARCOMM_TLS_CA": str(tls_files.rogue_ca), "SARCOMM_TLS_CERT": str(tls_files.client_cert),

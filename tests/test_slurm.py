@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.worker.cli import parse
+from sarcomm.worker.agent.cli import parse
 from tests.conftest import StartCoordinator
 from tests.helpers import free_port, wait_for
 from tests.slurm_cluster import SlurmCluster, slurm_unavailable

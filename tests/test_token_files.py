@@ -43,8 +43,8 @@ def test_every_command_refuses_a_bad_token_file_naming_it(tmp_path: Path, case: 
             "--coord", f"127.0.0.1:{free_port()}",
         ),
         "sar-worker": (
-            "sarcomm.worker.cli", "--coord", f"127.0.0.1:{free_port()}", "--job", "j", "--world-size", "1",
-            "--token-file", str(token), "--", "true",
+            "sarcomm.worker.agent.cli", "--coord", f"127.0.0.1:{free_port()}", "--job", "j",
+            "--world-size", "1", "--token-file", str(token), "--", "true",
         ),
     }  # fmt: skip
     for name, args in commands.items():

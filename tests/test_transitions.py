@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sarcomm.common.constants import EventKind, FailureReason
-from sarcomm.coordinator.liveness import exit_verdict
-from sarcomm.coordinator.model import Job, JobEvent, JobState, Member, MemberState
-from sarcomm.coordinator.transitions import IllegalTransitionError, StateMachine
+from sarcomm.coordinator.domain.liveness import exit_verdict
+from sarcomm.coordinator.domain.model import Job, JobEvent, JobState, Member, MemberState
+from sarcomm.coordinator.domain.transitions import IllegalTransitionError, StateMachine
 
 
 def _job() -> tuple[Job, Member]:

@@ -12,9 +12,9 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
 )
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator import validation
+from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.membership import JobState, JoinSpec, MemberRequest, Membership
+from sarcomm.coordinator.domain.membership import JobState, JoinSpec, MemberRequest, Membership
 from sarcomm.v1 import coordinator_pb2 as pb
 from tests.helpers import LO_PB as LO
 from tests.helpers import FakeClock

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sarcomm.worker as sar
-from sarcomm.worker.comm import destroy_comms
+from sarcomm.worker.library.comm import destroy_comms
 
 # isort: split
 # This example's own modules: python puts examples/gcn/ (the script's folder) on sys.path.

@@ -57,7 +57,7 @@ def collectives(out: Path) -> int:
     send = [torch.full((rank + dst + 1,), float(100 * rank + dst)) for dst in range(world)]
     recv = [torch.zeros(src + rank + 1) for src in range(world)]
     sar.all_to_all(recv, send)
-    from sarcomm.worker import metrics
+    from sarcomm.worker.library import metrics
 
     port = metrics.serving_port()
     result = {

@@ -25,7 +25,7 @@ from tests.helpers import wait_for_sd
 def main(argv: list[str]) -> int:
     mode, out, job = argv[0], Path(argv[1]), argv[2]
     import sarcomm.worker as sar
-    from sarcomm.worker import metrics
+    from sarcomm.worker.library import metrics
 
     if mode == "agent":
         sar.init()

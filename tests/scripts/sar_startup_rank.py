@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     import sarcomm.worker as sar
-    from sarcomm.worker import registration
+    from sarcomm.worker.library import registration
 
     master_ip = sar.coord_ip_init(rank, coord, job=job, world_size=world)
     sar.initialize_comms(rank, world, master_ip, "gloo")

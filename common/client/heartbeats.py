@@ -1,0 +1,283 @@
+"""The long-lived ``Heartbeat`` stream of an agent or a self-registered process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import grpc
+import grpc.aio
+
+from sarcomm.common.client.channel import connection_broke
+from sarcomm.common.client.replicas import ReplicaChannel
+from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
+from sarcomm.v1 import coordinator_pb2 as pb
+
+__all__ = ["SILENT_BEATS", "SILENT_MIN_S", "HeartbeatStream"]
+
+log = logging.getLogger(__name__)
+
+# How long an orderly end of a heartbeat stream may take before the stream is cancelled instead.
+_ORDERLY_CLOSE_S = 1.0
+# With replicas, a stream whose reports go unanswered this long (this many intervals, at least
+# the seconds below) is given up for the other replicas: the leader's host died or hangs, and its
+# connection can look up for minutes. The coordinator answers every report at once, and judges a
+# member silent for interval x misses (3 x 1 s by default): a leader that has not answered for that
+# long is of no use, and leaving it then keeps inside the grace a new leader gives (10 s default).
+SILENT_BEATS = 3
+SILENT_MIN_S = 3.0
+
+
+class HeartbeatStream:
+    """One bidi ``Heartbeat`` stream kept open in a background task.
+
+    Every ``interval`` seconds it sends ``reports()`` as one request; each answer is queued and
+    handed out by ``async for reply in stream``. The stream has a deadline (``stream_timeout``,
+    default one hour) like every call; when it passes, or when the connection drops
+    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
+    coordinator like any call (gRPC reconnects with exponential backoff and jitter). With replicas
+    (``a:50051,b:50051``) a broken stream is reopened at once at the next replica, a standby's
+    refusal sends it to the leader it names, a stream whose reports go unanswered for
+    :data:`SILENT_BEATS` intervals (a hung leader: its connection stays up) is given up too, and
+    rounds in which none leads are spaced by the failover backoff
+    (:mod:`sarcomm.common.client.replicas`): a new leader gives members
+    ``--reconnect-grace`` to re-attach, and they do within about a second of its taking over.
+    Ranks keep running meanwhile: collectives never depend on the coordinator being up. Any other failure
+    (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
+    (gRPC statuses as their :mod:`sarcomm.common.errors` class).
+
+    ``connected`` says whether the current stream has had an answer. Use as an async context
+    manager; leaving it ends the stream in order (a half-close), which the coordinator tells apart
+    from a broken stream: a broken one means the reporter most likely died, and the members it
+    reported fail unless another stream reports them within one interval.
+    """
+
+    def __init__(
+        self,
+        client: ReplicaChannel,
+        reports: Callable[[], Sequence[MemberReport]],
+        interval: float,
+        *,
+        stream_timeout: float = 3600.0,
+    ) -> None:
+        if not interval > 0:
+            raise InvalidArgumentError(f"interval={interval!r} must be a positive number of seconds.")
+        if not stream_timeout > interval:
+            raise InvalidArgumentError(
+                f"stream_timeout={stream_timeout!r} must be longer than the interval ({interval!r} s)."
+            )
+        self._client = client
+        self._reports = reports
+        self.interval = float(interval)
+        # What the caller asked for; the coordinator's answers may make the beats faster (never
+        # slower than this): a coordinator restarted with a shorter interval is followed at once.
+        self._configured = self.interval
+        self._wake = asyncio.Event()
+        self.stream_timeout = float(stream_timeout)
+        # None marks the end of the iteration.
+        self._queue: asyncio.Queue[HeartbeatReply | Exception | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._ended = False
+        # Set by aclose: the writer half-closes the stream and the task ends.
+        self._closing = asyncio.Event()
+        # Whether the last stream had answers before it broke: then it is reopened at once.
+        self._was_connected = False
+        self.connected = False
+        # The replica the current stream goes to; since when a report of it waits for an answer.
+        self._target = client.target
+        self._unanswered_since: float | None = None
+
+    async def __aenter__(self) -> HeartbeatStream:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def start(self) -> None:
+        """Start the background task (``async with`` does this); needs a running event loop."""
+        if self._task is None and not self._ended:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def aclose(self) -> None:
+        """Stop sending and end the stream in order (at most about one second; cancelled after
+        that, e.g. while the coordinator is unreachable); waits for the background task."""
+        task, self._task = self._task, None
+        self._ended = True
+        self._closing.set()
+        self._wake.set()
+        if task is not None and not task.done():
+            # The writer half-closes and the coordinator ends the stream; the shield keeps the
+            # timeout from cancelling the task half-way.
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), timeout=_ORDERLY_CLOSE_S)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(task, timeout=5.0)
+
+    def __aiter__(self) -> HeartbeatStream:
+        return self
+
+    async def __anext__(self) -> HeartbeatReply:
+        if self._task is None and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # later calls end too
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def _writer(
+        self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
+    ) -> None:
+        """Send a batch every interval; returns when ``reports()`` raised (error queued) or, after a
+        half-close, when :meth:`aclose` asked for the end."""
+        while not self._closing.is_set():
+            try:
+                request = pb.HeartbeatRequest(reports=[r.to_proto() for r in self._reports()])
+            except Exception as exc:  # a broken callback must not silently stop the heartbeats
+                self._queue.put_nowait(exc)
+                return
+            if request.reports:
+                if self._unanswered_since is None:
+                    self._unanswered_since = time.monotonic()
+                await call.write(request)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+        await call.write(pb.HeartbeatRequest(closing=True))
+        await call.done_writing()
+
+    async def _reader(
+        self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
+    ) -> None:
+        async for resp in call:
+            self._unanswered_since = None
+            if not self.connected:
+                self._client.answered(self._target)
+            self.connected = True
+            reply = HeartbeatReply.from_proto(resp)
+            paced = paced_interval(self._configured, reply.heartbeat_interval)
+            if paced != self.interval:
+                log.info(
+                    "heartbeating every %g s: the coordinator at %s expects reports every %g s",
+                    paced, self._client.target, reply.heartbeat_interval,
+                )  # fmt: skip
+                self.interval = paced
+                self._wake.set()  # the next report goes at the new pace, not after the old interval
+            self._queue.put_nowait(reply)
+
+    async def _one_stream(self) -> float | None:
+        """Run one stream until it ends; returns the seconds to wait before opening another one,
+        or None when none should be."""
+        client = self._client
+        self._target = target = await client.replica("Heartbeat")
+        started = time.monotonic()
+        call = client.stub_for(target).Heartbeat(
+            None, timeout=self.stream_timeout, metadata=client.metadata, wait_for_ready=not client.replicated
+        )
+        self._unanswered_since = None
+        reader = asyncio.ensure_future(self._reader(call))
+        writer = asyncio.ensure_future(self._writer(call))
+        tasks = {reader, writer}
+        watchdog = asyncio.ensure_future(self._silence()) if client.replicated else None
+        if watchdog is not None:
+            tasks.add(watchdog)
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if watchdog in done:
+                silent = time.monotonic() - (self._unanswered_since or started)
+                log.warning(
+                    "Heartbeat stream to %s: no answer for %.1f s; trying the other coordinators; ranks "
+                    "keep running", target, silent,
+                )  # fmt: skip
+                self._was_connected = self.connected
+                self.connected = False
+                return self._pause(client.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
+            if writer in done and writer.exception() is None:
+                if self._closing.is_set():
+                    # Half-closed: let the coordinator end the stream before anything cancels it,
+                    # or it would take the end for a broken stream.
+                    await asyncio.wait({reader}, timeout=_ORDERLY_CLOSE_S)
+                return None  # closing, or reports() raised and its error is queued
+            # A failed write means the call is over; the reader has the status.
+            await asyncio.wait({reader}, timeout=self.interval + 5.0)
+            err = reader.exception() if reader.done() else None
+            if self._closing.is_set():
+                return None
+            if not reader.done() or err is None:
+                log.info("Heartbeat stream to %s closed; reopening it", target)
+                return self._pause(None)
+            if not isinstance(err, grpc.aio.AioRpcError):
+                raise err
+            code = err.code()
+            own_deadline = (
+                code is grpc.StatusCode.DEADLINE_EXCEEDED
+                and time.monotonic() - started >= self.stream_timeout - 0.05
+            )
+            failover = None if own_deadline else client.after_failure(target, err)
+            # connection_broke: a coordinator killed mid-call can end the stream with grpc core's
+            # INTERNAL rather than UNAVAILABLE; that is a broken connection too, not an answer.
+            if failover is not None or own_deadline or connection_broke(err):
+                if self.connected and not own_deadline:
+                    log.warning(
+                        "Heartbeat stream to %s ended (%s: %s); reopening it; ranks keep running",
+                        target, code.name, err.details(),
+                    )  # fmt: skip
+                self._was_connected = self.connected
+                self.connected = False
+                return self._pause(failover)
+            self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
+            return None
+        finally:
+            for task in tasks:
+                task.cancel()
+            call.cancel()
+            await asyncio.wait(tasks, timeout=5.0)
+            for task in tasks:  # retrieve results so asyncio does not log them as lost
+                if task.done() and not task.cancelled():
+                    task.exception()
+
+    async def _silence(self) -> None:
+        """Return once a report has waited :data:`SILENT_BEATS` intervals (at least
+        :data:`SILENT_MIN_S`) for its answer."""
+        while True:
+            await asyncio.sleep(self.interval)
+            waiting = self._unanswered_since
+            limit = max(SILENT_BEATS * self.interval, SILENT_MIN_S)
+            if waiting is not None and time.monotonic() - waiting > limit:
+                return
+
+    def _pause(self, failover: float | None) -> float:
+        """Seconds before the next stream. A stream that had answers is reopened at once (jittered,
+        so that reporters do not all arrive in one instant): the coordinator judges the members of
+        a broken stream after one interval. With replicas, the failover's wait (none before the
+        first other replica). Otherwise one interval between streams, so that a coordinator that
+        answers at once with an error (e.g. while shutting down) is not hammered; waiting for a
+        restart is wait_for_ready's, with gRPC's backoff and jitter."""
+        quick, self._was_connected = self._was_connected, False
+        jitter = random.uniform(0.0, 0.1) * self.interval if quick else 0.0
+        if failover is not None:
+            return failover + jitter
+        return jitter if quick else self.interval
+
+    async def _run(self) -> None:
+        try:
+            pause = await self._one_stream()
+            while pause is not None and not self._closing.is_set():
+                await asyncio.sleep(pause)
+                pause = await self._one_stream()
+        finally:
+            self._ended = True
+            self._queue.put_nowait(None)

@@ -1,0 +1,89 @@
+"""Where the service waits on the domain: job events fanned out to the streams that watch them
+(Watch calls, heartbeat streams), and the Join calls waiting for their world to form.
+
+Each subscriber gets a bounded queue; a subscriber too slow to drain it loses its oldest events
+rather than growing the coordinator's memory without bound. Both are fed by the membership's
+event listener; the domain itself holds no asyncio object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sarcomm.common.constants import EventKind
+from sarcomm.coordinator.domain.model import Job, JobEvent, JobState
+
+log = logging.getLogger(__name__)
+
+QUEUE_LIMIT = 256
+
+
+class EventHub:
+    """Subscribers by job name; :meth:`publish` is the membership's event listener."""
+
+    def __init__(self) -> None:
+        self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+
+    def subscribe(self, job: str, queue: asyncio.Queue[JobEvent] | None = None) -> asyncio.Queue[JobEvent]:
+        queue = queue if queue is not None else asyncio.Queue(QUEUE_LIMIT)
+        self._subscribers.setdefault(job, set()).add(queue)
+        return queue
+
+    def unsubscribe(self, job: str, queue: asyncio.Queue[JobEvent]) -> None:
+        queues = self._subscribers.get(job)
+        if queues is not None:
+            queues.discard(queue)
+            if not queues:
+                del self._subscribers[job]
+
+    def publish(self, event: JobEvent) -> None:
+        for queue in self._subscribers.get(event.job, ()):
+            if queue.full():
+                queue.get_nowait()
+                log.warning("job %r: a slow watcher lost its oldest event", event.job)
+            queue.put_nowait(event)
+
+    @property
+    def subscriber_count(self) -> int:
+        return sum(len(q) for q in self._subscribers.values())
+
+
+class FormedWaiters:
+    """Join calls waiting for their generation's world to form, one ``asyncio.Event`` per
+    generation (4096 joins of one world share it); :meth:`publish` is the membership's event
+    listener and sets it on WORLD_FORMED."""
+
+    def __init__(self) -> None:
+        # (job name, generation) -> the event and how many calls wait on it.
+        self._waiting: dict[tuple[str, int], tuple[asyncio.Event, int]] = {}
+
+    def publish(self, event: JobEvent) -> None:
+        if event.kind is EventKind.WORLD_FORMED:
+            entry = self._waiting.get((event.job, event.generation))
+            if entry is not None:
+                entry[0].set()
+
+    async def wait(self, job: Job, timeout: float) -> None:
+        """Return once ``job`` (a generation) is no longer FORMING; at once if it is not.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        if job.state is not JobState.FORMING:
+            return
+        key = (job.name, job.generation)
+        event, count = self._waiting.get(key) or (asyncio.Event(), 0)
+        self._waiting[key] = (event, count + 1)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        finally:
+            event, count = self._waiting[key]
+            if count > 1:
+                self._waiting[key] = (event, count - 1)
+            else:
+                del self._waiting[key]
+
+    def __len__(self) -> int:
+        """How many generations have calls waiting."""
+        return len(self._waiting)

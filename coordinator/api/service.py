@@ -1,0 +1,351 @@
+"""The ``sarcomm.v1.Coordinator`` gRPC servicer: translation between messages and the domain.
+
+Logic lives in :mod:`membership`; checks in :mod:`validation`; the mapping of errors to status
+codes in :mod:`interceptor`. Handlers here only convert, wait and stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from sarcomm.common.errors import (
+    CoordinatorUnavailableError,
+    FailedPreconditionError,
+    JoinTimeoutError,
+    NotFoundError,
+    ResourceExhaustedError,
+    SarcommError,
+)
+from sarcomm.common.interfaces import parse_peer
+from sarcomm.coordinator.api import validation
+from sarcomm.coordinator.api.events import EventHub, FormedWaiters
+from sarcomm.coordinator.api.metrics import CoordinatorMetrics
+from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
+from sarcomm.coordinator.config import CoordinatorConfig
+from sarcomm.coordinator.domain import ranks
+from sarcomm.coordinator.domain.membership import Membership
+from sarcomm.coordinator.domain.model import EventKind, JobEvent, JobState, Progress, Ticket
+from sarcomm.v1 import coordinator_pb2 as pb
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_END_OF_STREAM = object()
+# How long the end of a heartbeat stream that was not announced (``closing``) waits for grpc to
+# cancel the call, which tells a dead reporter from a half-close.
+_CANCEL_GRACE_S = 0.25
+# Answers a Heartbeat stream may hold that its client has not read yet.
+OUTBOX_CREDIT = 64
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(
+        self,
+        membership: Membership,
+        events: EventHub,
+        metrics: CoordinatorMetrics,
+        config: CoordinatorConfig,
+        durable: Callable[[], Awaitable[None]],
+        formed: FormedWaiters,
+    ) -> None:
+        self._membership = membership
+        # Join calls wait here for their world; the membership's WORLD_FORMED events set it.
+        self._formed = formed
+        # Awaited before an answer that reports a change (a formed world, a leave): what a client
+        # was told must survive a crash (see persistence.WriteBehind.durable).
+        self._durable = durable
+        self._events = events
+        self._metrics = metrics
+        self._config = config
+        # Join calls waiting for their world now (see Limits.max_join_waiters).
+        self._join_waiters = 0
+        # Joins by (job, join_id) while their generation is current: a retried Join (gRPC resends
+        # one answered UNAVAILABLE, e.g. while the state cannot be written) gets the same members,
+        # and so the same answer, instead of joining again into a generation it already filled.
+        self._tickets: dict[str, dict[str, Ticket]] = {}
+        # Dropped when the generation ends: they hold the job and its members' secrets.
+        membership.add_listener(self._forget_ended)
+
+    def _forget_ended(self, event: JobEvent) -> None:
+        if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
+            self._tickets.pop(event.job, None)
+
+    def _forget(self, key: tuple[str, str] | None) -> None:
+        if key is not None:
+            self._tickets.get(key[0], {}).pop(key[1], None)
+
+    def _retried(self, key: tuple[str, str] | None) -> Ticket | None:
+        """The ticket of an earlier try of this Join, while its generation is the job's current one."""
+        if key is None:
+            return None
+        ticket = self._tickets.get(key[0], {}).get(key[1])
+        if ticket is not None and self._membership.job(key[0]) is ticket.job and not ticket.job.state.ended:
+            return ticket
+        self._forget(key)
+        return None
+
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.JoinResponse:
+        limits = self._config.limits
+        spec = validation.join_spec(request, parse_peer(context.peer()), limits)
+        if self._join_waiters >= limits.max_join_waiters:
+            raise ResourceExhaustedError(
+                f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
+                f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
+            )
+        key = (spec.job, validation.join_id(request.join_id)) if request.join_id else None
+        ticket = self._retried(key)
+        if ticket is None and key is not None:
+            # Answered by the coordinator before a take-over or restart, but the answer was lost.
+            ticket = self._membership.reanswer(*key)
+            if ticket is not None:
+                self._tickets.setdefault(key[0], {})[key[1]] = ticket
+                log.info("%s: a resent Join (join_id %s) answered again", ticket.job.label, key[1])
+        if ticket is None:
+            ticket = self._membership.join(spec, key[1] if key is not None else "")
+            self._metrics.joins.inc(len(spec.members))
+            if key is not None:
+                self._tickets.setdefault(key[0], {})[key[1]] = ticket
+        job = ticket.job
+        timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
+        self._join_waiters += 1
+        try:
+            await self._formed.wait(job, timeout)
+        except TimeoutError:
+            missing = ranks.describe_missing(job)
+            self._membership.abandon(ticket)
+            self._forget(key)
+            raise JoinTimeoutError(
+                f"join_timeout_seconds {timeout:g}: {job.label} did not form in time: {missing}"
+            ) from None
+        except asyncio.CancelledError:
+            # The caller hung up or its own deadline passed: its members must not count any more.
+            self._membership.abandon(ticket)
+            self._forget(key)
+            raise
+        finally:
+            self._join_waiters -= 1
+        if job.state is JobState.FORMING:
+            raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
+        try:
+            await self._durable()
+        except CoordinatorUnavailableError:
+            # The state cannot be written (a full disk): no answer, and so no liveness yet; the
+            # client sends this Join again (same join_id) and gets the answer once it is written.
+            self._membership.answered(ticket, False)
+            raise
+        self._membership.answered(ticket)
+        first = ticket.members[0]
+        return pb.JoinResponse(
+            job=job.name,
+            generation=job.generation,
+            world_size=job.world_size,
+            master_addr=job.master_addr,
+            master_port=job.master_port,
+            interface=first.interface,
+            address=first.address,
+            restart_count=job.restart_count,
+            heartbeat_interval_seconds=self._config.heartbeat_interval,
+            assignments=[
+                pb.Assignment(rank=_rank(m.rank), local_rank=m.local_rank, member_id=m.member_id, secret=s)
+                for m, s in zip(ticket.members, ticket.secrets, strict=True)
+            ],
+        )
+
+    async def Heartbeat(
+        self,
+        request_iterator: AsyncIterator[pb.HeartbeatRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.HeartbeatResponse]:
+        # Acks and pushed events share one outbox so a failure reaches the reporter at once,
+        # not at its next beat.
+        outbox: asyncio.Queue[object] = asyncio.Queue()
+        # Answers not yet taken by the client: a client that writes but never reads stops being
+        # read once OUTBOX_CREDIT are pending (HTTP/2 flow control then holds it back), instead of
+        # growing the outbox without bound. The end-of-stream mark needs no credit.
+        credit = asyncio.Semaphore(OUTBOX_CREDIT)
+        events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
+        watched: set[str] = set()
+        # This stream's identity and the members it reported: if it breaks (cancelled, connection
+        # gone) instead of ending in order, those members' reporter most likely died.
+        stream = object()
+        reported: set[str] = set()
+        broken = True
+        closing = False  # the reporter said it ends the stream in order
+
+        async def read_reports() -> None:
+            nonlocal closing
+            try:
+                async for request in request_iterator:
+                    closing = closing or request.closing
+                    await credit.acquire()
+                    outbox.put_nowait(self._handle_reports(request, watched, events, stream, reported))
+            finally:
+                outbox.put_nowait(_END_OF_STREAM)
+
+        async def forward_events() -> None:
+            while True:
+                event = await events.get()
+                await credit.acquire()
+                outbox.put_nowait(
+                    pb.HeartbeatResponse(
+                        events=[event_message(event)],
+                        heartbeat_interval_seconds=self._config.heartbeat_interval,
+                    )
+                )
+
+        reader = asyncio.create_task(read_reports())
+        forwarder = asyncio.create_task(forward_events())
+        try:
+            while True:
+                item = await outbox.get()
+                if item is _END_OF_STREAM:
+                    break
+                credit.release()
+                if isinstance(item, BaseException):
+                    broken = False  # our own refusal ends it; the reporter is alive
+                    raise item
+                assert isinstance(item, pb.HeartbeatResponse)
+                yield item
+            await reader
+            if not closing:
+                # grpc ends the requests of a client whose connection died just like a half-close,
+                # and cancels the call a moment later: a client that did not say it was closing
+                # gets that moment to turn out dead (measured: the cancellation follows within ms).
+                await asyncio.sleep(_CANCEL_GRACE_S)
+            broken = False  # the reporter half-closed: an orderly end
+        finally:
+            reader.cancel()
+            forwarder.cancel()
+            for job in watched:
+                self._events.unsubscribe(job, events)
+            if broken and reported:
+                self._membership.stream_lost(stream, reported)
+            elif reported:
+                self._membership.stream_closed(stream, reported)
+
+    def _handle_reports(
+        self,
+        request: pb.HeartbeatRequest,
+        watched: set[str],
+        events: asyncio.Queue[JobEvent],
+        stream: object,
+        reported: set[str],
+    ) -> pb.HeartbeatResponse | SarcommError:
+        response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+        try:
+            # A request is taken whole or not at all: every field of every report is checked, and
+            # every known member's secret, before the first report is recorded.
+            validation.report_count(len(request.reports))
+            checked: list[tuple[str, str, Progress | None, str, float]] = []
+            for i, report in enumerate(request.reports):
+                field = f"reports[{i}]"
+                member_id = validation.member_id(report.member_id, f"{field}.member_id")
+                secret = validation.secret(report.secret, f"{field}.secret")
+                progress = (
+                    validation.progress(report.progress, f"{field}.progress")
+                    if report.HasField("progress")
+                    else None
+                )
+                address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
+                age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
+                checked.append((member_id, secret, progress, address, age))
+            known: list[tuple[str, str, Progress | None, str, float]] = []
+            for i, report_fields in enumerate(checked):
+                try:
+                    _, member = self._membership.authenticate(report_fields[0], report_fields[1])
+                except SarcommError as error:
+                    if not isinstance(error, NotFoundError):
+                        raise
+                    response.unknown_members.append(report_fields[0])
+                    continue
+                if report_fields[3] != member.metrics_address:  # checked once per endpoint
+                    validation.own_metrics_address(
+                        report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
+                    )
+                known.append(report_fields)
+            for member_id, secret, progress, address, age in known:
+                job, _ = self._membership.heartbeat(
+                    member_id, secret, progress, address, age=age, stream=stream
+                )
+                reported.add(member_id)
+                self._metrics.heartbeats.inc()
+                if job.name not in watched:
+                    watched.add(job.name)
+                    self._events.subscribe(job.name, events)
+                    if job.state is JobState.FAILED:
+                        # Subscribed after the failure was announced: tell this reporter now.
+                        response.events.append(self._failure_event(job.name))
+        except SarcommError as error:
+            return error
+        return response
+
+    def _failure_event(self, job_name: str) -> pb.JobEvent:
+        job = self._membership.job(job_name)
+        assert job is not None
+        # The member whose failure failed the job, not a peer that its agent stopped afterwards.
+        failed = job.failed_member()
+        return pb.JobEvent(
+            kind=pb.JobEvent.JOB_FAILED,
+            job=job.name,
+            generation=job.generation,
+            rank=failed.rank if failed and failed.rank is not None else -1,
+            host=failed.host if failed else "",
+            reason=job.reason,
+            time=job.ended or job.formed,
+            failure=failure_message(failed.failure if failed else None),
+        )
+
+    async def Leave(
+        self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LeaveResponse:
+        member_id = validation.member_id(request.member_id)
+        secret = validation.secret(request.secret)
+        exit_code = validation.exit_code(request.exit_code)
+        reason = validation.reason(request.reason)
+        job = self._membership.leave(member_id, secret, exit_code, reason)
+        await self._durable()
+        return pb.LeaveResponse(job_state=job.state.value)
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.JobEvent]:
+        name = validation.job_name(request.job)
+        validation.watch_generation(request.generation)
+        queue = self._events.subscribe(name)
+        try:
+            job = self._membership.job(name)
+            if job is not None and job.state is JobState.FAILED:
+                yield self._failure_event(name)
+            elif job is not None and job.state is not JobState.FORMING:
+                kind = EventKind.JOB_FINISHED if job.state is JobState.FINISHED else EventKind.WORLD_FORMED
+                yield event_message(JobEvent(kind, job.name, job.generation, job.ended or job.formed))
+            while True:
+                event = await queue.get()
+                if request.generation and event.generation < request.generation:
+                    continue
+                yield event_message(event)
+        finally:
+            self._events.unsubscribe(name, queue)
+
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListJobsResponse:
+        if request.job:
+            name = validation.job_name(request.job)
+            job = self._membership.job(name)
+            return jobs_message([job] if job else [], self._membership.stall)
+        return jobs_message(self._membership.jobs(), self._membership.stall)
+
+
+def _rank(rank: int | None) -> int:
+    # Every member of a formed world has a rank; None here would be a bug in membership.
+    if rank is None:
+        raise RuntimeError("a member of a formed world has no rank")
+    return rank

@@ -1,0 +1,12 @@
+"""The membership domain: pure, no I/O, no gRPC, no SQLite, no asyncio; time from a :class:`clock.Clock`.
+
+- :mod:`.model`: jobs, members, events (plain data).
+- :mod:`.transitions`: the state diagram, the one place states change.
+- :mod:`.ranks`: laying out a world (host-contiguous ranks, the master).
+- :mod:`.liveness`: judging members (silence, stalls), finding who blocks.
+- :mod:`.rejoin`: what a repeated Join is answered with.
+- :mod:`.membership`: the operations (join, heartbeat, leave, fail, sweep) over the above.
+
+"Change how a failed peer is judged" is :mod:`.liveness`; the import contracts in
+``pyproject.toml`` (``lint-imports``) hold that nothing here imports grpc, sqlite3 or asyncio.
+"""

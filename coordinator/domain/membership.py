@@ -1,0 +1,486 @@
+"""Membership and rendezvous: the operations on jobs and members, free of gRPC, HTTP and storage.
+
+:class:`Membership` joins members into forming worlds, records their reports, their leaving and
+their silence, and names stalls. It decides; :mod:`transitions` makes every state change (checked
+against the diagram there) and emits the events; :mod:`ranks` lays out a world;
+:mod:`liveness` holds the judging rules. What it needs from storage is given to it at start
+(:class:`model.StoredState`), and every job whose stored record changed is handed to
+``persist`` before the method returns. Time comes from a :class:`clock.Clock`. A restored member
+gets ``restore_grace`` to reconnect before it is judged. All methods are synchronous (the event
+loop's thread); the service's Join waits for the WORLD_FORMED event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from sarcomm.common.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from sarcomm.common.messages import Progress
+from sarcomm.coordinator.domain import liveness, rejoin
+from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator.domain.model import (
+    MAX_HISTORY,
+    EventKind,
+    Job,
+    JobEvent,
+    JobState,
+    JoinSpec,
+    Member,
+    MemberRequest,
+    MemberState,
+    Stall,
+    StoredState,
+    Ticket,
+    member_rank,
+    new_members,
+    rank_list,
+)
+from sarcomm.coordinator.domain.ranks import Plan, host_key, plan_world
+from sarcomm.coordinator.domain.transitions import EventListener, StateMachine
+
+log = logging.getLogger(__name__)
+
+# Re-exported: callers and tests name the domain types through this module.
+__all__ = [
+    "EventKind", "EventListener", "Job", "JobEvent", "JobState", "JoinSpec", "Member", "MemberRequest",
+    "MemberState", "Membership", "Progress", "Stall", "Ticket",
+]  # fmt: skip
+
+#: How often the liveness sweep looks for stalls to log (seconds of the monotonic clock).
+STALL_CHECK_PERIOD_S = 1.0
+
+
+class Membership:
+    """Jobs, their members and generations; the coordinator's single source of truth.
+
+    ``clock`` gives monotonic time (liveness) and wall time (what users see). ``lost_grace`` is
+    how long a member whose stream broke may take to report again (default: a third of the
+    liveness timeout, one heartbeat interval at the default misses); ``restore_grace`` how long
+    members restored from ``stored`` have to reconnect before they are judged (at least the
+    liveness timeout); ``stall_threshold`` how long ranks must wait in one collective before
+    :meth:`stall` names the ranks they wait for. ``persist`` is told of every job whose stored
+    record changed (default: nobody, the state lives in memory only).
+    """
+
+    def __init__(
+        self,
+        *,
+        liveness_timeout: float,
+        stored: StoredState | None = None,
+        max_jobs: int = 1024,
+        max_ended_jobs: int = 1024,
+        lost_grace: float | None = None,
+        restore_grace: float = 0.0,
+        stall_threshold: float = 30.0,
+        clock: Clock = SYSTEM_CLOCK,
+        persist: Callable[[Job], None] | None = None,
+    ) -> None:
+        # Called with each job whose record changed. The server passes persistence.WriteBehind.mark,
+        # which coalesces the writes off the event loop.
+        self._persist = persist or (lambda job: None)
+        self._liveness_timeout = liveness_timeout
+        self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
+        self._restore_grace = max(restore_grace, liveness_timeout)
+        self.stall_threshold = stall_threshold
+        self.answer_timeout = 600.0  # a formed world's wait for its Join answers (Member.answered)
+        self._max_jobs = max_jobs
+        self._max_ended_jobs = max_ended_jobs
+        self._clock = clock
+        self._machine = StateMachine(clock.wall)
+        self._jobs: dict[str, Job] = {}
+        self._members: dict[str, tuple[Job, Member]] = {}
+        # The highest generation of each name as last seen outside _jobs (consulted only for names
+        # not in _jobs): numbering continues after a job is forgotten in memory (max_ended_jobs)
+        # or was only in the store. A few bytes a name.
+        self._generations: dict[str, int] = {}
+        self._stall_checked = float("-inf")
+        self._restore(stored or StoredState())
+
+    def jobs(self) -> list[Job]:
+        return sorted(self._jobs.values(), key=lambda j: j.name)
+
+    def job(self, name: str) -> Job | None:
+        return self._jobs.get(name)
+
+    def live_members(self) -> Iterable[tuple[Job, Member]]:
+        """Members of running jobs that are still alive, for service discovery."""
+        for job in self._jobs.values():
+            if job.state is JobState.RUNNING:
+                for member in job.members:
+                    if member.state is MemberState.RUNNING:
+                        yield job, member
+
+    def add_listener(self, listener: EventListener) -> None:
+        """Hear every job event (world formed, member failed, job finished or failed)."""
+        self._machine.add_listener(listener)
+
+    # -- join ------------------------------------------------------------------------------------
+
+    def join(self, spec: JoinSpec, join_id: str = "") -> Ticket:
+        """Add the members of ``spec`` to the job's forming world; form it if it is now complete.
+
+        Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
+        is already RUNNING) and then reads the members' assignments from the ticket.
+
+        Raises:
+            FailedPreconditionError: the job is running, has another world size, is full, or the
+                request names a generation that is not the forming one.
+            AlreadyExistsError: a requested rank is taken.
+            ResourceExhaustedError: the coordinator already holds ``max_jobs`` active jobs.
+        """
+        # A fresh generation is built aside and adopted only once every check below has passed:
+        # a refused join must leave the previous generation (and its members) exactly as it was.
+        job = self._forming_job(spec)
+        if spec.world_size != job.world_size:
+            raise FailedPreconditionError(
+                f"world_size {spec.world_size} does not match {job.label}, which was created with "
+                f"world_size {job.world_size}; every member of a job must ask for the same world size"
+            )
+        if spec.generation and spec.generation != job.generation:
+            raise FailedPreconditionError(
+                f"generation {spec.generation} is stale: {job.label} is forming now; a member of an "
+                f"older generation cannot join a newer one (join with generation 0 to start afresh)"
+            )
+        joined = len(job.members)
+        if joined + len(spec.members) > job.world_size:
+            raise FailedPreconditionError(
+                f"members: joining {len(spec.members)} more would make {joined + len(spec.members)} "
+                f"members in {job.label}, which has world_size {job.world_size}"
+            )
+        for request in spec.members:
+            if request.rank is not None and request.rank in job.requested:
+                holder = job.requested[request.rank]
+                raise AlreadyExistsError(
+                    f"rank {request.rank} is already taken in {job.label} by a member on host "
+                    f"{holder.host!r}; each rank can be requested once"
+                )
+        job.max_restarts = max(job.max_restarts, spec.max_restarts)
+        ticket_members, ticket_secrets = new_members(spec, self._clock.wall(), job.join_calls, join_id)
+        # The last join forms the world: choose ranks and interfaces before anything changes, so
+        # that a choice that fails leaves the job as it was instead of full and never formed.
+        plan = (
+            plan_world(job.world_size, [*job.members, *ticket_members])
+            if len(job.members) + len(ticket_members) == job.world_size
+            else None
+        )
+        if self._jobs.get(job.name) is not job:
+            self._adopt(job)
+        for member, request in zip(ticket_members, spec.members, strict=True):
+            job.members.append(member)
+            if request.rank is not None:
+                job.requested[request.rank] = member
+        # DEBUG: a world of thousands would otherwise log thousands of lines while forming.
+        job.join_calls += 1
+        log.debug(
+            "%s: host %s joined with %d member(s); %d of %d joined",
+            job.label,
+            spec.host,
+            len(spec.members),
+            len(job.members),
+            job.world_size,
+        )
+        if plan is not None:
+            self._form(job, plan)
+        return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
+
+    def reanswer(self, job_name: str, join_id: str) -> Ticket | None:
+        """The ticket of a Join answered before a restart or take-over, re-issued for a resend."""
+        job = self._jobs.get(job_name)
+        ticket = rejoin.reissue(job, join_id) if job is not None else None
+        if ticket is not None:
+            self._persist(ticket.job)
+        return ticket
+
+    def answered(self, ticket: Ticket, answered: bool = True) -> None:
+        """Whether ``ticket``'s Join was answered (see :func:`liveness.mark_answered`)."""
+        liveness.mark_answered(ticket.members, self._clock.monotonic(), answered)
+
+    def abandon(self, ticket: Ticket) -> None:
+        """Withdraw a join whose caller gave up (deadline, cancel) before the world formed."""
+        job = ticket.job
+        if job.state is not JobState.FORMING:
+            return
+        gone = {m.member_id for m in ticket.members}
+        job.members = [m for m in job.members if m.member_id not in gone]
+        job.requested = {r: m for r, m in job.requested.items() if m.member_id not in gone}
+        log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
+        if not job.members and self._jobs.get(job.name) is job:
+            # Nobody is waiting any more: the next join starts the generation afresh. The ended
+            # generation it would have replaced comes back, so status keeps showing it.
+            if job.previous is not None:
+                self._jobs[job.name] = job.previous
+            else:
+                del self._jobs[job.name]
+
+    def _forming_job(self, spec: JoinSpec) -> Job:
+        job = self._jobs.get(spec.job)
+        if job is not None and job.state is JobState.FORMING:
+            return job
+        if job is not None and job.state is JobState.RUNNING:
+            raise FailedPreconditionError(
+                f"job {spec.job!r}: generation {job.generation} is running with world_size "
+                f"{job.world_size}; a new world can form under this name once it has finished or failed"
+            )
+        active = sum(1 for j in self._jobs.values() if not j.state.ended)
+        if active >= self._max_jobs:
+            raise ResourceExhaustedError(
+                f"job {spec.job!r}: the coordinator already holds {active} active jobs, its limit "
+                f"max_jobs {self._max_jobs}"
+            )
+        previous = job.generation if job is not None else self._generations.get(spec.job, 0)
+        # A world formed right after a failed one is a restart (an agent's --max-restarts, or the
+        # user running the job again): counted so status and the restarts metric can show it.
+        restarts = job.restart_count + 1 if job is not None and job.state is JobState.FAILED else 0
+        ended = job
+        job = Job(
+            name=spec.job,
+            generation=previous + 1,
+            world_size=spec.world_size,
+            created=self._clock.wall(),
+            backend=spec.backend,
+            restart_count=restarts,
+            history=[*ended.history, ended.generation_record()][-MAX_HISTORY:] if ended else [],
+            previous=ended,
+        )
+        # Not adopted yet (see join): until then nothing of the previous generation changes.
+        return job
+
+    def _adopt(self, job: Job) -> None:
+        """Make a fresh generation from :meth:`_forming_job` the job's current one."""
+        if job.generation > 1:
+            # Members of the ended generation are forgotten: their ids can never act again.
+            for member_id in [k for k, (j, _) in self._members.items() if j.name == job.name]:
+                del self._members[member_id]
+        self._jobs[job.name] = job
+
+    def _forget_old_ended_jobs(self) -> None:
+        """Keep at most ``max_ended_jobs`` finished or failed jobs in memory, the newest.
+
+        Without this, every distinct job name ever used would stay in memory for ever. Forgotten
+        jobs stay in the state store; their generation numbers stay here, so they keep growing.
+        """
+        # Only jobs that are over for every member: a failed job's live members still report.
+        ended = [j for j in self._jobs.values() if j.state.ended and j.ended]
+        excess = len(ended) - self._max_ended_jobs
+        if excess <= 0:
+            return
+        ended.sort(key=lambda j: (j.ended or j.formed or j.created, j.name))
+        for job in ended[:excess]:
+            del self._jobs[job.name]
+            self._generations[job.name] = job.generation
+            for member in job.members:
+                self._members.pop(member.member_id, None)
+        log.debug("forgot %d ended job(s) beyond max_ended_jobs %d", excess, self._max_ended_jobs)
+
+    def _form(self, job: Job, plan: Plan) -> None:
+        ranks, per_host = plan.ranks, plan.per_host
+        now_mono = self._clock.monotonic()
+        self._machine.members_running(job, job.members)
+        for member in job.members:
+            member.interface, member.address = per_host[host_key(member)]
+            member.rank = ranks[member.member_id]
+            member.last_seen = now_mono
+            self._members[member.member_id] = (job, member)
+        master = next(m for m in job.members if m.rank == 0)
+        job.master_addr = master.address
+        job.master_port = master.store_port
+        log.info(
+            "%s: world formed, %d ranks, master %s:%d on %s",
+            job.label,
+            job.world_size,
+            job.master_addr,
+            job.master_port,
+            master.interface,
+        )
+        self._machine.job_to(job, JobState.RUNNING)
+        # Marked before any Join waiting on the event resumes: its answer awaits this write.
+        self._persist(job)
+
+    # -- running members -------------------------------------------------------------------------
+
+    def authenticate(self, member_id: str, secret: str) -> tuple[Job, Member]:
+        """The member ``member_id`` of a current generation, if ``secret`` is its own.
+
+        Raises:
+            NotFoundError: no current generation has that member (it left, or its job moved on).
+            UnauthenticatedError: the secret is not the member's.
+        """
+        found = self._members.get(member_id)
+        if found is None:
+            raise NotFoundError(
+                f"member_id {member_id[:32]!r} is not a member of any current job generation; "
+                f"its job ended or moved to a newer generation"
+            )
+        if not found[1].check_secret(secret):
+            raise UnauthenticatedError("the member secret does not match")
+        return found
+
+    def heartbeat(
+        self,
+        member_id: str,
+        secret: str,
+        progress: Progress | None,
+        metrics_address: str,
+        age: float = 0.0,
+        stream: object | None = None,
+    ) -> tuple[Job, Member]:
+        """Record a report about a member; returns its job and member.
+
+        ``age`` is how many seconds ago the member itself last showed a sign of life (0: now; an
+        agent reports a rank's own alive stamp, which stops moving when the rank is stopped or
+        wedged). ``stream`` identifies the stream that carried the report (see :meth:`stream_lost`).
+        """
+        job, member = self.authenticate(member_id, secret)
+        now = self._clock.monotonic()
+        seen = now - age
+        # max: a report delayed in transit, or reordered with a fresher one, never moves it back;
+        # but the first report of a restored member ends its grace (a last_seen in the future).
+        member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
+        member.last_heartbeat = max(member.last_heartbeat, self._clock.wall() - age)
+        member.last_report = now
+        member.lost_at = None
+        member.stream = stream
+        if progress is not None:
+            member.progress = progress
+        if metrics_address and metrics_address != member.metrics_address:
+            member.metrics_address = metrics_address
+            self._persist(job)
+        return job, member
+
+    def leave(self, member_id: str, secret: str, exit_code: int, reason: str = "") -> Job:
+        """Record that a member is done; a non-zero exit code fails the job.
+
+        Idempotent: leaving twice returns the job unchanged.
+        """
+        job, member = self.authenticate(member_id, secret)
+        if member.state in (MemberState.LEFT, MemberState.FAILED):
+            return job
+        member.exit_code = exit_code
+        if exit_code == 0:
+            self._machine.member_to(job, member, MemberState.LEFT, reason or "exited with code 0")
+            log.debug("%s: rank %s on host %s left with code 0", job.label, member.rank, member.host)
+        else:
+            failure, own_reason = liveness.exit_verdict(exit_code, reason)
+            # A rank whose process died takes its connections with it: its peers' collectives fail
+            # at once and their exit may reach us before its broken stream is judged. When a member
+            # of this job already has a broken stream, that one is the cause: blame it first.
+            for other in job.members:
+                if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
+                    blame, text = liveness.connection_lost_blame(member.rank, member.host, own_reason)
+                    self._machine.member_to(job, other, MemberState.FAILED, text, blame)
+            self._machine.member_to(job, member, MemberState.FAILED, own_reason, failure)
+        self._settle(job)
+        self._persist(job)
+        return job
+
+    def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream``, which carried reports of ``member_ids``, broke without an orderly
+        end: its process (or the agent reporting for it) most likely died, since the kernel closes
+        a dead process's connections. Each of those members that no newer stream reports fails
+        once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
+        now = self._clock.monotonic()
+        lost: list[Member] = []
+        for member_id in member_ids:
+            found = self._members.get(member_id)
+            if found is None:
+                continue
+            member = found[1]
+            if member.stream is stream and member.state is MemberState.RUNNING and member.lost_at is None:
+                member.lost_at = now
+                lost.append(member)
+        if lost:
+            ranks = rank_list(sorted(member_rank(m) for m in lost))
+            log.info(
+                "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
+                "report again", ranks, lost[0].host, self._lost_grace,
+            )  # fmt: skip
+
+    def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream`` ended in order: its members are judged by their reports alone
+        from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
+        for member_id in member_ids:
+            found = self._members.get(member_id)
+            if found is not None and found[1].stream is stream:
+                found[1].stream = None
+
+    def sweep(self) -> list[tuple[Job, Member]]:
+        """Fail every running member silent for longer than the liveness timeout, or whose stream
+        broke ``lost_grace`` ago without a report since; log stalls (once each)."""
+        now = self._clock.monotonic()
+        failed: list[tuple[Job, Member]] = []
+        # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
+        # four times an interval, and comparing every rank's progress is the costly part of them).
+        check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
+        if check_stalls:
+            self._stall_checked = now
+        for job in list(self._jobs.values()):
+            # A failed job's silent members are judged too: otherwise a rank that died after (or
+            # while) another failed stays RUNNING and the job never ends.
+            if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
+                continue
+            changed = False
+            for member in job.members:
+                if member.state is not MemberState.RUNNING:
+                    continue
+                verdict = liveness.silence_verdict(
+                    member, now, self._liveness_timeout, self._lost_grace, self.answer_timeout
+                )
+                if verdict is None:
+                    continue
+                failure, reason = verdict
+                self._machine.member_to(job, member, MemberState.FAILED, reason, failure)
+                failed.append((job, member))
+                changed = True
+            if changed:
+                self._settle(job)
+                self._persist(job)
+            elif job.state is JobState.RUNNING and check_stalls:
+                self._log_stall(job)
+        return failed
+
+    def stall(self, job: Job) -> Stall | None:
+        """The ranks of running ``job`` that the others wait for, or None (see
+        :func:`liveness.find_stall`; the threshold is ``stall_threshold``)."""
+        return liveness.find_stall(job, self._clock.wall(), self.stall_threshold)
+
+    def _log_stall(self, job: Job) -> None:
+        line = liveness.new_stall_line(job, self.stall(job))
+        if line:
+            log.warning("%s", line)
+
+    def _settle(self, job: Job) -> None:
+        """Finish a job whose members are all gone."""
+        if any(m.state is MemberState.RUNNING for m in job.members):
+            return
+        if job.state is JobState.RUNNING:
+            self._machine.job_to(job, JobState.FINISHED)
+        elif job.state is JobState.FAILED and not job.ended:
+            job.ended = self._clock.wall()
+        for member in job.members:
+            self._members.pop(member.member_id, None)
+        self._forget_old_ended_jobs()
+
+    def _restore(self, stored: StoredState) -> None:
+        # A restored member is judged only after restore_grace: its reporter needs time to notice
+        # the outage and reconnect (backoff with jitter), and the liveness timeout alone can be
+        # shorter than that.
+        now = self._clock.monotonic() + self._restore_grace - self._liveness_timeout
+        self._generations.update(stored.generations)
+        for job in stored.jobs:
+            if job.state is JobState.FORMING:
+                continue
+            self._jobs[job.name] = job
+            for member in job.members:
+                member.last_seen = now
+                if member.state is MemberState.RUNNING:
+                    self._members[member.member_id] = (job, member)
+        if self._jobs:
+            log.info("restored %d job(s) from the state store", len(self._jobs))
+        self._forget_old_ended_jobs()

@@ -1,0 +1,303 @@
+"""The coordinator's domain model: jobs, their members, and what is said about them.
+
+A *job* is a name plus a *generation*: every world that forms under a name gets the next
+generation number, and member ids belong to exactly one generation, so nothing from an earlier
+run (a member id, an address, a port) can leak into a later one.
+
+Plain data only: no I/O, no clocks, no asyncio. State changes go through :mod:`transitions`; the
+operations that make them are in :mod:`membership`; the stored form is in :mod:`records`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sarcomm.common.constants import EventKind, FailureReason
+from sarcomm.common.interfaces import InterfaceInfo
+from sarcomm.common.messages import Progress
+
+__all__ = [
+    "MAX_HISTORY",
+    "EventKind",
+    "FailureReason",
+    "Job",
+    "JobEvent",
+    "JobState",
+    "JoinSpec",
+    "Member",
+    "MemberRequest",
+    "MemberState",
+    "Progress",
+    "Stall",
+    "Ticket",
+]
+
+#: Earlier generations kept per job name, for ``status``; older ones stay in the state store only.
+MAX_HISTORY = 100
+
+
+class JobState(str, enum.Enum):
+    FORMING = "FORMING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobState.FINISHED, JobState.FAILED)
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "JOINING"
+    RUNNING = "RUNNING"
+    LEFT = "LEFT"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """Something every member of a job must hear about; ``rank``/``host`` name the member, and
+    ``failure`` says why it failed (MEMBER_FAILED, JOB_FAILED)."""
+
+    kind: EventKind
+    job: str
+    generation: int
+    time: float
+    rank: int | None = None
+    host: str = ""
+    reason: str = ""
+    failure: FailureReason | None = None
+
+
+@dataclass(frozen=True)
+class MemberRequest:
+    """One member of a join: the rank it asks for (None = deal one) and its local index."""
+
+    local_rank: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """A validated join request (see ``validation.join_spec``)."""
+
+    job: str
+    world_size: int
+    host: str
+    interfaces: tuple[InterfaceInfo, ...]
+    members: tuple[MemberRequest, ...]
+    store_port: int
+    socket_name: str = ""
+    generation: int = 0
+    backend: str = ""
+    peer_address: str | None = None
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Ranks waiting in collective ``seq`` for ranks that have not entered it (see
+    :func:`liveness.find_stall`).
+
+    ``since`` is the (rank-clock) Unix time the first waiting rank entered ``seq``; ``waited`` the
+    seconds it has waited when this was computed.
+    """
+
+    seq: int
+    op: str
+    since: float
+    waited: float
+    waiting: tuple[int, ...]
+    blocking: tuple[int, ...]
+
+    def describe(self) -> str:
+        """One line, e.g. ``3 rank(s) have waited 41.0 s in collective #812 (all_reduce) for rank(s) 2``."""
+        return (
+            f"{len(self.waiting)} rank(s) have waited {self.waited:.1f} s in collective #{self.seq} "
+            f"({self.op or 'unknown op'}) for rank(s) {rank_list(self.blocking)}, which have not entered it"
+        )
+
+
+@dataclass
+class Member:
+    member_id: str
+    secret_digest: str
+    host: str
+    local_rank: int
+    requested_rank: int | None
+    store_port: int
+    interfaces: tuple[InterfaceInfo, ...]
+    peer_address: str | None
+    socket_name: str
+    joined_at: float
+    state: MemberState = MemberState.JOINING
+    rank: int | None = None
+    interface: str = ""
+    address: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+    # Why it failed, as a bounded value (None unless FAILED); ``reason`` is the text for people.
+    failure: FailureReason | None = None
+    last_heartbeat: float = 0.0
+    # Monotonic time the last report about this member arrived (its age aside). Not persisted.
+    last_report: float = 0.0
+    progress: Progress = field(default_factory=Progress)
+    metrics_address: str = ""
+    # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
+    last_seen: float = 0.0
+    # False from the world's formation until the member's Join was answered (its state written):
+    # until then it cannot report, and is judged by the join timeout instead. Not persisted: a
+    # restored member was written, so it was (or is being) answered.
+    answered: bool = True
+    # Monotonic time the stream that last carried this member's reports broke, while no newer
+    # report came; None while its stream is up. Not persisted.
+    lost_at: float | None = None
+    # The stream that last carried a report of this member (an opaque token of the service), so
+    # that the end of an older stream, replaced by a newer one, does not count as a loss.
+    stream: object | None = field(default=None, repr=False)
+    # SHA-256 of the join id of the Join that brought it ("" when none was sent). Persisted, so a
+    # Join resent after a take-over or restart gets its world's answer (see :mod:`.rejoin`).
+    join_digest: str = ""
+    # Which join call of its generation brought the member (0, 1, ...): two agents on one host
+    # each get a contiguous block, in the order they joined. Only needed until the world forms.
+    join_call: int = 0
+    # The secret this member last proved it holds: a report repeats it every beat, and hashing it
+    # each time was a visible share of the coordinator's CPU at 4096 reports a second. Memory only.
+    verified_secret: bytes = field(default=b"", repr=False)
+
+    def check_secret(self, secret: str) -> bool:
+        # compare_digest: constant time either way, so the cache tells an attacker nothing (bytes:
+        # it refuses str with non-ASCII characters, which a client may send).
+        sent = secret.encode()
+        if self.verified_secret and hmac.compare_digest(self.verified_secret, sent):
+            return True
+        if hmac.compare_digest(self.secret_digest, digest(secret)):
+            self.verified_secret = sent
+            return True
+        return False
+
+
+@dataclass
+class Job:
+    name: str
+    generation: int
+    world_size: int
+    created: float
+    backend: str = ""
+    state: JobState = JobState.FORMING
+    formed: float = 0.0
+    ended: float = 0.0
+    master_addr: str = ""
+    master_port: int = 0
+    restart_count: int = 0
+    reason: str = ""
+    # The rank whose failure failed this generation (None while none has): monitoring names it as
+    # the rank that is down, and not the peers its agents then stopped, which fail too.
+    failed_rank: int | None = None
+    # The largest --max-restarts the agents of this generation asked for (0: none or not told).
+    max_restarts: int = 0
+    # Summaries of earlier generations under this name, oldest first (see generation_record).
+    history: list[dict[str, Any]] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)
+    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
+    requested: dict[int, Member] = field(default_factory=dict, repr=False)
+    join_calls: int = field(default=0, repr=False)
+    # The ended generation this forming one replaces: put back if every join withdraws, so the
+    # name keeps its history and status. Not persisted.
+    previous: Job | None = field(default=None, repr=False)
+    # The collective whose stall was last logged, so each stall is logged once.
+    logged_stall: int = field(default=0, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"job {self.name!r} generation {self.generation}"
+
+    def ranked_members(self) -> list[Member]:
+        return sorted(self.members, key=lambda m: (m.rank is None, m.rank or 0, m.joined_at))
+
+    def failed_member(self) -> Member | None:
+        """The member whose failure failed the job (not a peer its agent stopped afterwards), or
+        any failed member when that one is not known."""
+        failed = [m for m in self.members if m.state is MemberState.FAILED]
+        return next((m for m in failed if m.rank == self.failed_rank), failed[0] if failed else None)
+
+    def generation_record(self) -> dict[str, Any]:
+        """This generation in a few fields, as the next generation's history keeps it."""
+        return {
+            "generation": self.generation,
+            "state": self.state.value,
+            "formed": self.formed,
+            "ended": self.ended,
+            "reason": self.reason,
+            "failed_rank": self.failed_rank,
+        }
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a join call holds while it waits: its job and its members, in request order."""
+
+    job: Job
+    members: tuple[Member, ...]
+    secrets: tuple[str, ...]
+
+
+def new_members(
+    spec: JoinSpec, joined_at: float, join_call: int, join_id: str
+) -> tuple[list[Member], list[str]]:
+    """The members a Join brings, in request order, and their secrets (only digests are kept)."""
+    members: list[Member] = []
+    issued: list[str] = []
+    for request in spec.members:
+        secret = secrets.token_urlsafe(24)
+        members.append(
+            Member(
+                member_id=secrets.token_hex(8),
+                secret_digest=digest(secret),
+                host=spec.host,
+                local_rank=request.local_rank,
+                requested_rank=request.rank,
+                store_port=spec.store_port,
+                interfaces=spec.interfaces,
+                peer_address=spec.peer_address,
+                socket_name=spec.socket_name,
+                joined_at=joined_at,
+                join_call=join_call,
+                join_digest=digest(join_id) if join_id else "",
+            )
+        )
+        issued.append(secret)
+    return members, issued
+
+
+def digest(secret: str) -> str:
+    """The stored form of a member secret (SHA-256, hex)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def member_rank(member: Member) -> int:
+    """The rank of a member of a formed world."""
+    if member.rank is None:  # only members of formed worlds reach here; None would be a bug
+        raise RuntimeError(f"member {member.member_id} of a formed world has no rank")
+    return member.rank
+
+
+def rank_list(ranks: Sequence[int], limit: int = 16) -> str:
+    """``0, 1, 2``, cut after ``limit`` ranks with the count."""
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """What a coordinator starts from: the latest generation of every stored job name, and the
+    highest generation ever stored per name (so numbering continues for forgotten names)."""
+
+    jobs: list[Job] = field(default_factory=list)
+    generations: dict[str, int] = field(default_factory=dict)

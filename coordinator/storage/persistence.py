@@ -1,0 +1,167 @@
+"""Job state writes off the event loop, coalesced, with group commit for the answers that need it.
+
+Every change to a job (a world formed, a member left or failed, a rank's metrics endpoint became
+known) rewrites that job's record. Written at once, on the loop, a 4096-member job costs ~25 ms per
+change (building the record, JSON, SQLite), and the 4096 first reports or 4096 leaves of such a job
+would hold the loop for minutes. So a change only marks its job; a flush a moment later builds and
+encodes each marked job's record once, however many changes it took, and a single writer thread
+writes them all in one SQLite transaction while the loop goes on serving.
+
+Durability is kept where an answer depends on it: a Join or Leave handler awaits :meth:`durable`
+before it answers, so nothing a client was told is lost with a SIGKILL (the write is in the OS, as
+with the synchronous store). Changes nobody is answered about (a metrics endpoint, a verdict of
+the liveness sweep) are written within the same few milliseconds without anyone waiting; after a
+crash a verdict not yet written is reached again by the same rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from sarcomm.common.errors import CoordinatorUnavailableError, LeadershipLostError, StoreUnavailableError
+from sarcomm.coordinator.domain.model import Job
+from sarcomm.coordinator.storage.records import job_record
+from sarcomm.coordinator.storage.store import StateStore, encode_job
+
+log = logging.getLogger(__name__)
+
+#: How long a flush waits after the first change, gathering the changes that follow it (a burst of
+#: leaves arrives over milliseconds: each one written alone would rewrite the same record).
+FLUSH_DELAY_S = 0.002
+#: The loop's share of a burst spent on encoding is kept under 1 / (1 + COST_FACTOR): after a
+#: flush that took T on the loop, the next one gathers changes for COST_FACTOR x T (at most
+#: MAX_FLUSH_DELAY_S). A 4096-member record takes ~25 ms to encode; its leaves then come in batches
+#: every ~50 ms instead of one batch every 2 ms that each re-encodes the same job.
+COST_FACTOR = 2.0
+MAX_FLUSH_DELAY_S = 0.1
+#: After a failed write (disk full, I/O error), how long until the marked jobs are tried again.
+RETRY_DELAY_S = 1.0
+
+
+class WriteBehind:
+    """Coalescing, ordered writer of job records to ``store``; use from the event loop only."""
+
+    def __init__(self, store: StateStore, delay: float = FLUSH_DELAY_S, where: str = "its state") -> None:
+        self._store = store
+        # What a failed write names, e.g. "its state file /var/lib/sarcomm/state.sqlite".
+        self._where = where
+        self._delay = delay
+        # One thread: batches reach the store in the order they were taken, never two at once.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self._dirty: dict[tuple[str, int], Job] = {}
+        # Resolved when the batch holding the changes marked since the last flush is on disk.
+        self._next: asyncio.Future[None] | None = None
+        self._in_flight: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        # Set when this coordinator stopped leading: nothing more is written, by this object.
+        self._abandoned = False
+        # What the last flush cost the loop (building and encoding its records), in seconds.
+        self._last_cost = 0.0
+
+    def mark(self, job: Job) -> None:
+        """Note that ``job``'s record changed; it is written in the next flush."""
+        if self._abandoned:
+            return
+        if self._closed:
+            # After close (shutdown) nothing may be lost: write at once.
+            self._store.write_rows([encode_job(job_record(job))])
+            return
+        self._dirty[(job.name, job.generation)] = job
+        self._schedule(max(self._delay, min(MAX_FLUSH_DELAY_S, COST_FACTOR * self._last_cost)))
+
+    def _schedule(self, delay: float) -> None:
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._next = loop.create_future()
+            self._timer = loop.call_later(delay, self._flush)
+
+    async def durable(self) -> None:
+        """Return once every change marked so far is in the store.
+
+        Raises:
+            CoordinatorUnavailableError: the write failed (the changes stay marked for a retry).
+        """
+        waiting = self._next if self._dirty else self._in_flight
+        if waiting is None:
+            return
+        try:
+            # Shielded: a caller that gives up must not cancel the batch for everyone else.
+            await asyncio.shield(waiting)
+        except LeadershipLostError:
+            raise
+        except (OSError, sqlite3.Error, StoreUnavailableError) as error:
+            raise CoordinatorUnavailableError(
+                f"the coordinator could not write {self._where} ({error}); the change is kept and "
+                f"written again in {RETRY_DELAY_S:g} s, retry the call"
+            ) from error
+
+    def _flush(self) -> None:
+        self._timer = None
+        done, jobs = self._next, list(self._dirty.values())
+        self._next, self._dirty = None, {}
+        assert done is not None
+        # Records are built and encoded here, on the loop, so that each is one consistent state of
+        # its job (see store.encode_job for why the JSON is not left to the writer thread); SQLite's
+        # part, the transaction, runs in the writer thread.
+        began = time.perf_counter()
+        rows = [encode_job(job_record(job)) for job in jobs]
+        self._last_cost = time.perf_counter() - began
+        self._in_flight = done
+        written = asyncio.get_running_loop().run_in_executor(self._writer, self._store.write_rows, rows)
+        written.add_done_callback(lambda f: self._written(f, done, jobs))
+
+    def _written(self, written: asyncio.Future[None], done: asyncio.Future[None], jobs: list[Job]) -> None:
+        if self._in_flight is done:
+            self._in_flight = None
+        error = written.exception()
+        if error is not None:
+            log.error(
+                "writing the state of %d job(s) failed: %s; retrying in %g s", len(jobs), error, RETRY_DELAY_S
+            )
+            for job in jobs:
+                # A newer change of the same job, marked meanwhile, supersedes this one anyway.
+                self._dirty.setdefault((job.name, job.generation), job)
+            if not self._closed and not self._abandoned:
+                self._schedule(RETRY_DELAY_S)
+            if not done.done():
+                done.set_exception(error)
+            # Retrieved here so that asyncio does not log an exception nobody awaited.
+            done.exception()
+            return
+        if not done.done():
+            done.set_result(None)
+
+    def abandon(self) -> None:
+        """Write nothing more: this coordinator stopped leading, and the new leader owns the state
+        (whatever was not written yet is re-decided there from what was)."""
+        self._abandoned = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._dirty.clear()
+        for waiting in (self._next, self._in_flight):
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(LeadershipLostError("this coordinator stopped leading"))
+                waiting.exception()
+        self._writer.shutdown(wait=False)
+
+    async def close(self) -> None:
+        """Write everything still marked and wait for it; later marks write at once."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._flush()
+        self._closed = True
+        if self._in_flight is not None:
+            with contextlib.suppress(Exception):  # already logged; what is left is written below
+                await asyncio.shield(self._in_flight)
+        self._writer.shutdown(wait=True)
+        # Anything a failed batch left marked is written now, synchronously: the last chance.
+        if self._dirty:
+            self._store.write_rows([encode_job(job_record(job)) for job in self._dirty.values()])
+        self._dirty.clear()

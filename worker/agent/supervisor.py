@@ -1,0 +1,498 @@
+"""The ``sar-worker`` agent: registers a host's local ranks, runs them, watches them.
+
+One agent per host (or per group of local ranks):
+
+1. checks its settings locally (``--socket-name`` exists here, ranks fit the world, ...);
+2. reserves a TCP port for rank 0's store and joins the job with K members in one ``Join``;
+3. releases the port and starts COMMAND once per local rank (``asyncio.create_subprocess_exec``:
+   fork and exec happen in C, no Python code runs in a forked child of a process with gRPC
+   threads), each in a new session so that a rank's own children can be signalled as a group;
+4. keeps one heartbeat stream for all its ranks, forwards SIGINT/SIGTERM to them, reports
+   ``Leave`` for each rank that exits;
+5. stops its other ranks (SIGTERM, SIGKILL after a grace period) when a rank fails or the
+   coordinator reports a failure elsewhere, and optionally joins again (``--max-restarts``).
+
+The exit code is the command's: 0 when every rank exited 0, else the first failing rank's code
+(128+N for a rank killed by signal N), or ``EXIT_PEER_FAILED`` when a rank elsewhere failed.
+
+Every decision (blame, exit code, stopping, restarting) is made by the pure
+:func:`sarcomm.worker.agent.decisions.decide`; this module only turns processes, signals and the
+heartbeat stream into its events and carries out the actions it returns. The settings and the
+ranks' environment are in :mod:`sarcomm.worker.agent.config`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sarcomm.common import netinfo
+from sarcomm.common.addresses import host_port
+from sarcomm.common.client.coordinator_client import CoordinatorClient
+from sarcomm.common.constants import EventKind
+from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.ports import PortBlock
+from sarcomm.worker.agent.config import AgentConfig, rank_environment
+from sarcomm.worker.agent.decisions import (
+    Action,
+    AgentEvent,
+    AgentResult,
+    AwaitVerdict,
+    Exit,
+    Finished,
+    Log,
+    PeerFailed,
+    RankExited,
+    RanksDone,
+    RankStarted,
+    ReportLeave,
+    Restart,
+    RunState,
+    ShowTail,
+    SignalRanks,
+    SpawnFailed,
+    StopRanks,
+    StopRequested,
+    StreamBroke,
+    decide,
+    liveness_age,
+    process_runs,
+)
+from sarcomm.worker.agent.output import Console, RankOutput, log_paths
+from sarcomm.worker.agent.rank_process import command_problem, launch_command, process_state
+from sarcomm.worker.launch_env import metrics_report_host
+from sarcomm.worker.progress import ProgressReader
+
+__all__ = ["Agent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Rank:
+    index: int
+    rank: int
+    member_id: str
+    secret: str = field(repr=False)
+    #: Where this rank's /metrics endpoint is reachable: its address on its interface, or the
+    #: --metrics-host it listens on.
+    address: str
+    progress: ProgressReader
+    output: RankOutput
+    proc: asyncio.subprocess.Process | None = None
+    returncode: int | None = None
+    stale: bool = False
+    #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
+    failed: bool = False
+    #: Unix time the kernel last said this rank's process runs (set when it starts).
+    seen_running: float = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.returncode is None
+
+    def report(self, now: float, stale_after: float, label: str = "") -> MemberReport:
+        """This rank's heartbeat report, with the age of its last sign of life (Unix time ``now``).
+
+        Signs of life (:func:`~sarcomm.worker.agent.decisions.liveness_age`): the alive stamp of
+        the rank's progress record, and the kernel's word that the rank's process runs (its state
+        in ``/proc``, read once per report). A rank that is stopped or dead stops both, its age
+        grows and the coordinator judges it by the interval x misses rule, counted from its last
+        sign. A rank whose Python is busy (the GIL held by a long C call) stops stamping but runs:
+        it stays alive, and once its stamp is older than ``stale_after`` the agent logs it. The
+        stamped progress is what tells the coordinator about stalls.
+        """
+        record = self.progress.read()
+        # The record names the process that stamps it (the rank itself, below its launcher).
+        pid = record.pid if record is not None and record.pid > 0 else self.proc.pid if self.proc else 0
+        state = process_state(pid) if pid > 0 else None
+        if pid <= 0 or process_runs(state):  # no process to ask: alive while the agent runs it
+            self.seen_running = now
+        age = liveness_age(now, record.stamp if record is not None else None, self.seen_running)
+        if record is None:
+            return MemberReport(self.member_id, self.secret, age=age)
+        # A stamp in the future vouches for an exiting rank (see services.EXIT_GRACE_S).
+        stamp_age = max(0.0, now - record.stamp)
+        if stamp_age > stale_after:
+            if not self.stale:
+                self.stale = True
+                log.warning(
+                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); its process "
+                    "is %s", label, self.rank, stamp_age, record.op or "no collective", record.seq,
+                    "running (busy: its Python does not get the GIL)" if process_runs(state)
+                    else f"not running (state {state or 'gone'})",
+                )  # fmt: skip
+        elif self.stale:
+            self.stale = False
+            log.info("%s: rank %d stamps its progress again", label, self.rank)
+        progress = Progress(record.seq, record.op, record.in_collective, record.since)
+        # The rank binds its metrics port itself (possibly any free one) and notes it in the record.
+        metrics_address = host_port(self.address, record.metrics_port) if record.metrics_port else ""
+        return MemberReport(self.member_id, self.secret, progress, metrics_address, age)
+
+
+class Agent:
+    """Runs one ``sar-worker``; ``await Agent(config).run()`` returns an
+    :class:`~sarcomm.worker.agent.decisions.AgentResult`.
+
+    ``environ`` is the environment the ranks inherit (default ``os.environ``).
+    """
+
+    def __init__(self, config: AgentConfig, environ: Mapping[str, str] | None = None) -> None:
+        if not config.command:
+            raise InvalidArgumentError(
+                "COMMAND is missing: put it after '--', e.g. sar-worker ... -- python train.py"
+            )
+        self.config = config
+        self._environ = dict(os.environ if environ is None else environ)
+        self._host = netinfo.host_name()
+        self._console: Console | None = None
+        self._ports = PortBlock([])
+
+    async def run(self) -> AgentResult:
+        """Join, run the ranks, restart up to ``max_restarts`` times after a failure.
+
+        Raises:
+            InvalidArgumentError: ``--socket-name`` is not an interface of this host, or the
+                coordinator refused a field.
+            SarcommError: the coordinator refused or could not be reached (its subclasses).
+        """
+        config = self.config
+        if config.socket_name:
+            netinfo.check_socket_name(config.socket_name, host=self._host)
+        generation = 0
+        restarts = 0
+        self._console = Console() if config.tee.console else None
+        try:
+            async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
+                while True:
+                    joined = await self._join(client, generation)
+                    self._follow_coordinator_interval(joined)
+                    for action in await self._run_generation(client, joined, restarts):
+                        if isinstance(action, Log):
+                            log.log(action.level, "%s", action.text)
+                        elif isinstance(action, Restart):
+                            restarts, generation = action.restarts, action.generation
+                        elif isinstance(action, Exit):
+                            return action.result
+        finally:
+            self._ports.close()
+            if self._console is not None:
+                self._console.close()
+
+    def _follow_coordinator_interval(self, joined: JoinResult) -> None:
+        """Beat (and have the ranks stamp) as often as the coordinator expects, when it expects
+        reports more often than ``--heartbeat-interval`` says."""
+        interval = paced_interval(self.config.heartbeat_interval, joined.heartbeat_interval)
+        if interval != self.config.heartbeat_interval:
+            log.info(
+                "job=%s ranks=%s generation=%d: heartbeating every %g s, the coordinator's interval "
+                "(--heartbeat-interval %g is slower)",
+                joined.job, list(joined.ranks), joined.generation, interval, self.config.heartbeat_interval,
+            )  # fmt: skip
+            self.config = dataclasses.replace(self.config, heartbeat_interval=interval)
+
+    async def _join(self, client: CoordinatorClient, generation: int) -> JoinResult:
+        config = self.config
+        # The store port is held from before Join until the answer, so no other process takes the
+        # port rank 0's TCPStore will listen on if rank 0 lands here; the extra ports (SAR's
+        # sampling workers', --extra-ports) until the next join or the end, if the store is here.
+        self._ports.close()
+        self._ports = PortBlock.reserve(config.extra_ports)
+        try:
+            joined = await client.join_many(
+                config.job,
+                config.world_size,
+                nproc=config.nproc_per_node,
+                ranks=config.ranks,
+                local_ranks=config.local_ranks,
+                local_world_size=config.node_ranks,
+                host=self._host,
+                socket_name=config.socket_name,
+                store_port=self._ports.store_port,
+                generation=generation,
+                join_timeout=config.join_timeout,
+                backend=config.backend,
+                max_restarts=config.max_restarts,
+            )
+        except BaseException:
+            self._ports.close()
+            raise
+        self._ports.keep_if_master(joined.master_port)
+        return joined
+
+    async def _run_generation(
+        self, client: CoordinatorClient, joined: JoinResult, restarts: int
+    ) -> list[Action]:
+        """Run one generation's ranks to the end; returns the final actions (an exit or a restart)."""
+        label = f"job={joined.job} ranks={list(joined.ranks)} generation={joined.generation}"
+        with tempfile.TemporaryDirectory(prefix=f"sar-worker-{joined.job}-") as progress_dir:
+            return await _Run(self, client, joined, restarts, label, Path(progress_dir)).run()
+
+    async def _leave(self, client: CoordinatorClient, r: _Rank, code: int, reason: str, label: str) -> None:
+        if r.failed and r.output.files is not None:
+            # Where to read all of it: shown by `status` and in the failure line of every rank.
+            reason = f"{reason}; log: {self._host}:{r.output.files[1]}"
+        try:
+            state = await client.leave(r.member_id, r.secret, max(-255, min(255, code)), reason[:1024])
+        except SarcommError as exc:
+            log.warning("%s: could not report Leave of rank %d: %s", label, r.rank, exc)
+        else:
+            log.info("%s: rank %d left (%s); job is %s", label, r.rank, reason, state)
+
+    async def _stop(self, ranks: Sequence[_Rank], signum: int, label: str) -> None:
+        """Send ``signum`` to the running ranks' process groups; SIGKILL those left after the grace."""
+        _signal_ranks(ranks, signum)
+        # A stopped (SIGSTOP) rank only acts on the signal once continued.
+        _signal_ranks(ranks, signal.SIGCONT)
+        waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks if r.running and r.proc is not None]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=self.config.stop_grace)
+        if pending:
+            stubborn = [r.rank for r in ranks if r.running]
+            log.warning(
+                "%s: rank(s) %s still running %g s after %s; sending SIGKILL",
+                label, stubborn, self.config.stop_grace, signal.Signals(signum).name,
+            )  # fmt: skip
+            _signal_ranks(ranks, signal.SIGKILL)
+            await asyncio.wait(pending, timeout=10.0)
+            for task in pending:
+                task.cancel()
+
+
+class _Run:
+    """One generation's run: starts the ranks, turns what happens into events for
+    :func:`~sarcomm.worker.agent.decisions.decide` and carries out its actions."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        client: CoordinatorClient,
+        joined: JoinResult,
+        restarts: int,
+        label: str,
+        progress_dir: Path,
+    ) -> None:
+        config = agent.config
+        self.agent, self.client, self.joined, self.label = agent, client, joined, label
+        self.restart_count = max(restarts, joined.restart_count)
+        self.ranks = [
+            _Rank(
+                index=i,
+                rank=a.rank,
+                member_id=a.member_id,
+                secret=a.secret,
+                address=metrics_report_host(config.metrics_host, a.address),
+                progress=ProgressReader(progress_dir / f"rank{a.rank}.progress"),
+                output=RankOutput(
+                    a.rank,
+                    a.local_rank,
+                    tag=config.output_tag,
+                    console=agent._console,
+                    files=log_paths(config.log_dir, joined.job, joined.generation, a.rank)
+                    if config.log_dir is not None and config.tee.files
+                    else None,
+                ),
+            )
+            for i, a in enumerate(joined.assignments)
+        ]
+        self.state = RunState(
+            job=joined.job,
+            generation=joined.generation,
+            host=agent._host,
+            label=label,
+            ranks=tuple(r.rank for r in self.ranks),
+            restarts=restarts,
+            max_restarts=config.max_restarts,
+        )
+        # The rank's library stamps every interval; past two missed stamps the agent logs it (the
+        # coordinator judges it, by the age each report carries).
+        self.stale_after = 3 * config.heartbeat_interval
+        self.happenings: asyncio.Queue[AgentEvent] = asyncio.Queue()
+        self.background: set[asyncio.Task[None]] = set()
+        self.stop_task: asyncio.Task[None] | None = None
+
+    def reports(self) -> list[MemberReport]:
+        now = time.time()
+        return [r.report(now, self.stale_after, self.label) for r in self.ranks if r.running]
+
+    def apply(self, event: AgentEvent) -> list[Action]:
+        """Decide on ``event`` and carry out the actions but the run's end (returned)."""
+        if isinstance(event, RankExited):
+            # Counted as exited once its exit is decided on, not when the process ended: the loop
+            # in run() waits until every exit has been.
+            self.ranks[event.index].returncode = event.returncode
+        self.state, actions = decide(self.state, event)
+        rest: list[Action] = []
+        for action in actions:
+            if isinstance(action, Log):
+                log.log(action.level, "%s", action.text)
+            elif isinstance(action, StopRanks):
+                self.stop_task = asyncio.ensure_future(
+                    self.agent._stop(self.ranks, action.signum, self.label)
+                )
+            elif isinstance(action, SignalRanks):
+                _signal_ranks(self.ranks, action.signum)
+            elif isinstance(action, ShowTail):
+                self.ranks[action.index].failed = True
+                self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[action.index])))
+            elif isinstance(action, ReportLeave):
+                r = self.ranks[action.index]
+                leave = self.agent._leave(self.client, r, action.exit_code, action.reason, self.label)
+                self.background.add(asyncio.ensure_future(leave))
+            else:
+                rest.append(action)
+        return rest
+
+    async def run(self) -> list[Action]:
+        config, joined = self.agent.config, self.joined
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+        with _forward_signals(self.happenings):
+            for r in self.ranks:
+                env = rank_environment(
+                    self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
+                )
+                problem = command_problem(config.command, env)
+                try:
+                    if problem is not None:
+                        raise OSError(problem)
+                    # Through the launcher: the rank's whole process tree ends with this agent.
+                    r.proc = await asyncio.create_subprocess_exec(
+                        *launch_command(config.command),
+                        env=env,
+                        start_new_session=True,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                    )
+                except OSError as exc:
+                    r.returncode = 127  # never ran
+                    self.apply(SpawnFailed(r.index, f"could not start {shorten(config.command[0])}: {exc}"))
+                    break
+                r.seen_running = time.time()
+                log.info(
+                    "%s: started rank %d (process group %d): %s",
+                    self.label,
+                    r.rank,
+                    r.proc.pid,
+                    " ".join(config.command),
+                )
+                r.output.start(r.proc.stdout, r.proc.stderr)
+                self.apply(RankStarted(r.index))
+                self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
+
+            while any(r.running for r in self.ranks):
+                self.apply(await self.happenings.get())
+
+        for action in self.apply(RanksDone()):
+            if isinstance(action, AwaitVerdict):
+                await self._await_verdict()
+        heartbeat.cancel()
+        if self.stop_task is not None:
+            self.background.add(self.stop_task)
+        # Leave calls are bounded by the client's timeout; this bound only guards against a hang.
+        done, pending = await asyncio.wait({heartbeat, *self.background}, timeout=self.client.timeout + 5.0)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s: agent task failed: %r", self.label, task.exception())
+        # Every line the ranks wrote is on the console and in the files before the last word.
+        await asyncio.gather(*(r.output.drained() for r in self.ranks))
+        for r in self.ranks:
+            r.progress.close()
+            await r.output.close()
+        return self.apply(Finished())
+
+    async def _show_tail(self, r: _Rank) -> None:
+        """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
+        await r.output.drained()
+        stream, lines = r.output.tail()
+        where = f"; all of it in {r.output.files[0]} and {r.output.files[1]}" if r.output.files else ""
+        if not lines:
+            log.error("%s: rank %d wrote no output%s", self.label, r.rank, where)
+            return
+        shown = "\n".join(f"    | {line}" for line in lines)
+        log.error(
+            "%s: last %d line(s) of rank %d's %s%s:\n%s", self.label, len(lines), r.rank, stream, where, shown
+        )
+
+    async def _await_verdict(self) -> None:
+        """The verdict on a peer that failed first may still be on its way: report the local exits
+        (the coordinator has announced the first failure before it answers them), then look at what
+        the stream brought."""
+        leaves = [task for task in self.background if not task.done()]
+        if leaves:
+            await asyncio.wait(leaves, timeout=self.client.timeout)
+        await asyncio.sleep(min(0.2, self.agent.config.heartbeat_interval))
+        while not self.happenings.empty():
+            self.apply(self.happenings.get_nowait())
+
+    async def _heartbeat(self) -> None:
+        """One stream for all local ranks; failures of this generation become events."""
+        joined, label = self.joined, self.label
+        mine = {a.member_id for a in joined.assignments}
+        warned_unknown = False
+        try:
+            async with self.client.heartbeats(self.reports, self.agent.config.heartbeat_interval) as stream:
+                async for reply in stream:
+                    for event in reply.events:
+                        if (
+                            event.job == joined.job
+                            and event.generation == joined.generation
+                            and event.kind in (EventKind.MEMBER_FAILED, EventKind.JOB_FAILED)
+                        ):
+                            self.happenings.put_nowait(PeerFailed(event))
+                    unknown = mine.intersection(reply.unknown_members)
+                    if unknown and not warned_unknown:
+                        warned_unknown = True
+                        log.warning(
+                            "%s: the coordinator no longer knows %d local member(s); ranks keep running",
+                            label, len(unknown),
+                        )  # fmt: skip
+        except SarcommError as exc:
+            self.happenings.put_nowait(StreamBroke(str(exc)))
+        except Exception:  # a bug here must not take the ranks down; the coordinator will notice
+            log.exception("%s: heartbeats stopped; ranks keep running", label)
+
+
+async def _wait_exit(r: _Rank, happenings: asyncio.Queue[AgentEvent]) -> None:
+    if r.proc is not None:
+        happenings.put_nowait(RankExited(r.index, await r.proc.wait()))
+
+
+def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:
+    """Signal each running rank's process group (the rank and the children it started)."""
+    for r in ranks:
+        if r.running and r.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(r.proc.pid, signum)
+
+
+@contextlib.contextmanager
+def _forward_signals(happenings: asyncio.Queue[AgentEvent]) -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into events while the ranks run; restore handlers afterwards."""
+    loop = asyncio.get_running_loop()
+    installed: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(signum, happenings.put_nowait, StopRequested(signum))
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no such API
+            log.debug("cannot handle signal %d here; it keeps its default action", signum)
+        else:
+            installed.append(signum)
+    try:
+        yield
+    finally:
+        for installed_signum in installed:
+            loop.remove_signal_handler(installed_signum)

@@ -1,0 +1,159 @@
+"""What a rank runs beside its training: the progress record its agent reads, the watch on that
+agent, and the ``/metrics`` endpoint.
+
+- Progress: every collective notes its start and end in a :class:`ProgressWriter`. Under
+  ``sar-worker`` (``SAR_PROGRESS_FILE``) a daemon thread stamps the shared record every
+  heartbeat interval, and stops the rank once its agent (``SAR_AGENT_PID``) is gone; a process that
+  registered itself keeps the record in memory for its own heartbeats. The collectives find the
+  writer through :func:`add_progress_listener`, so this module never imports them (nor torch).
+- Metrics: :func:`start_rank_services` serves ``/metrics`` on the address and port
+  :func:`~sarcomm.worker.launch_env.metrics_host_setting` and
+  :func:`~sarcomm.worker.launch_env.metrics_port_setting` say (``SAR_METRICS_HOST``,
+  ``SAR_METRICS_PORT``), and notes the bound port in the record, from where the heartbeats carry
+  it to the coordinator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from sarcomm.common.constants import PROGRESS_FILE_VARIABLE
+from sarcomm.worker.launch_env import (
+    agent_pid_setting,
+    heartbeat_interval_setting,
+    metrics_host_setting,
+    metrics_port_setting,
+)
+from sarcomm.worker.library import metrics
+from sarcomm.worker.progress import ProgressWriter
+
+__all__ = [
+    "EXIT_GRACE_S",
+    "add_progress_listener",
+    "install_progress",
+    "start_rank_services",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an exiting rank's last progress stamp vouches for it while the interpreter finalises.
+EXIT_GRACE_S = 60.0
+
+_progress: ProgressWriter | None = None
+
+
+def install_progress(path: Path | None, interval: float, agent_pid: int | None = None) -> ProgressWriter:
+    """Note every collective's progress in a :class:`ProgressWriter` (once per process).
+
+    With ``path`` (under ``sar-worker``) a daemon thread stamps the shared record every
+    ``interval`` seconds: a rank blocked inside a collective still stamps, a stopped or wedged one
+    does not, which is how its agent tells them apart. The same thread stops this rank (SIGTERM to
+    itself) once the agent ``agent_pid`` is gone. Without ``path`` the record stays in this
+    process, read by its own heartbeats.
+    """
+    global _progress
+    if _progress is not None:
+        return _progress
+    writer = ProgressWriter(path)
+    for listener in _progress_listeners:
+        listener(writer)
+    if path is not None:
+        stop = threading.Event()
+
+        def stamp() -> None:
+            # Four stamps per interval: the agent reports the stamp's age once per interval, and the
+            # coordinator counts a rank's silence from its last stamp, so a stamp a whole interval
+            # old would eat an interval of the interval x misses budget of a healthy rank.
+            while not stop.wait(interval / 4):
+                writer.publish()
+                if agent_pid is not None and not _alive(agent_pid):
+                    log.error(
+                        "rank %s: its sar-worker (pid %d) is gone, so nobody watches it or tells it of "
+                        "failures; stopping", os.environ.get("RANK", "?"), agent_pid,
+                    )  # fmt: skip
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+        thread = threading.Thread(target=stamp, name="sarcomm-progress", daemon=True)
+        thread.start()
+
+        def end() -> None:
+            # Ended before the interpreter finalises: a daemon thread still running then is torn
+            # down with pthread_exit, which aborts the process ("terminate called without an
+            # active exception") once torch's C++ runtime is loaded.
+            stop.set()
+            thread.join(interval + 1.0)
+            # Finalising (torch's teardown) can take seconds with nobody left to stamp: vouch for
+            # that long, so the agent does not take an exiting rank for a wedged one.
+            writer.publish(stamp=time.time() + EXIT_GRACE_S)
+
+        atexit.register(end)
+    _progress = writer
+    return writer
+
+
+_progress_listeners: list[Callable[[ProgressWriter], None]] = []
+
+
+def add_progress_listener(listener: Callable[[ProgressWriter], None]) -> None:
+    """Have ``listener`` told of this process's progress writer: at once when it exists, else when
+    :func:`install_progress` makes it. The collectives' timing registers here when it is imported."""
+    _progress_listeners.append(listener)
+    if _progress is not None:
+        listener(_progress)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
+    """Start what a rank runs beside its training once communication is up; idempotent.
+
+    ``initialize_comms`` calls this, so that SAR-style scripts that call it directly (not
+    :func:`~sarcomm.worker.library.startup.init`) get the same: under ``sar-worker`` the progress record
+    its agent reads (``SAR_PROGRESS_FILE``), and the ``/metrics`` endpoint
+    (:func:`~sarcomm.worker.launch_env.metrics_port_setting`), whose bound port goes to the
+    coordinator through the agent's or this process's own heartbeats.
+
+    A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
+    a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
+    """
+    env = os.environ if environ is None else environ
+    writer = _progress
+    progress_file = env.get(PROGRESS_FILE_VARIABLE)
+    # A self-registered process has its (in-memory) writer already: this makes the shared one.
+    if writer is None and progress_file:
+        writer = install_progress(
+            Path(progress_file), heartbeat_interval_setting(env, None), agent_pid_setting(env)
+        )
+    port = metrics_port_setting(env, member=bool(env.get("SAR_MEMBER_ID")))
+    if port is None:
+        return
+    host = metrics_host_setting(env)
+    bound = metrics.serving_port()
+    if bound is None:
+        try:
+            _, bound = metrics.start_metrics_server(port, host)
+        except OSError as exc:
+            log.error(
+                "rank %s: cannot serve /metrics on %s port %d (%s); continuing without the endpoint",
+                env.get("RANK", "?"), host, port, exc,
+            )  # fmt: skip
+            return
+    if writer is not None:
+        # The stamping thread (or this process's heartbeats) carries it from the next interval on.
+        writer.metrics_port = bound
