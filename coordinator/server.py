@@ -34,8 +34,8 @@ from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.ha.replica import Replica
 from sarcomm.coordinator.ha.router import LeaderRouter
-from sarcomm.coordinator.storage.records import load_state
-from sarcomm.coordinator.storage.store import SqliteStore, StateStore
+from sarcomm.coordinator.ha.seat import Seat, SoleSeat
+from sarcomm.coordinator.storage.store import StateStore
 from sarcomm.coordinator.term import Term
 from sarcomm.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -77,19 +77,16 @@ class Coordinator:
         self.config = config
         self.clock = clock
         self.metrics = CoordinatorMetrics(None, wall=clock.wall)
-        # The jobs this coordinator serves: one term for as long as it runs on SQLite; on etcd, one
-        # per time it leads (None while it stands by; see replica.Replica).
-        self.term: Term | None = None
-        self.replica: Replica | None = None
-        if config.store is None:
-            self.store: StateStore = SqliteStore(config.state)
-            where = f"its state file {config.state}" if config.state is not None else "its state"
-            self.term = Term(config, self.store, load_state(self.store), clock, self.metrics, where)
-            self.metrics.membership = self.term.membership
-        else:
-            self.replica = Replica(config, config.store, clock, self.metrics, self._term_changed)
-            self.store = self.replica.store
-            self.metrics.leader.set(0)
+        # The jobs this coordinator serves, from the term its seat holds: on SQLite one term for as
+        # long as it runs; on etcd one per time it leads (None while it stands by).
+        self.seat: Seat = (
+            SoleSeat(config, clock, self.metrics)
+            if config.store is None
+            else Replica(config, config.store, clock, self.metrics, self._term_changed)
+        )
+        self.store: StateStore = self.seat.store
+        self.term: Term | None = self.seat.term
+        self.metrics.membership = self.term.membership if self.term is not None else None
         # grpc-stubs predates the asyncio health servicer, hence the ignore.
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         http_host, http_port = parse_host_port("http", config.http)
@@ -107,8 +104,8 @@ class Coordinator:
             self.metrics,
             advertised,
             self.token,
-            stored=self.replica.stored_view if self.replica is not None else None,
-            role=self._role,
+            stored=self.seat.stored_view,
+            role=self.seat.role,
         )
         self.grpc_port = 0
         self.http_port = 0
@@ -131,12 +128,6 @@ class Coordinator:
             health_pb2.HealthCheckResponse.SERVING if term else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
-
-    def _role(self) -> dict[str, str]:
-        if self.replica is None:
-            return {"role": "leader"}
-        leader = self.replica.elector.decision.leader if self.replica.elector is not None else ""
-        return {"role": "leader" if self.replica.leading else "standby", "leader": leader}
 
     async def start(self) -> None:
         limits = self.config.limits
@@ -168,13 +159,7 @@ class Coordinator:
                 ("grpc.server.max_pending_requests_hard_limit", 4 * limits.max_world_size),
             ],
         )
-        replica = self.replica
-        servicer: coordinator_pb2_grpc.CoordinatorServicer
-        if replica is None:
-            assert self.term is not None
-            servicer = self.term.service
-        else:
-            servicer = LeaderRouter(replica.serving_term, replica.not_leader)
+        servicer = LeaderRouter(self.seat.serving_term, self.seat.not_leader)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -201,11 +186,11 @@ class Coordinator:
                 raise OSError(_in_use("--listen", self.config.listen))
             await server.start()
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-            # On etcd, the Coordinator service is SERVING only while this replica leads.
+            # The Coordinator service is SERVING only while a term serves (on etcd: while leading).
             await self.health.set(
                 SERVICE_NAME,
                 health_pb2.HealthCheckResponse.SERVING
-                if replica is None
+                if self.term is not None
                 else health_pb2.HealthCheckResponse.NOT_SERVING,
             )
 
@@ -222,14 +207,10 @@ class Coordinator:
             await self._close_listeners()
             raise
         self.http_port = int(runner.addresses[0][1]) if runner.addresses else port
-        if self.term is not None:
-            self.term.start()
-        if replica is not None:
-            host, _ = parse_host_port("listen", self.config.listen)
-            advertised = self.config.advertised
-            if parse_host_port("advertise", advertised)[1] == 0:  # --listen HOST:0: the bound port
-                advertised = host_port(advertised.rpartition(":")[0].strip("[]"), self.grpc_port)
-            replica.start(advertised)
+        advertised = self.config.advertised
+        if parse_host_port("advertise", advertised)[1] == 0:  # --listen HOST:0: the bound port
+            advertised = host_port(advertised.rpartition(":")[0].strip("[]"), self.grpc_port)
+        self.seat.start(advertised)
         self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()
@@ -295,11 +276,7 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._lag_watcher
         await self._close_listeners(self.config.shutdown_grace)
-        if self.replica is not None:
-            await self.replica.stop()
-        elif self.term is not None:
-            await self.term.close()
-            self.store.close()
+        await self.seat.stop()
         log.info("coordinator stopped")
 
 

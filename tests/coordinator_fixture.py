@@ -81,11 +81,11 @@ async def in_process_coordinator(
     coordinator = Coordinator(config, clock=clock)
     await coordinator.start()
     try:
-        if coordinator.replica is not None:
+        if config.store is not None:
             # On etcd: serve once this coordinator leads (at once, unless a dead leader's lease
             # still holds the key: then within its TTL).
             await wait_for_async(
-                lambda: coordinator.replica is not None and coordinator.replica.leading,
+                lambda: coordinator.seat.serving_term() is not None,
                 15,
                 what=f"the in-process coordinator to lead: {config.store}",
             )

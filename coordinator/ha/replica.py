@@ -18,7 +18,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from sarcomm.common.errors import NotLeaderError, StoreUnavailableError
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
@@ -70,6 +70,7 @@ class Replica:
         self._counted_changes = 0
         self._view: tuple[float, Membership] | None = None
         self._take_over_logged = -math.inf
+        metrics.leader.set(0)
 
     def start(self, address: str) -> None:
         """Begin campaigning, publishing ``address`` (this coordinator's gRPC) as leader."""
@@ -165,6 +166,10 @@ class Replica:
             term.abandon()
             self._on_term(None)
 
+    def role(self) -> dict[str, str]:
+        leader = self.elector.decision.leader if self.elector is not None else ""
+        return {"role": "leader" if self.leading else "standby", "leader": leader}
+
     def not_leader(self) -> NotLeaderError:
         """The answer of this replica while it does not lead."""
         leader = self.elector.decision.leader if self.elector is not None else ""
@@ -180,7 +185,11 @@ class Replica:
             "elected; retry in a few seconds, and check that a majority of the etcd members run",
         )
 
-    async def stored_view(self) -> Membership:
+    @property
+    def stored_view(self) -> Callable[[], Awaitable[Membership]] | None:
+        return self._read_view
+
+    async def _read_view(self) -> Membership:
         """A read-only membership of what the store holds (cached for a second)."""
         now = time.monotonic()  # a cache's age, not the domain's time (tests move that one)
         if self._view is not None and now - self._view[0] < VIEW_CACHE_S:

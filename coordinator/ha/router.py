@@ -12,14 +12,36 @@ import grpc
 
 from sarcomm.common.errors import NotLeaderError
 from sarcomm.coordinator.term import Term
-from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
+def _unary(name: str) -> Callable[..., Any]:
+    async def route(self: Any, request: Any, context: Context) -> Any:
+        term = self._serving()
+        with term.call(self._not_leader):
+            return await getattr(term.service, name)(request, context)
+
+    return route
+
+
+def _streaming(name: str) -> Callable[..., Any]:
+    async def route(self: Any, request: Any, context: Context) -> AsyncIterator[Any]:
+        term = self._serving()
+        with term.call(self._not_leader):
+            async for message in getattr(term.service, name)(request, context):
+                yield message
+
+    return route
+
+
 class LeaderRouter(pb_grpc.CoordinatorServicer):
-    """``term()`` is the current term (None while standing by); ``not_leader()`` the error then."""
+    """``term()`` is the current term (None while standing by); ``not_leader()`` the error then.
+
+    Every method of the ``Coordinator`` service is routed the same way: one router per kind of
+    call (unary, server-streaming), named below once per RPC (tests/test_router.py checks that
+    every RPC of the service descriptor is routed, so a new RPC cannot be forgotten here)."""
 
     def __init__(self, term: Callable[[], Term | None], not_leader: Callable[[], NotLeaderError]) -> None:
         self._term = term
@@ -31,31 +53,8 @@ class LeaderRouter(pb_grpc.CoordinatorServicer):
             raise self._not_leader()
         return term
 
-    async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinResponse:
-        term = self._serving()
-        with term.call(self._not_leader):
-            return await term.service.Join(request, context)
-
-    async def Leave(self, request: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
-        term = self._serving()
-        with term.call(self._not_leader):
-            return await term.service.Leave(request, context)
-
-    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
-        term = self._serving()
-        with term.call(self._not_leader):
-            return await term.service.ListJobs(request, context)
-
-    async def Heartbeat(
-        self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: Context
-    ) -> AsyncIterator[pb.HeartbeatResponse]:
-        term = self._serving()
-        with term.call(self._not_leader):
-            async for response in term.service.Heartbeat(request_iterator, context):
-                yield response
-
-    async def Watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.JobEvent]:
-        term = self._serving()
-        with term.call(self._not_leader):
-            async for event in term.service.Watch(request, context):
-                yield event
+    Join = _unary("Join")
+    Leave = _unary("Leave")
+    ListJobs = _unary("ListJobs")
+    Heartbeat = _streaming("Heartbeat")
+    Watch = _streaming("Watch")
