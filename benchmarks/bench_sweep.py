@@ -20,39 +20,17 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import SAR_WORKER, CoordinatorProcess
 from recording import describe
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], http_port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sar-coordinator exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"http://{LOOPBACK}:{http_port}/healthz", timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"sar-coordinator not healthy within {timeout:g} s")
 
 
 def machine() -> dict[str, Any]:
@@ -82,42 +60,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the bench's results, labelled, here")
     args = parser.parse_args(argv)
     command = shlex.join(["python", "benchmarks/bench_sweep.py", *(sys.argv[1:] if argv is None else argv)])
-    grpc_port, http_port = free_port(), free_port()
     load_at_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="sarcomm-bench-") as tmp:
         log_path = Path(tmp) / "coordinator.log"
         raw_json = Path(tmp) / "bench.json"
-        coordinator_cmd = [
-            sys.executable, "-m", "sarcomm.coordinator.cli",
-            "--listen", f"{LOOPBACK}:{grpc_port}", "--http", f"{LOOPBACK}:{http_port}",
-            "--heartbeat-interval", str(args.heartbeat_interval),
-        ]  # fmt: skip
         worker_cmd = [
-            sys.executable, "-m", "sarcomm.worker.agent.cli",
-            "--coord", f"{LOOPBACK}:{grpc_port}", "--job", "bench-sweep",
+            *SAR_WORKER,
+            "--coord", "COORD", "--job", "bench-sweep",
             "--world-size", str(args.world), "--nproc-per-node", str(args.world), "--backend", args.backend,
             "--heartbeat-interval", str(args.heartbeat_interval),
             "bench", "--ops", args.ops, "--sizes", args.sizes, "--factor", args.factor,
             "--iters", args.iters, "--warmup", args.warmup, "--json", str(raw_json),
         ]  # fmt: skip
-        with log_path.open("wb") as log:
-            coordinator = subprocess.Popen(coordinator_cmd, stdout=log, stderr=subprocess.STDOUT)
+        with CoordinatorProcess(
+            log_path, flags=["--heartbeat-interval", str(args.heartbeat_interval)]
+        ) as coordinator:
+            worker_cmd[worker_cmd.index("COORD")] = coordinator.target
+            started = time.monotonic()
             try:
-                wait_healthy(coordinator, http_port)
-                started = time.monotonic()
-                try:
-                    status = subprocess.run(worker_cmd, timeout=args.timeout, check=False).returncode
-                except subprocess.TimeoutExpired:
-                    print(f"bench_sweep: sar-worker ran past --timeout {args.timeout:g} s", file=sys.stderr)
-                    status = 124
-                wall = time.monotonic() - started
-            finally:
-                coordinator.terminate()
-                try:
-                    coordinator.wait(15)
-                except subprocess.TimeoutExpired:
-                    coordinator.kill()
-                    coordinator.wait()
+                status = subprocess.run(worker_cmd, timeout=args.timeout, check=False).returncode
+            except subprocess.TimeoutExpired:
+                print(f"bench_sweep: sar-worker ran past --timeout {args.timeout:g} s", file=sys.stderr)
+                status = 124
+            wall = time.monotonic() - started
         if status != 0:
             print(f"bench_sweep: sar-worker exited {status}; coordinator log:", file=sys.stderr)
             sys.stderr.write(log_path.read_text(errors="replace")[-4000:])

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import SAR_COORDINATOR, free_port
 from recording import describe, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,20 +145,12 @@ def run_client(argv: list[str]) -> int:
 # -- coordinators ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 class Replica:
     """One ``sar-coordinator`` process on fixed loopback ports, restartable on the same ones."""
 
     def __init__(self, work: Path, name: str, args: list[str]) -> None:
         self.name = name
-        self.grpc_port, self.http_port = _free_port(), _free_port()
+        self.grpc_port, self.http_port = free_port(), free_port()
         self.log_path = work / f"coordinator-{name}.log"
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
@@ -170,7 +163,7 @@ class Replica:
         log = self.log_path.open("ab")
         advertise = ["--advertise", self.target] if "--store" in self.args else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", self.target,
+            [*SAR_COORDINATOR, "--listen", self.target,
              "--http", f"{LOOPBACK}:{self.http_port}", *advertise, *self.args],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -49,7 +49,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import SAR_WORKER, CoordinatorProcess
 from recording import describe, write_results
 
 SCENARIOS = ("kill", "hang", "partition")
@@ -206,12 +206,6 @@ class Hosts:
 # -- one run ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -265,42 +259,28 @@ class Watcher:
             self._loop.close()
 
 
-@dataclass
-class Coordinator:
-    proc: subprocess.Popen[bytes]
-    grpc_port: int
-    http_port: int
-
-    @classmethod
-    def start(cls, workdir: Path, interval: float, misses: int) -> Coordinator:
-        grpc_port, http_port = _free_port(), _free_port()
-        log = (workdir / "coordinator.log").open("ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"0.0.0.0:{grpc_port}",
-             "--http", f"127.0.0.1:{http_port}", "--state", str(workdir / "state.sqlite"),
-             "--heartbeat-interval", str(interval), "--heartbeat-misses", str(misses),
-             "--shutdown-grace", "1", "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT, env=_env(),
-        )  # fmt: skip
-        import urllib.request
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1):
-                    return cls(proc, grpc_port, http_port)
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        raise RuntimeError("the coordinator did not become healthy within 30 s")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+def start_coordinator(workdir: Path, interval: float, misses: int) -> CoordinatorProcess:
+    """The coordinator, its gRPC on every interface (the hosts reach it from their namespaces)."""
+    coordinator = CoordinatorProcess(
+        workdir / "coordinator.log",
+        state=workdir / "state.sqlite",
+        flags=[
+            "--heartbeat-interval",
+            str(interval),
+            "--heartbeat-misses",
+            str(misses),
+            "--shutdown-grace",
+            "1",
+        ],
+        listen_host="0.0.0.0",
+        env=_env(),
+    )
+    try:
+        coordinator.wait_serving()
+    except BaseException:
+        coordinator.close()
+        raise
+    return coordinator
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -314,7 +294,7 @@ def run_once(
     mode: str,
     index: int,
     hosts: Hosts,
-    coord: Coordinator,
+    coord: CoordinatorProcess,
     args: argparse.Namespace,
     work: Path,
 ) -> dict[str, Any]:
@@ -334,7 +314,7 @@ def run_once(
         for i in range(WORLD):
             iface = {"GLOO_SOCKET_IFNAME": "eth0"} if hosts.netns else {}
             if mode == "agent":
-                command = [sys.executable, "-m", "sarcomm.worker.agent.cli", "--coord", target, "--job", job,
+                command = [*SAR_WORKER, "--coord", target, "--job", job,
                            "--world-size", str(WORLD), "--rank", str(i), "--backend", "gloo",
                            "--heartbeat-interval", str(args.interval), "--metrics-port", "-1",
                            "--", sys.executable, script, "_rank", "agent", str(control)]  # fmt: skip
@@ -468,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
     hosts = Hosts() if why_not else Hosts.create()
-    coord = Coordinator.start(work, args.interval, args.misses)
+    coord = start_coordinator(work, args.interval, args.misses)
     runs: list[dict[str, Any]] = []
     try:
         for scenario in scenarios:
@@ -478,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(result)
                     print(json.dumps(result), flush=True)
     finally:
-        coord.stop()
+        coord.close()
         hosts.delete()
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from harness import free_port
 from recording import describe
 
 #: name -> parameter shapes (one tensor each); float32.
@@ -37,12 +37,6 @@ MODELS: dict[str, list[tuple[int, ...]]] = {
     "8 x 1M": [(1024 * 1024,)] * 8,
 }
 BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def buckets(shapes: list[tuple[int, ...]]) -> int:

@@ -50,24 +50,21 @@ import json
 import os
 import random
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from harness import CoordinatorProcess, memory_kib, process_cpu_seconds
 from recording import describe, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 
 SHAPES = {"batched": (512, 8), "single": (4096, 1)}
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # -- a client process ------------------------------------------------------------------------------
@@ -206,31 +203,6 @@ def run_client(argv: list[str]) -> int:
 # -- the parent ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-
-
-def _memory_kib(pid: int) -> dict[str, int]:
-    found = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            found[key] = int(value.split()[0])
-    return found
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return str(response.read().decode())
-
-
 def _counter(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -259,39 +231,27 @@ def measure(
     work = work / ("scaling" if scaling else "main") / store / name
     work.mkdir(parents=True, exist_ok=True)
     world = agents * members
-    grpc_port, http_port = _free_port(), _free_port()
-    log = (work / f"coordinator-{shape}.log").open("ab")
     cpus = sorted(os.sched_getaffinity(0))
     # --pin: the coordinator gets the first CPU to itself, as on a head node whose cores are its
     # own; the clients share the rest. Otherwise everything shares every CPU.
     coordinator_cpus = {cpus[0]} if args.pin and len(cpus) > 1 else set(cpus)
     client_cpus = set(cpus[1:]) if args.pin and len(cpus) > 1 else set(cpus)
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
-         "--http", f"127.0.0.1:{http_port}",
-         *(["--store", etcd.url(f"hl-{'s' if scaling else 'm'}-{name}")] if etcd else
-           ["--state", str(work / f"state-{shape}.sqlite")]),
-         "--heartbeat-interval", str(interval), "--heartbeat-misses", str(args.misses),
-         "--log-level", "WARNING", "--shutdown-grace", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.sched_setaffinity(0, coordinator_cpus),
+    server = CoordinatorProcess(
+        work / f"coordinator-{shape}.log",
+        state=None if etcd else work / f"state-{shape}.sqlite",
+        store=etcd.url(f"hl-{'s' if scaling else 'm'}-{name}") if etcd else None,
+        flags=["--heartbeat-interval", str(interval), "--heartbeat-misses", str(args.misses),
+               "--shutdown-grace", "1"],
+        cpus=coordinator_cpus,
     )  # fmt: skip
-    http = f"http://127.0.0.1:{http_port}"
+    coordinator = server.proc
+    profiler_log = work / f"py-spy-{shape}.log"
     clients: list[subprocess.Popen[bytes]] = []
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                # A coordinator on etcd answers once it leads (alone, at once); SQLite's always leads.
-                if json.loads(_get(f"{http}/healthz")).get("role", "leader") == "leader":
-                    break
-                time.sleep(0.05)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the coordinator did not start") from None
-                time.sleep(0.05)
+        # A coordinator on etcd serves once it leads (alone, at once); SQLite's always leads.
+        server.wait_serving()
         time.sleep(0.5)
-        idle = _memory_kib(coordinator.pid)
+        idle = memory_kib(coordinator.pid)
         job = f"load-{shape}"
         started = time.monotonic()
         # Clients stream until the stop file appears; end_at only bounds a run that went wrong.
@@ -305,7 +265,7 @@ def measure(
         share += [probes] if probes else []
         for p, count in enumerate(share):
             config = {
-                "target": f"127.0.0.1:{grpc_port}", "job": job, "world": world, "agents": count,
+                "target": server.target, "job": job, "world": world, "agents": count,
                 "members": members, "interval": interval, "end_at": end_at, "proc": p,
                 "ready": str(work / f"{shape}-{p}.ready"), "out": str(work / f"{shape}-{p}.json"),
                 "channels": args.channels, "stop": str(stop_file),
@@ -326,7 +286,7 @@ def measure(
         # Every member's first report follows its own join answer; a world of thousands gets its
         # answers in a burst, which takes a while on a machine its clients share.
         while True:
-            status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+            status = json.loads(server.get(f"/v1/jobs?job={job}"))["jobs"][0]
             if all(m["last_heartbeat"] > 0 for m in status["members"]):
                 first_reports_s = time.time() - status["formed"]
                 break
@@ -341,12 +301,12 @@ def measure(
                 ["py-spy", "record", "--pid", str(coordinator.pid), "--rate", "200", "--format", "raw",
                  "--nonblocking", "--duration", str(int(args.duration)),
                  "--output", str(args.profile_coordinator.with_suffix(f".{shape}.raw"))],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=profiler_log.open("ab"), stderr=subprocess.STDOUT,
             )  # fmt: skip
         etcd_pids = [m.proc.pid for m in etcd.members if m.proc is not None] if etcd else []
-        etcd_cpu0 = sum(_cpu_seconds(pid) for pid in etcd_pids)
-        cpu0, wall0 = _cpu_seconds(coordinator.pid), time.monotonic()
-        metrics0 = _get(f"{http}/metrics")
+        etcd_cpu0 = sum(process_cpu_seconds(pid) for pid in etcd_pids)
+        cpu0, wall0 = process_cpu_seconds(coordinator.pid), time.monotonic()
+        metrics0 = server.get("/metrics")
         beats0 = _counter(metrics0, "sar_coordinator_heartbeats_total")
         peak_rss = 0
         scrapes: list[float] = []
@@ -357,13 +317,13 @@ def measure(
                 # member's per-rank series, are served from the loop that answers the heartbeats.
                 for path in ("/metrics", "/sd"):
                     began = time.monotonic()
-                    _get(f"{http}{path}")
+                    server.get(path)
                     scrapes.append(time.monotonic() - began)
                 next_scrape += args.scrape_interval
             time.sleep(max(0.0, min(1.0, wall0 + args.duration - time.monotonic())))
-            peak_rss = max(peak_rss, _memory_kib(coordinator.pid)["VmRSS"])
-        cpu1, wall1 = _cpu_seconds(coordinator.pid), time.monotonic()
-        etcd_cpu1 = sum(_cpu_seconds(pid) for pid in etcd_pids)
+            peak_rss = max(peak_rss, memory_kib(coordinator.pid)["VmRSS"])
+        cpu1, wall1 = process_cpu_seconds(coordinator.pid), time.monotonic()
+        etcd_cpu1 = sum(process_cpu_seconds(pid) for pid in etcd_pids)
         profile: list[dict[str, Any]] = []
         if profiler is not None:
             profiler.wait(30)
@@ -371,8 +331,8 @@ def measure(
             if raw.exists():
                 profile = hottest_frames(raw)
             else:
-                print(f"py-spy wrote no profile to {raw} (see {log.name})", file=sys.stderr)
-        metrics = _get(f"{http}/metrics")
+                print(f"py-spy wrote no profile to {raw} (see {profiler_log})", file=sys.stderr)
+        metrics = server.get("/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
         lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
         full_gc = 'sar_coordinator_gc_pause_seconds_{}{{generation="2"}}'
@@ -382,8 +342,8 @@ def measure(
         lag["full_collections_ms"] = round(
             1000 * (_counter(metrics, full_gc.format("sum")) - _counter(metrics0, full_gc.format("sum"))), 1
         )
-        memory = _memory_kib(coordinator.pid)
-        status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+        memory = memory_kib(coordinator.pid)
+        status = json.loads(server.get(f"/v1/jobs?job={job}"))["jobs"][0]
         failed = sum(1 for m in status["members"] if m["state"] == "FAILED")
         # How stale the stalest member was at the end: what the liveness rule saw.
         stalest_s = time.time() - min(m["last_heartbeat"] for m in status["members"])
@@ -395,7 +355,7 @@ def measure(
             if time.monotonic() > stopped + args.join_budget:
                 raise RuntimeError(f"{shape}: the job did not finish {args.join_budget} s after the leaves")
             time.sleep(0.25)
-            status = json.loads(_get(f"{http}/v1/jobs?job={job}"))["jobs"][0]
+            status = json.loads(server.get(f"/v1/jobs?job={job}"))["jobs"][0]
         all_left_s = time.monotonic() - stopped
         for client in clients:
             client.wait(60)
@@ -404,11 +364,7 @@ def measure(
         for client in clients:
             if client.poll() is None:
                 client.kill()
-        coordinator.send_signal(signal.SIGTERM)
-        try:
-            coordinator.wait(15)
-        except subprocess.TimeoutExpired:
-            coordinator.kill()
+        server.close()
 
     # Acks of the requests written inside the measured window: not the burst of first beats that
     # follows the world's join answers, nor the closing ones.

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -45,14 +44,9 @@ import baseline
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness import free_port
 
 SIZES = {"4 B": 4, "64 KiB": 64 * 1024, "1 MiB": 1024**2, "16 MiB": 16 * 1024**2}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def interleaved(

@@ -52,7 +52,6 @@ import multiprocessing as mp
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,13 +59,13 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from harness import CoordinatorProcess, process_cpu_seconds
 from recording import describe
 
 # The etcd the tests use (Debian's etcd-server on loopback) serves the etcd methods here too.
@@ -603,150 +602,24 @@ def _stop_processes(processes: Sequence[mp.process.BaseProcess]) -> None:
 # -- the three methods -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` has used so far (user + system, all threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Coordinator:
-    """A ``sar-coordinator`` child process on loopback; a context manager that stops it on exit."""
-
-    def __init__(
-        self, workdir: Path, log_level: str, profile: Path | None = None, store: str | None = None
-    ) -> None:
-        self.grpc_port = free_port()
-        self.http_port = free_port()
-        self.store = store
-        self.log_path = workdir / ("coordinator-etcd.log" if store else "coordinator.log")
-        # SQLite by default; with ``store`` (``etcd://...``) the one coordinator leads on etcd.
-        state = ["--store", store] if store else ["--state", str(workdir / "state.sqlite")]
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "sarcomm.coordinator.cli",
-            "--listen",
-            f"{LOOPBACK}:{self.grpc_port}",
-            "--http",
-            f"{LOOPBACK}:{self.http_port}",
-            *state,
-            "--join-timeout",
-            "120",
+def start_coordinator(
+    workdir: Path, log_level: str, profile: Path | None = None, store: str | None = None
+) -> CoordinatorProcess:
+    """The coordinator the sarcomm rounds join: SQLite by default; with ``store`` (``etcd://...``)
+    the one coordinator leads on etcd."""
+    return CoordinatorProcess(
+        workdir / ("coordinator-etcd.log" if store else "coordinator.log"),
+        state=None if store else workdir / "state.sqlite",
+        store=store,
+        log_level=log_level,
+        profile=profile,
+        flags=[
+            "--join-timeout", "120",
             # Benchmark members never heartbeat; a long liveness window keeps the sweeper from
             # failing an earlier round's members in the middle of a later round's measurement.
-            "--heartbeat-interval",
-            "600",
-            "--heartbeat-misses",
-            "1",
-            "--log-level",
-            log_level,
-        ]
-        self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.profile = profile
-        self._profiler: subprocess.Popen[bytes] | None = None
-
-    @property
-    def target(self) -> str:
-        return f"{LOOPBACK}:{self.grpc_port}"
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://{LOOPBACK}:{self.http_port}/healthz", timeout=1) as r:
-                    if r.status == 200 and self._serving():
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError(f"coordinator not healthy within {timeout:g} s; see {self.log_path}")
-
-    def _serving(self) -> bool:
-        """Whether it answers Coordinator RPCs (an etcd-store coordinator only once it leads)."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(self.target) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service="sarcomm.v1.Coordinator"), timeout=1
-                )
-            except grpc.RpcError:
-                return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds the coordinator process has used so far (user + system, all threads)."""
-        return process_cpu_seconds(self.proc.pid)
-
-    def job_times(self, job: str, start_wall: float) -> tuple[float | None, float | None]:
-        """The coordinator's (first join, world formed) for ``job``, in seconds after the start."""
-        import grpc
-
-        from sarcomm.v1 import coordinator_pb2 as pb
-        from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(self.target) as channel:
-            reply = pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(job=job), timeout=10)
-        if not reply.jobs:
-            return None, None
-        status = reply.jobs[0]
-        return status.created - start_wall, (status.formed - start_wall) if status.formed else None
-
-    def __enter__(self) -> Coordinator:
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.__exit__()
-            raise
-        if self.profile is not None:
-            # Attached once the coordinator is up, so start-up imports stay out of the profile;
-            # py-spy leaves idle samples out by default, so the gaps between rounds do not count.
-            self._profiler = subprocess.Popen(
-                [
-                    "py-spy",
-                    "record",
-                    "--pid",
-                    str(self.proc.pid),
-                    "--rate",
-                    "250",
-                    "--format",
-                    "raw",
-                    "--nonblocking",
-                    "--output",
-                    str(self.profile),
-                ],
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._profiler is not None:
-            # py-spy writes its output when interrupted, as after Ctrl-C.
-            self._profiler.send_signal(signal.SIGINT)
-            try:
-                self._profiler.wait(30)
-            except subprocess.TimeoutExpired:
-                self._profiler.kill()
-                self._profiler.wait(5)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
+            "--heartbeat-interval", "600", "--heartbeat-misses", "1",
+        ],
+    )  # fmt: skip
 
 
 class Bench:
@@ -755,8 +628,8 @@ class Bench:
     def __init__(
         self,
         args: argparse.Namespace,
-        coordinator: Coordinator | None,
-        etcd_coordinator: Coordinator | None = None,
+        coordinator: CoordinatorProcess | None,
+        etcd_coordinator: CoordinatorProcess | None = None,
         etcd: EtcdCluster | None = None,
     ) -> None:
         self.args = args
@@ -793,7 +666,7 @@ class Bench:
 
     def _sarcomm_on(
         self,
-        coordinator: Coordinator,
+        coordinator: CoordinatorProcess,
         method: str,
         size: int,
         server_cpu: Callable[[], float] | None = None,
@@ -1300,13 +1173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             etcd = EtcdCluster(workdir / "etcd", size=1, enable_v2=True)
             stack.callback(etcd.close)
             etcd.start()
-        coordinators: dict[Method, Coordinator] = {}
+        coordinators: dict[Method, CoordinatorProcess] = {}
         served: tuple[Method, ...] = ("sarcomm", "sarcomm-etcd")
         for method in served:
             if method in runnable:
                 store = etcd.url(f"bench-{os.getpid()}") if method == "sarcomm-etcd" and etcd else None
                 coordinators[method] = stack.enter_context(
-                    Coordinator(workdir, args.coordinator_log_level, args.profile_coordinator, store=store)
+                    start_coordinator(
+                        workdir, args.coordinator_log_level, args.profile_coordinator, store=store
+                    )
                 )
         bench = Bench(args, coordinators.get("sarcomm"), coordinators.get("sarcomm-etcd"), etcd)
         for method, coordinator in coordinators.items():

@@ -33,23 +33,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+from harness import CoordinatorProcess
 
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
@@ -98,12 +95,6 @@ class Result:
     duration_s: float = 0.0
     command: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _member_group(
@@ -206,28 +197,20 @@ async def soak(target: str, pid: int, args: argparse.Namespace) -> Result:
     return result
 
 
-def _start_coordinator(directory: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    grpc_port, http_port = _free_port(), _free_port()
-    log = (directory / "coordinator.log").open("wb")
+def _start_coordinator(directory: Path) -> CoordinatorProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SARCOMM_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"127.0.0.1:{grpc_port}",
-         "--http", f"127.0.0.1:{http_port}", "--state", str(directory / "state.sqlite"),
-         "--heartbeat-interval", "2", "--log-level", "WARNING"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with (
-            contextlib.suppress(OSError),
-            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1),
-        ):
-            return proc, f"127.0.0.1:{grpc_port}", str(directory / "coordinator.log")
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the coordinator did not start; see {directory / 'coordinator.log'}")
+    coordinator = CoordinatorProcess(
+        directory / "coordinator.log",
+        state=directory / "state.sqlite",
+        flags=["--heartbeat-interval", "2"],
+        env=env,
+    )
+    try:
+        coordinator.wait_serving()
+    except BaseException:
+        coordinator.close()
+        raise
+    return coordinator
 
 
 def markdown(result: Result) -> str:
@@ -290,14 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("--coord needs --pid")
             target, pid = args.coord, args.pid
         else:
-            proc, target, _ = _start_coordinator(Path(tmp))
-            pid = proc.pid
+            proc = _start_coordinator(Path(tmp))
+            target, pid = proc.target, proc.proc.pid
         try:
             result = asyncio.run(soak(target, pid, args))
         finally:
             if proc is not None:
-                proc.terminate()
-                proc.wait(30)
+                proc.close()
     result.command = "python " + " ".join(
         ["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]
     )
