@@ -32,7 +32,6 @@ from harness import SAR_WORKER, CoordinatorProcess
 from recording import describe
 
 
-
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (see recording.describe)."""
     return describe("torch", "grpcio", load_at="end")
