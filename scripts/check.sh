@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Static checks: generated code and docs/flags.md fresh, ruff lint + format, mypy --strict over the sarcomm namespace
-# and over tests, benchmarks and examples, the import contracts. Any failure fails the script (after
-# every check ran).
+# Static checks: generated code and docs/flags.md fresh, ruff lint + format, mypy --strict over the
+# sarcomm namespace and over tests, benchmarks, examples and scripts/gen_flags.py, the import
+# contracts. Any failure fails the script (after every check ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
