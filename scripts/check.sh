@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Static checks: generated code fresh, ruff lint + format, mypy --strict over the sarcomm namespace
-# and over tests, benchmarks and examples, the import contracts. Any failure fails the script (after
-# every check ran).
+# Static checks: generated code and docs/flags.md fresh, ruff lint + format, mypy --strict over the
+# sarcomm namespace and over tests, benchmarks, examples and scripts/gen_flags.py, the import
+# contracts. Any failure fails the script (after every check ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 status=0
 python protos/generate.py --check || status=1
+# docs/flags.md is generated from the CLIs' parsers: stale after a flag changed until rerun.
+python scripts/gen_flags.py --check || status=1
 ruff check . || status=1
 ruff format --check . || status=1
 
@@ -24,6 +26,7 @@ PYTHONPATH="$tree" lint-imports --no-cache || status=1
 # on the path: two scripts of the same name in different folders never clash. tests/ is a package
 # (its rank scripts under tests/scripts import `tests.helpers` from the repository root).
 MYPYPATH="$tree" mypy tests || status=1
+MYPYPATH="$tree" mypy scripts/gen_flags.py || status=1
 MYPYPATH="$tree:benchmarks" mypy benchmarks || status=1
 MYPYPATH="$tree" mypy examples/collectives_check.py || status=1
 MYPYPATH="$tree:examples/gcn" mypy examples/gcn || status=1
