@@ -1,12 +1,13 @@
 """The sarcomm coordinator: membership, liveness and discovery for SAR-style jobs.
 
 Imports only the shared layer (``sarcomm.common``) and the generated code, never the worker side.
+Rooms, each a layer that imports only those below it (``pyproject.toml``'s import contracts):
 
-The domain, pure (no I/O, no asyncio, time from a :class:`clock.Clock`): :mod:`model` (jobs,
-members, events), :mod:`transitions` (the state diagram, the one place states change),
-:mod:`ranks` (laying out a world), :mod:`liveness` (judging members, finding stalls),
-:mod:`membership` (the operations). Storage: :mod:`store` (the boundary and SQLite),
-:mod:`records` (the stored form), :mod:`persistence` (coalesced writes). Serving:
-:mod:`validation`, :mod:`service`, :mod:`events` (streams and join waiters), :mod:`views`,
-:mod:`interceptor`, :mod:`http`, :mod:`metrics`, :mod:`server`, :mod:`cli`, :mod:`status`.
+- :mod:`.domain`: the membership state machine, pure (no I/O, no asyncio; time from a clock).
+- :mod:`.storage`: where state lives, behind one boundary (SQLite, etcd), and the write-behind.
+- :mod:`.api`: the edges: validation, the gRPC servicer, the interceptor, HTTP, metrics.
+- :mod:`.term`: one leadership term (a membership with its writes, events, service and sweeper).
+- :mod:`.ha`: a coordinator's seat (sole, or a replica on etcd) and the router that serves calls.
+- :mod:`.server`, :mod:`.cli`, :mod:`.config`, :mod:`.status`: the process, its flags and the
+  ``status`` command.
 """

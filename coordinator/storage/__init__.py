@@ -8,5 +8,5 @@
 - :mod:`.persistence`: the write-behind that coalesces the domain's changes into store writes.
 
 "Add a store": implement :class:`.store.StateStore` in a module here and pass the store contract
-tests (``tests/test_store_contract.py``).
+tests (the ``any_store`` tests of ``tests/test_etcd_store.py``).
 """
