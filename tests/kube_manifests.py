@@ -6,15 +6,19 @@
   the downward API filled in (:data:`DOWNWARD_API` says with what), ``$(VAR)`` expanded in its
   command and args, the program it runs (after ``env -u NAME``) and its mounts.
 - :func:`image_environment` the ``SARCOMM_*`` variables the image (deploy/docker/Dockerfile) sets.
+- :func:`kubeflow_problems` a PyTorchJob against Kubeflow's own API models (PyPI's
+  kubeflow-training), read from their source.
 
 Only PyYAML and the standard library: no cluster, no kubectl, no kustomize.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -258,3 +262,77 @@ def image_workdir_and_examples() -> tuple[str, str]:
     (workdir,) = re.findall(r"^WORKDIR (\S+)$", text, re.M)
     (examples,) = re.findall(r"^COPY examples/ (\S+)$", text, re.M)
     return workdir, examples.rstrip("/")
+
+
+#: The v1 PyTorchJob's API models: Kubeflow's Python SDK for the training-operator, generated (like
+#: the operator's CRDs) from its Go types in pkg/apis/kubeflow.org/v1.
+KUBEFLOW_SDK = "kubeflow-training"
+_LIST = re.compile(r"list\[(.+)\]")
+_MAP = re.compile(r"dict\(str, (.+)\)")
+_SCALARS: dict[str, Callable[[object], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "object": lambda v: True,
+}
+
+
+@cache
+def kubeflow_models() -> dict[str, dict[str, str]]:
+    """Each model class of :data:`KUBEFLOW_SDK`: {JSON field: its type}, read from the classes'
+    ``openapi_types`` and ``attribute_map`` in the installed source (nothing of it is imported:
+    it would import the whole Kubernetes client)."""
+    models: dict[str, dict[str, str]] = {}
+    for file in importlib.metadata.files(KUBEFLOW_SDK) or []:
+        if "/models/" not in file.as_posix() or file.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(Path(str(file.locate())).read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            tables = {
+                target.id: ast.literal_eval(statement.value)
+                for statement in node.body
+                if isinstance(statement, ast.Assign)
+                for target in statement.targets
+                if isinstance(target, ast.Name) and target.id in ("openapi_types", "attribute_map")
+            }
+            if len(tables) == 2:
+                names, types = tables["attribute_map"], tables["openapi_types"]
+                models[node.name] = {names[attribute]: types[attribute] for attribute in types}
+    return models
+
+
+def kubeflow_problems(
+    value: object, model: str, where: str, outside: dict[str, Callable[[Any], list[str]]]
+) -> list[str]:
+    """What is wrong with ``value`` as Kubeflow's ``model`` (a model class or a type such as
+    ``list[X]``): unknown fields and wrong types, each named by its path. Types from outside the
+    SDK (Kubernetes' own, e.g. ``V1PodTemplateSpec``) go to ``outside[type]``; one it lacks is a
+    problem."""
+    models = kubeflow_models()
+    if model in _SCALARS:
+        return [] if _SCALARS[model](value) else [f"{where}: {value!r} is not of type {model}"]
+    match = _LIST.fullmatch(model) or _MAP.fullmatch(model)
+    if match is not None:
+        if not isinstance(value, list if match.re is _LIST else dict):
+            return [f"{where}: {value!r} is not a {model}"]
+        items = enumerate(value) if isinstance(value, list) else value.items()
+        return [
+            problem
+            for key, item in items
+            for problem in kubeflow_problems(item, match[1], f"{where}.{key}", outside)
+        ]
+    if model not in models:
+        if model not in outside:
+            return [f"{where}: {model} is checked nowhere"]
+        return outside[model](value)
+    if not isinstance(value, dict):
+        return [f"{where}: {value!r} is not an object ({model})"]
+    fields = models[model]
+    problems = [
+        f"{where}: unknown field {key!r} ({model} has {sorted(fields)})" for key in value if key not in fields
+    ]
+    for key, item in value.items():
+        if key in fields:
+            problems += kubeflow_problems(item, fields[key], f"{where}.{key}", outside)
+    return problems

@@ -2,10 +2,11 @@
 
 No cluster runs here. Every object is validated against Kubernetes' own JSON schemas, which the
 dev extra's kubernetes-validate carries (strict: an unknown field is an error, as with `kubectl
-apply`), and the PyTorchJob against the openAPIV3Schema of Kubeflow's CRD, vendored in tests/data/.
-Then what the manifests name is held against sarcomm itself: the images deploy/docker builds; every
-flag and SARCOMM_* variable through the programs' own parsers and `--help` (in process: no process
-is started); the ports, probes and paths against what the coordinator serves; the Services against
+apply`), and the PyTorchJob against the v1 API models of Kubeflow's training SDK (the dev extra's
+kubeflow-training, generated like the training-operator's CRD from its Go types). Then what the
+manifests name is held against sarcomm itself: the images deploy/docker builds; every flag and
+SARCOMM_* variable through the programs' own parsers and `--help` (in process: no process is
+started); the ports, probes and paths against what the coordinator serves; the Services against
 the pods they select. tests/kube_manifests.py reads the manifests.
 """
 
@@ -22,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import SarcommError
 from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.coordinator.api.http import PUBLIC_PATHS
 from sarcomm.coordinator.api.validation import job_name
+from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.server import SERVICE_NAME
 from sarcomm.coordinator.storage.etcd_config import parse_store_url
 from sarcomm.worker.agent import cli as worker_cli
@@ -38,12 +39,16 @@ from tests import kube_manifests as kube
 from tests.kube_manifests import Container, Manifest
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
-jsonschema = pytest.importorskip("jsonschema", reason="pip install -e '.[dev]'")
+try:
+    importlib.metadata.version(kube.KUBEFLOW_SDK)
+    KUBEFLOW_MISSING = ""
+except importlib.metadata.PackageNotFoundError:
+    KUBEFLOW_MISSING = f"needs {kube.KUBEFLOW_SDK} (pip install -e '.[dev]')"
+needs_kubeflow = pytest.mark.skipif(bool(KUBEFLOW_MISSING), reason=KUBEFLOW_MISSING)
 
-#: The oldest Kubernetes deploy/kubernetes/README.md promises, and the newest kubernetes-validate
-#: (pinned in the dev extra) ships.
+#: The oldest Kubernetes deploy/kubernetes/README.md promises, and the newest the dev extra's
+#: kubernetes-validate (>= 1.37) ships.
 KUBERNETES_VERSIONS = ("1.29", "1.37")
-CRD_SCHEMA = Path(__file__).parent / "data" / "kubeflow-pytorchjob-v1-schema.yaml"
 BUILD_SCRIPT = kube.ROOT / "deploy" / "docker" / "build-images.sh"
 #: The kustomizations that apply a coordinator: the default (SQLite) and the etcd replicas.
 TREES = ("", "ha")
@@ -51,6 +56,11 @@ TREES = ("", "ha")
 RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "read_timeout")
 #: The flags of a client's token and TLS files: torchrun's plugin reads them as SARCOMM_<FLAG>.
 CLIENT_SECURITY_FLAGS = ("--token-file", "--tls-ca", "--tls-cert", "--tls-key")
+#: sar-coordinator's settings that name a file (a secret: it must come from a Secret's volume).
+FILE_SETTINGS = (
+    "token_file", "tls_cert", "tls_key", "tls_client_ca",
+    "etcd_cacert", "etcd_cert", "etcd_key", "etcd_password_file",
+)  # fmt: skip
 #: The names Kubernetes gives a Service or a PyTorchJob (DNS-1035 labels).
 DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -97,33 +107,14 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _only(manifests: list[Manifest], kind: str) -> Manifest:
+def only(manifests: list[Manifest], kind: str) -> Manifest:
     (found,) = [m for m in manifests if m.kind == kind]
     return found
 
 
-def _strict(schema: Any) -> Any:
-    """An openAPIV3Schema that rejects unknown fields, as the API server's strict field validation
-    does for a structural schema (an object that lists its properties, unless it preserves unknown
-    fields)."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = bool(out.get("x-kubernetes-preserve-unknown-fields", False))
-    return out
-
-
-@cache
-def crd_validator() -> Any:
-    return jsonschema.Draft7Validator(_strict(yaml.load(CRD_SCHEMA.read_text(), Loader=kube.YAML_LOADER)))
-
-
 def kubernetes_errors(doc: dict[str, Any], version: str) -> list[str]:
     """What Kubernetes ``version``'s schema says against ``doc``; a PyTorchJob is checked by its
-    pod template (as a PodTemplate) here and by its CRD in :func:`crd_validator`."""
+    pod template (as a PodTemplate) here, and whole by :func:`pytorchjob_problems`."""
     if doc["kind"] == "PyTorchJob":
         template = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
         doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
@@ -154,23 +145,51 @@ def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
     assert problems == []
 
 
-def test_pytorchjob_validates_against_kubeflow_crd_schema() -> None:
-    job = _only(kube.manifests(), "PyTorchJob")
+def pytorchjob_problems(doc: dict[str, Any]) -> list[str]:
+    """``doc`` against Kubeflow's v1 API models; the Kubernetes types in it (the job's metadata, the
+    pod template) against Kubernetes' schemas."""
+    version = KUBERNETES_VERSIONS[-1]
+    template_of = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}}
+    outside: dict[str, Callable[[Any], list[str]]] = {
+        "V1ObjectMeta": lambda meta: kubernetes_errors(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta}, version
+        ),
+        "V1PodTemplateSpec": lambda pod: kubernetes_errors(template_of | {"template": pod}, version),
+    }
+    return kube.kubeflow_problems(doc, "KubeflowOrgV1PyTorchJob", "PyTorchJob", outside)
+
+
+@needs_kubeflow
+def test_pytorchjob_validates_against_kubeflow_api_models() -> None:
+    job = only(kube.manifests(), "PyTorchJob")
     assert job.doc["apiVersion"] == "kubeflow.org/v1"
-    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in crd_validator().iter_errors(job.doc)]
-    assert errors == []
+    assert pytorchjob_problems(job.doc) == []
 
 
-def test_schemas_reject_a_misspelt_field() -> None:
-    statefulset = copy.deepcopy(_only(kube.tree(""), "StatefulSet").doc)
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_schemas_reject_a_misspelt_field(version: str) -> None:
+    statefulset = copy.deepcopy(only(kube.tree(""), "StatefulSet").doc)
     container = statefulset["spec"]["template"]["spec"]["containers"][0]
     container["livenesProbe"] = container.pop("livenessProbe")
-    assert kubernetes_errors(statefulset, KUBERNETES_VERSIONS[-1])
-    job = copy.deepcopy(_only(kube.manifests(), "PyTorchJob").doc)
-    job["spec"]["elasticPolicy"]["rdzv_backend"] = job["spec"]["elasticPolicy"].pop("rdzvBackend")
-    assert [e.message for e in crd_validator().iter_errors(job)] == [
-        "Additional properties are not allowed ('rdzv_backend' was unexpected)"
+    (error,) = kubernetes_errors(statefulset, version)
+    assert error.startswith("spec.template.spec.containers.0: ")
+    assert "'livenesProbe' was unexpected" in error
+
+
+@needs_kubeflow
+def test_kubeflow_models_reject_a_misspelt_field_and_a_wrong_type() -> None:
+    job = copy.deepcopy(only(kube.manifests(), "PyTorchJob").doc)
+    policy = job["spec"]["elasticPolicy"]
+    policy["rdzv_backend"] = policy.pop("rdzvBackend")
+    policy["rdzvPort"] = "50051"
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["imag"] = "x"
+    problems = pytorchjob_problems(job)
+    assert [p.partition(" (")[0] for p in problems[:2]] == [
+        "PyTorchJob.spec.elasticPolicy: unknown field 'rdzv_backend'",
+        "PyTorchJob.spec.elasticPolicy.rdzvPort: '50051' is not of type int",
     ]
+    assert len(problems) == 3
+    assert "'imag' was unexpected" in problems[2]
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -222,7 +241,7 @@ def coordinator_problems(container: Container, scratch: Path) -> list[str]:
             parsed = coordinator_cli.build_parser(env).parse_args(args)
     except SystemExit:
         return [*problems, f"sar-coordinator refuses its arguments: {stderr.getvalue().strip()}"]
-    for field in ("token_file", "tls_cert", "tls_key", "tls_client_ca", "etcd_cacert", "etcd_cert"):
+    for field in FILE_SETTINGS:
         path = getattr(parsed, field)
         if path is not None:
             volume = container.volume_at(str(path)) or {}
@@ -241,7 +260,7 @@ def coordinator_problems(container: Container, scratch: Path) -> list[str]:
     return problems + _serving_problems(container, config)
 
 
-def _serving_problems(container: Container, config: Any) -> list[str]:
+def _serving_problems(container: Container, config: CoordinatorConfig) -> list[str]:
     """Ports, probes and annotations against what ``config`` makes the coordinator serve."""
     problems = []
     grpc, http = host_port(config.listen)[1], host_port(config.http)[1]
@@ -277,22 +296,30 @@ def test_coordinator_runs_with_what_sar_coordinator_has(tree: str, tmp_path: Pat
     assert coordinator_problems(coordinator_of(tree), tmp_path) == []
 
 
+def _drop_flag(container: dict[str, Any], flag: str) -> None:
+    where = container["args"].index(flag)
+    del container["args"][where : where + 2]
+
+
 @pytest.mark.parametrize(
-    ("change", "problem"),
+    ("tree", "change", "problem"),
     [
-        (lambda c: c["args"].append("--heartbeat-intervall=2"), "flag --heartbeat-intervall=2 is not in"),
-        (lambda c: c["env"].append({"name": "SARCOMM_HEARTBEAT", "value": "1"}), "SARCOMM_HEARTBEAT is no"),
-        (lambda c: c["volumeMounts"].pop(0), "--state /var/lib/sarcomm/state.sqlite is not on a Persistent"),
-        (lambda c: c["env"][0].update(value="/tmp/token"), "token_file /tmp/token is not on a Secret volume"),
-        (lambda c: c["ports"][0].update(containerPort=50052), "container ports"),
-        (lambda c: c["readinessProbe"]["grpc"].update(service=""), "readinessProbe"),
-        (lambda c: c["livenessProbe"]["httpGet"].update(path="/v1/jobs"), "livenessProbe"),
+        ("", lambda c: c["args"].append("--heartbeat-intervall=2"), "flag --heartbeat-intervall=2 is not"),
+        ("", lambda c: c["env"].append({"name": "SARCOMM_HEARTBEAT", "value": "1"}), "SARCOMM_HEARTBEAT is"),
+        ("", lambda c: c["volumeMounts"].pop(0), "--state /var/lib/sarcomm/state.sqlite is not on a Persis"),
+        ("", lambda c: c["env"][0].update(value="/tmp/token"), "token_file /tmp/token is not on a Secret"),
+        ("", lambda c: c["ports"][0].update(containerPort=50052), "container ports"),
+        ("", lambda c: c["readinessProbe"]["grpc"].update(service=""), "readinessProbe"),
+        ("", lambda c: c["livenessProbe"]["httpGet"].update(path="/v1/jobs"), "livenessProbe"),
+        ("ha", lambda c: c["readinessProbe"]["grpc"].update(service=SERVICE_NAME), "readinessProbe"),
+        ("ha", lambda c: _drop_flag(c, "--advertise"), "--advertise '' must be the pod's IP"),
+        ("ha", lambda c: c.update(command=["sar-coordinator"]), "refuses its settings: --store etcd://"),
     ],
 )
 def test_coordinator_check_names_what_is_wrong(
-    change: Callable[[dict[str, Any]], object], problem: str, tmp_path: Path
+    tree: str, change: Callable[[dict[str, Any]], object], problem: str, tmp_path: Path
 ) -> None:
-    original = coordinator_of("")
+    original = coordinator_of(tree)
     pod = copy.deepcopy(original.pod)
     change(pod["spec"]["containers"][0])
     broken = Container(original.workload, pod, pod["spec"]["containers"][0])
@@ -342,9 +369,9 @@ def test_clients_reach_the_coordinator_through_its_service(tree: str) -> None:
     """The examples' --coord and rdzvHost:rdzvPort are the coordinator Service's gRPC port, with
     either variant applied."""
     services = {m.name: m for m in kube.tree(tree) if m.kind == "Service"}
-    grpc = host_port(coordinator_of(tree).program()[1][1])[1]
+    grpc = coordinator_of(tree).ports()["grpc"]
     (worker,) = running("sar-worker")
-    policy = _only(kube.manifests(), "PyTorchJob").doc["spec"]["elasticPolicy"]
+    policy = only(kube.manifests(), "PyTorchJob").doc["spec"]["elasticPolicy"]
     for target in (worker.env()["SARCOMM_COORD"], f"{policy['rdzvHost']}:{policy['rdzvPort']}"):
         host, port = host_port(target)
         assert host in services, f"{target}: no Service {host}"
@@ -425,7 +452,7 @@ def torch_handlers() -> set[str]:
 
 
 def test_pytorchjob_hands_torchrun_the_sarcomm_rendezvous() -> None:
-    job = _only(kube.manifests(), "PyTorchJob")
+    job = only(kube.manifests(), "PyTorchJob")
     spec = job.doc["spec"]
     policy, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]
     # What the training-operator (pkg/controller.v1/pytorch/elastic.go) gives torchrun.
