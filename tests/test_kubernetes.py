@@ -357,6 +357,9 @@ def test_services_select_pods_and_ports_of_their_tree(tree: str) -> None:
                 assert container.port(port["targetPort"]) == port["port"], f"{service}: {port}"
     for workload in workloads:
         if workload.kind == "StatefulSet":
+            # The API server refuses a selector its own template does not match.
+            labels = kube.pod(workload)["metadata"]["labels"].items()
+            assert workload.doc["spec"]["selector"]["matchLabels"].items() <= labels, workload
             headless = services[workload.doc["spec"]["serviceName"]]
             assert headless.doc["spec"]["clusterIP"] == "None", f"{workload}: {headless}"
     for budget in (m for m in objects if m.kind == "PodDisruptionBudget"):
