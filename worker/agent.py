@@ -4,13 +4,18 @@ One agent per host (or per group of local ranks):
 
 1. checks its settings locally (``--socket-name`` exists here, ranks fit the world, ...);
 2. reserves a TCP port for rank 0's store and joins the job with K members in one ``Join``;
-3. releases the port and starts COMMAND once per local rank (``asyncio.create_subprocess_exec``:
-   fork and exec happen in C, no Python code runs in a forked child of a process with gRPC
-   threads), each in a new session so that a rank's own children can be signalled as a group;
+3. releases the port and starts COMMAND once per local rank under the rank launcher
+   (:class:`~sarcomm.worker.rank_process.RankProcess`, through asyncio's ``subprocess_exec``: fork
+   and exec happen in C, no Python code runs in a forked child of a process with gRPC threads),
+   each in a new session so that a rank's own children can be signalled as a group;
 4. keeps one heartbeat stream for all its ranks, forwards SIGINT/SIGTERM to them, reports
    ``Leave`` for each rank that exits;
-5. stops its other ranks (SIGTERM, SIGKILL after a grace period) when a rank fails or the
-   coordinator reports a failure elsewhere, and optionally joins again (``--max-restarts``).
+5. stops its other ranks (SIGTERM, then after a grace period the launcher kills the rank's whole
+   tree) when a rank fails or the coordinator reports a failure elsewhere, and optionally joins
+   again (``--max-restarts``).
+
+A rank's end is its launcher's exit, not the end of its pipes: a helper of the rank that left its
+tree (killed launcher) may hold them open for ever; the agent reads them a bounded time longer.
 
 The exit code is the command's: 0 when every rank exited 0, else the first failing rank's code
 (128+N for a rank killed by signal N), or ``EXIT_PEER_FAILED`` when a rank elsewhere failed.
@@ -71,11 +76,18 @@ from sarcomm.worker.agent_decisions import (
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.output import Console, RankOutput, log_paths
 from sarcomm.worker.progress import ProgressReader
-from sarcomm.worker.rank_process import command_problem, launch_command, process_state
+from sarcomm.worker.rank_process import RankProcess, command_problem, launch_command, process_state
 
 __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds the launchers get to end their ranks' trees once asked (they SIGKILL at once: a few
+#: hundred milliseconds), before the agent SIGKILLs the ranks' process groups itself.
+END_TREE_WAIT_S = 5.0
+#: Seconds to wait for a rank to exit after that SIGKILL (only a process stuck in the kernel takes
+#: longer).
+KILL_WAIT_S = 5.0
 
 
 @dataclass
@@ -89,7 +101,7 @@ class _Rank:
     address: str
     progress: ProgressReader
     output: RankOutput
-    proc: asyncio.subprocess.Process | None = None
+    proc: RankProcess | None = None
     returncode: int | None = None
     stale: bool = False
     #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
@@ -251,24 +263,18 @@ class Agent:
             log.info("%s: rank %d left (%s); job is %s", label, r.rank, reason, state)
 
     async def _stop(self, ranks: Sequence[_Rank], signum: int, label: str) -> None:
-        """Send ``signum`` to the running ranks' process groups; SIGKILL those left after the grace."""
+        """Send ``signum`` to the running ranks' process groups; kill those left after the grace."""
         _signal_ranks(ranks, signum)
         # A stopped (SIGSTOP) rank only acts on the signal once continued.
         _signal_ranks(ranks, signal.SIGCONT)
-        waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks if r.running and r.proc is not None]
-        if not waits:
-            return
-        _, pending = await asyncio.wait(waits, timeout=self.config.stop_grace)
-        if pending:
-            stubborn = [r.rank for r in ranks if r.running]
+        if not await _exits(ranks, self.config.stop_grace):
             log.warning(
-                "%s: rank(s) %s still running %g s after %s; sending SIGKILL",
-                label, stubborn, self.config.stop_grace, signal.Signals(signum).name,
+                "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
+                "process trees)",
+                label, [r.rank for r in _alive(ranks)], self.config.stop_grace,
+                signal.Signals(signum).name,
             )  # fmt: skip
-            _signal_ranks(ranks, signal.SIGKILL)
-            await asyncio.wait(pending, timeout=10.0)
-            for task in pending:
-                task.cancel()
+            await _kill(ranks, label)
 
 
 class _Run:
@@ -342,6 +348,8 @@ class _Run:
                 self.stop_task = asyncio.ensure_future(
                     self.agent._stop(self.ranks, action.signum, self.label)
                 )
+            elif isinstance(action, SignalRanks) and action.signum == signal.SIGKILL:
+                self.background.add(asyncio.ensure_future(_kill(self.ranks, self.label)))
             elif isinstance(action, SignalRanks):
                 _signal_ranks(self.ranks, action.signum)
             elif isinstance(action, ShowTail):
@@ -368,13 +376,7 @@ class _Run:
                     if problem is not None:
                         raise OSError(problem)
                     # Through the launcher: the rank's whole process tree ends with this agent.
-                    r.proc = await asyncio.create_subprocess_exec(
-                        *launch_command(config.command),
-                        env=env,
-                        start_new_session=True,
-                        stdout=asyncio.subprocess.PIPE,
-                        stderr=asyncio.subprocess.PIPE,
-                    )
+                    r.proc = await RankProcess.start(launch_command(config.command), env)
                 except OSError as exc:
                     r.returncode = 127  # never ran
                     self.apply(SpawnFailed(r.index, f"could not start {shorten(config.command[0])}: {exc}"))
@@ -412,6 +414,8 @@ class _Run:
         for r in self.ranks:
             r.progress.close()
             await r.output.close()
+            if r.proc is not None:
+                r.proc.close()
         return self.apply(Finished())
 
     async def _show_tail(self, r: _Rank) -> None:
@@ -475,8 +479,47 @@ def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:
     """Signal each running rank's process group (the rank and the children it started)."""
     for r in ranks:
         if r.running and r.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(r.proc.pid, signum)
+            r.proc.signal_group(signum)
+
+
+def _alive(ranks: Sequence[_Rank]) -> list[_Rank]:
+    """The ranks whose process has not exited (whether or not the exit was decided on yet)."""
+    return [r for r in ranks if r.proc is not None and r.proc.returncode is None]
+
+
+async def _exits(ranks: Sequence[_Rank], timeout: float) -> bool:
+    """Wait until every rank's process exited, at most ``timeout`` seconds; whether all did."""
+    waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks if r.proc is not None]
+    if not waits:
+        return True
+    _, pending = await asyncio.wait(waits, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    return not pending
+
+
+async def _kill(ranks: Sequence[_Rank], label: str) -> None:
+    """Kill the ranks: each launcher SIGKILLs its rank's whole tree (it knows the processes that
+    left the group; a SIGKILL to the group would kill it first). The groups of launchers that did
+    not exit :data:`END_TREE_WAIT_S` later get SIGKILL."""
+    for r in _alive(ranks):
+        if r.proc is not None:
+            r.proc.end_tree()
+    if await _exits(ranks, END_TREE_WAIT_S):
+        return
+    log.warning(
+        "%s: the launcher(s) of rank(s) %s did not end their process trees within %g s; sending "
+        "SIGKILL to their process groups (processes that left a group may survive)",
+        label, [r.rank for r in _alive(ranks)], END_TREE_WAIT_S,
+    )  # fmt: skip
+    for r in _alive(ranks):
+        if r.proc is not None:
+            r.proc.signal_group(signal.SIGKILL)
+    if not await _exits(ranks, KILL_WAIT_S):
+        log.error(
+            "%s: rank(s) %s still running %g s after SIGKILL (stuck in the kernel?)",
+            label, [r.rank for r in _alive(ranks)], KILL_WAIT_S,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
