@@ -74,20 +74,21 @@ from sarcomm.worker.agent_decisions import (
     process_runs,
 )
 from sarcomm.worker.launch_env import metrics_report_host
-from sarcomm.worker.output import Console, RankOutput, log_paths
+from sarcomm.worker.output import Console, RankOutput, log_paths, make_log_dir
 from sarcomm.worker.progress import ProgressReader
-from sarcomm.worker.rank_process import RankProcess, command_problem, launch_command, process_state
+from sarcomm.worker.rank_process import (
+    RankProcess,
+    command_problem,
+    kill_ranks,
+    launch_command,
+    process_state,
+    running,
+    wait_exits,
+)
 
 __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
-
-#: Seconds the launchers get to end their ranks' trees once asked (they SIGKILL at once: a few
-#: hundred milliseconds), before the agent SIGKILLs the ranks' process groups itself.
-END_TREE_WAIT_S = 5.0
-#: Seconds to wait for a rank to exit after that SIGKILL (only a process stuck in the kernel takes
-#: longer).
-KILL_WAIT_S = 5.0
 
 
 @dataclass
@@ -175,13 +176,15 @@ class Agent:
         """Join, run the ranks, restart up to ``max_restarts`` times after a failure.
 
         Raises:
-            InvalidArgumentError: ``--socket-name`` is not an interface of this host, or the
-                coordinator refused a field.
+            InvalidArgumentError: ``--socket-name`` is not an interface of this host, ``--log-dir``
+                cannot be created, or the coordinator refused a field.
             SarcommError: the coordinator refused or could not be reached (its subclasses).
         """
         config = self.config
         if config.socket_name:
             netinfo.check_socket_name(config.socket_name, host=self._host)
+        if config.log_dir is not None and config.tee.files:
+            make_log_dir(config.log_dir)
         generation = 0
         restarts = 0
         self._console = Console() if config.tee.console else None
@@ -267,14 +270,13 @@ class Agent:
         _signal_ranks(ranks, signum)
         # A stopped (SIGSTOP) rank only acts on the signal once continued.
         _signal_ranks(ranks, signal.SIGCONT)
-        if not await _exits(ranks, self.config.stop_grace):
+        if not await wait_exits(_processes(ranks).values(), self.config.stop_grace):
             log.warning(
                 "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
                 "process trees)",
-                label, [r.rank for r in _alive(ranks)], self.config.stop_grace,
-                signal.Signals(signum).name,
+                label, running(_processes(ranks)), self.config.stop_grace, signal.Signals(signum).name,
             )  # fmt: skip
-            await _kill(ranks, label)
+            await kill_ranks(_processes(ranks), label)
 
 
 class _Run:
@@ -349,7 +351,7 @@ class _Run:
                     self.agent._stop(self.ranks, action.signum, self.label)
                 )
             elif isinstance(action, SignalRanks) and action.signum == signal.SIGKILL:
-                self.background.add(asyncio.ensure_future(_kill(self.ranks, self.label)))
+                self.background.add(asyncio.ensure_future(kill_ranks(_processes(self.ranks), self.label)))
             elif isinstance(action, SignalRanks):
                 _signal_ranks(self.ranks, action.signum)
             elif isinstance(action, ShowTail):
@@ -371,15 +373,10 @@ class _Run:
                 env = rank_environment(
                     self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
                 )
-                problem = command_problem(config.command, env)
-                try:
-                    if problem is not None:
-                        raise OSError(problem)
-                    # Through the launcher: the rank's whole process tree ends with this agent.
-                    r.proc = await RankProcess.start(launch_command(config.command), env)
-                except OSError as exc:
+                failure = await self._start(r, env)
+                if failure is not None:
                     r.returncode = 127  # never ran
-                    self.apply(SpawnFailed(r.index, f"could not start {shorten(config.command[0])}: {exc}"))
+                    self.apply(SpawnFailed(r.index, failure))
                     break
                 r.seen_running = time.time()
                 log.info(
@@ -417,6 +414,23 @@ class _Run:
             if r.proc is not None:
                 r.proc.close()
         return self.apply(Finished())
+
+    async def _start(self, r: _Rank, env: Mapping[str, str]) -> str | None:
+        """Start rank ``r``'s process (its output files first); why it could not be, or None."""
+        command = self.agent.config.command
+        try:
+            r.output.open_files()
+        except OSError as exc:
+            return f"could not open its output files: {exc}"
+        problem = command_problem(command, env)
+        try:
+            if problem is not None:
+                raise OSError(problem)
+            # Through the launcher: the rank's whole process tree ends with this agent.
+            r.proc = await RankProcess.start(launch_command(command), env)
+        except OSError as exc:
+            return f"could not start {shorten(command[0])}: {exc}"
+        return None
 
     async def _show_tail(self, r: _Rank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
@@ -482,44 +496,9 @@ def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:
             r.proc.signal_group(signum)
 
 
-def _alive(ranks: Sequence[_Rank]) -> list[_Rank]:
-    """The ranks whose process has not exited (whether or not the exit was decided on yet)."""
-    return [r for r in ranks if r.proc is not None and r.proc.returncode is None]
-
-
-async def _exits(ranks: Sequence[_Rank], timeout: float) -> bool:
-    """Wait until every rank's process exited, at most ``timeout`` seconds; whether all did."""
-    waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks if r.proc is not None]
-    if not waits:
-        return True
-    _, pending = await asyncio.wait(waits, timeout=timeout)
-    for task in pending:
-        task.cancel()
-    return not pending
-
-
-async def _kill(ranks: Sequence[_Rank], label: str) -> None:
-    """Kill the ranks: each launcher SIGKILLs its rank's whole tree (it knows the processes that
-    left the group; a SIGKILL to the group would kill it first). The groups of launchers that did
-    not exit :data:`END_TREE_WAIT_S` later get SIGKILL."""
-    for r in _alive(ranks):
-        if r.proc is not None:
-            r.proc.end_tree()
-    if await _exits(ranks, END_TREE_WAIT_S):
-        return
-    log.warning(
-        "%s: the launcher(s) of rank(s) %s did not end their process trees within %g s; sending "
-        "SIGKILL to their process groups (processes that left a group may survive)",
-        label, [r.rank for r in _alive(ranks)], END_TREE_WAIT_S,
-    )  # fmt: skip
-    for r in _alive(ranks):
-        if r.proc is not None:
-            r.proc.signal_group(signal.SIGKILL)
-    if not await _exits(ranks, KILL_WAIT_S):
-        log.error(
-            "%s: rank(s) %s still running %g s after SIGKILL (stuck in the kernel?)",
-            label, [r.rank for r in _alive(ranks)], KILL_WAIT_S,
-        )  # fmt: skip
+def _processes(ranks: Sequence[_Rank]) -> dict[int, RankProcess]:
+    """The started ranks' processes, by global rank."""
+    return {r.rank: r.proc for r in ranks if r.proc is not None}
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker import bench
 from sarcomm.worker.agent_config import AgentConfig
 from sarcomm.worker.launch_env import SlurmTask, metrics_host, slurm_task
-from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee
+from sarcomm.worker.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee, check_log_dir
 from sarcomm.worker.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 
 __all__ = [
@@ -189,7 +189,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
     _Option("--output-tag", str, "text with {rank} and {local_rank}", "what each console line of a "
             "rank starts with; '' for none", default=DEFAULT_OUTPUT_TAG, metavar="TAG"),
-    _Option("--log-dir", Path, "a path", "also write each rank's stdout and stderr to "
+    _Option("--log-dir", check_log_dir, "a folder", "also write each rank's stdout and stderr to "
             "DIR/JOB/GENERATION/rank-R.stdout and .stderr", metavar="DIR"),
     _Option("--tee", Tee, "console, files or both", "where the ranks' output goes (default: both with "
             "--log-dir, else console)", metavar="{console,files,both}"),
@@ -294,7 +294,7 @@ def parse(
         command=tuple(command),
         token=token,
         tls=tls,
-        log_dir=log_dir.absolute() if log_dir is not None else None,
+        log_dir=log_dir,
         tee=tee or (Tee.BOTH if log_dir is not None else Tee.CONSOLE),
         **values,
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),

@@ -10,6 +10,8 @@
   :meth:`~RankProcess.wait` returns when the process exits, whoever still holds the pipes (a
   helper of the rank in a session of its own may hold them for ever), which asyncio's
   ``Process.wait`` does not (it waits for the pipes to close too, up to Python 3.11 at least).
+- :func:`kill_ranks`: each launcher kills its rank's whole tree; :func:`wait_exits` waits,
+  bounded, for the ranks' processes to exit.
 - :func:`command_problem`: why COMMAND cannot be started, found before starting the launcher (the
   launcher would only exit 127).
 """
@@ -18,15 +20,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from sarcomm.worker.rankexec import END_TREE_SIGNAL
 
-__all__ = ["RankProcess", "command_problem", "launch_command", "process_state"]
+__all__ = [
+    "END_TREE_WAIT_S",
+    "KILL_WAIT_S",
+    "RankProcess",
+    "command_problem",
+    "kill_ranks",
+    "launch_command",
+    "process_state",
+    "running",
+    "wait_exits",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds the launchers get to end their ranks' trees once asked (they SIGKILL at once: a few
+#: hundred milliseconds), before the agent SIGKILLs the ranks' process groups itself.
+END_TREE_WAIT_S = 5.0
+#: Seconds to wait for a rank to exit after that SIGKILL (only a process stuck in the kernel takes
+#: longer).
+KILL_WAIT_S = 5.0
 
 #: How much of a rank's output a pipe reader buffers before it stops reading (asyncio's default):
 #: a rank that writes faster than the console takes waits in ``write``, the agent's memory stays put.
@@ -141,3 +163,41 @@ class RankProcess:
     def close(self) -> None:
         """Close the pipes (after the exit: whoever else holds them, the agent reads no more)."""
         self._transport.close()
+
+
+def running(processes: Mapping[int, RankProcess]) -> list[int]:
+    """The ranks (keys of ``processes``) whose process has not exited."""
+    return [rank for rank, process in processes.items() if process.returncode is None]
+
+
+async def wait_exits(processes: Iterable[RankProcess], timeout: float) -> bool:
+    """Wait until every process of ``processes`` exited, at most ``timeout`` seconds; whether all did."""
+    waits = [asyncio.ensure_future(process.wait()) for process in processes]
+    if not waits:
+        return True
+    _, pending = await asyncio.wait(waits, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    return not pending
+
+
+async def kill_ranks(processes: Mapping[int, RankProcess], label: str) -> None:
+    """Kill the ranks ``processes`` (by global rank) run: each launcher SIGKILLs its rank's whole
+    tree (it knows the processes that left the group; a SIGKILL to the group would kill it first).
+    The groups of launchers still running :data:`END_TREE_WAIT_S` later get SIGKILL."""
+    for rank in running(processes):
+        processes[rank].end_tree()
+    if await wait_exits(processes.values(), END_TREE_WAIT_S):
+        return
+    log.warning(
+        "%s: the launcher(s) of rank(s) %s did not end their process trees within %g s; sending "
+        "SIGKILL to their process groups (processes that left a group may survive)",
+        label, running(processes), END_TREE_WAIT_S,
+    )  # fmt: skip
+    for rank in running(processes):
+        processes[rank].signal_group(signal.SIGKILL)
+    if not await wait_exits(processes.values(), KILL_WAIT_S):
+        log.error(
+            "%s: rank(s) %s still running %g s after SIGKILL (stuck in the kernel?)",
+            label, running(processes), KILL_WAIT_S,
+        )  # fmt: skip
