@@ -224,10 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(
-    option: _Option, given: str | None, env: Mapping[str, str], launcher: Mapping[str, tuple[str, str]]
+    option: _Option,
+    given: str | None,
+    env: Mapping[str, str],
+    launcher: Mapping[str, Callable[[], tuple[str, str]]],
 ) -> Any:
     """The option's value: flag, then its variables, then what the launcher says (``launcher``:
-    dest -> (source, text), e.g. Slurm's), then the default; converted and checked."""
+    dest -> a function giving (source, text), e.g. Slurm's, called only when no flag or variable
+    gives the value: a launcher's variable that one replaces is never read), then the default;
+    converted and checked."""
     if given is not None:
         source, text = option.flag, given
     else:
@@ -235,7 +240,7 @@ def _resolve(
         if found is not None:
             source, text = found, env[found]
         elif option.dest in launcher:
-            source, text = launcher[option.dest]
+            source, text = launcher[option.dest]()
         elif option.required:
             raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
         else:
@@ -304,21 +309,22 @@ def parse(
 
 def _slurm_settings(
     slurm: SlurmTask, args: argparse.Namespace, env: Mapping[str, str]
-) -> dict[str, tuple[str, str]]:
+) -> dict[str, Callable[[], tuple[str, str]]]:
     """What Slurm says of the flags no flag or variable sets: the job name, the world size (the
-    step's tasks times the local ranks per task) and, with that world size, this task's ranks."""
+    step's tasks times the local ranks per task) and, with that world size, this task's ranks.
+    Each is read (and its variables checked) only when :func:`_resolve` asks for it."""
     nproc_text = args.nproc_per_node or env.get("SARCOMM_NPROC_PER_NODE") or "1"
     try:
         nproc = max(1, int(nproc_text))
     except ValueError:
         nproc = 1  # _resolve reports the bad value itself
-    settings = {
-        "job": ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
-        "world_size": ("SLURM_STEP_NUM_TASKS", str(slurm.tasks * nproc)),
+    settings: dict[str, Callable[[], tuple[str, str]]] = {
+        "job": lambda: ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
+        "world_size": lambda: (slurm.tasks_variable, str(slurm.tasks * nproc)),
     }
     if args.world_size is None and "SARCOMM_WORLD_SIZE" not in env:
         # Ranks follow Slurm's task order, as srun's own ranks (SLURM_PROCID) do.
-        settings["rank"] = ("SLURM_PROCID", str(slurm.procid * nproc))
+        settings["rank"] = lambda: ("SLURM_PROCID", str(slurm.procid * nproc))
     return settings
 
 
