@@ -190,12 +190,12 @@ def test_sigterm_to_an_agent_whose_rank_ignores_it_ends_the_whole_tree_helper_in
         assert took >= STOP_GRACE_S, f"the rank got {took:.1f} s, less than the grace"
         assert f"still running {STOP_GRACE_S:g} s after SIGTERM" in _agent_log(tmp_path)
     # The rank, its launcher and the helper in its own session: every one gone, none re-parented.
-    left = wait_for(
+    ended = wait_for(
         lambda: all(_gone(pid) for pid in tree),
         GONE_S,
         what=lambda: f"the tree {tree} to end; left: {[pid for pid in tree if not _gone(pid)]}",
     )
-    assert left
+    assert ended
 
 
 def test_an_agent_whose_rank_launcher_is_killed_does_not_wait_for_pipes_an_orphan_holds(

@@ -373,20 +373,21 @@ class _Run:
                 env = rank_environment(
                     self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
                 )
-                failure = await self._start(r, env)
-                if failure is not None:
+                started = await self._start(r, env)
+                if isinstance(started, str):
                     r.returncode = 127  # never ran
-                    self.apply(SpawnFailed(r.index, failure))
+                    self.apply(SpawnFailed(r.index, started))
                     break
+                r.proc = started
                 r.seen_running = time.time()
                 log.info(
                     "%s: started rank %d (process group %d): %s",
                     self.label,
                     r.rank,
-                    r.proc.pid,
+                    started.pid,
                     " ".join(config.command),
                 )
-                r.output.start(r.proc.stdout, r.proc.stderr)
+                r.output.start(started.stdout, started.stderr)
                 self.apply(RankStarted(r.index))
                 self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
 
@@ -415,8 +416,8 @@ class _Run:
                 r.proc.close()
         return self.apply(Finished())
 
-    async def _start(self, r: _Rank, env: Mapping[str, str]) -> str | None:
-        """Start rank ``r``'s process (its output files first); why it could not be, or None."""
+    async def _start(self, r: _Rank, env: Mapping[str, str]) -> RankProcess | str:
+        """Start rank ``r``'s process (its output files first); or why it could not be."""
         command = self.agent.config.command
         try:
             r.output.open_files()
@@ -427,10 +428,9 @@ class _Run:
             if problem is not None:
                 raise OSError(problem)
             # Through the launcher: the rank's whole process tree ends with this agent.
-            r.proc = await RankProcess.start(launch_command(command), env)
+            return await RankProcess.start(launch_command(command), env)
         except OSError as exc:
             return f"could not start {shorten(command[0])}: {exc}"
-        return None
 
     async def _show_tail(self, r: _Rank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""

@@ -143,9 +143,10 @@ def _tag_problem(template: str) -> str | None:
         ]
     except ValueError as error:
         return f"a brace has no pair ({error})"
-    for name, spec, conversion in fields:
+    for name, format_spec, conversion in fields:
         if name is None:  # literal text only
             continue
+        spec = format_spec or ""
         shown = shorten(
             "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
         )
@@ -310,7 +311,9 @@ class RankOutput:
             return
         self.files[0].parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as opened:
-            handles = [opened.enter_context(path.open("ab", buffering=0)) for path in self.files]
+            handles: list[BinaryIO] = [
+                opened.enter_context(path.open("ab", buffering=0)) for path in self.files
+            ]
             opened.pop_all()  # both opened: kept until close()
         self._handles = handles
 
