@@ -14,7 +14,7 @@ import pytest
 
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.worker.cli import EXIT_USAGE
-from sarcomm.worker.output import MAX_TAG_WIDTH, check_output_tag
+from sarcomm.worker.output import MAX_TAG_WIDTH, check_log_dir, check_output_tag, make_log_dir
 from tests.conftest import CoordinatorProcess, StartCoordinator
 
 RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "output_rank.py")
@@ -228,3 +228,23 @@ def test_output_files_that_cannot_be_opened_fail_the_rank_before_it_runs_in_one_
         rf"files: \[Errno 20\] Not a directory: '{re.escape(str(logs / 'blocked' / '1'))}'",
         last,
     ), last
+
+
+def test_log_dir_checks_name_the_path_at_fault_and_create_nothing(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_log_dir(" ")
+    assert str(caught.value) == (
+        "no folder named; give a folder this user can write to, or create ('.' for the current one)."
+    )
+    deep = tmp_path / "a" / "b"
+    assert check_log_dir(str(deep)) == deep
+    assert not (tmp_path / "a").exists()  # checked, not made: the agent makes it before joining
+    # What the checks cannot foresee is still one line, from the agent's mkdir before it joins.
+    with pytest.raises(InvalidArgumentError) as caught:
+        make_log_dir(Path("/proc/1/logs"))
+    assert str(caught.value) == (
+        "--log-dir '/proc/1/logs' must be a folder this user can create or write to: No such file or "
+        "directory."
+    )
+    make_log_dir(deep)
+    assert deep.is_dir()

@@ -186,6 +186,8 @@ def test_sigterm_to_an_agent_whose_rank_ignores_it_ends_the_whole_tree_helper_in
         )
     took = time.monotonic() - sent
     assert code == 128 + signal.SIGKILL, _agent_log(tmp_path)  # the rank ended by SIGKILL
+    # By its launcher: the agent never had to SIGKILL the group (which would kill the launcher first).
+    assert "did not end their process trees" not in _agent_log(tmp_path)
     if signals == 1:
         assert took >= STOP_GRACE_S, f"the rank got {took:.1f} s, less than the grace"
         assert f"still running {STOP_GRACE_S:g} s after SIGTERM" in _agent_log(tmp_path)

@@ -74,7 +74,7 @@ from sarcomm.worker.agent_decisions import (
     process_runs,
 )
 from sarcomm.worker.launch_env import metrics_report_host
-from sarcomm.worker.output import Console, RankOutput, log_paths, make_log_dir
+from sarcomm.worker.output import EXIT_DRAIN_S, Console, RankOutput, log_paths, make_log_dir
 from sarcomm.worker.progress import ProgressReader
 from sarcomm.worker.rank_process import (
     RankProcess,
@@ -485,8 +485,12 @@ class _Run:
 
 
 async def _wait_exit(r: _Rank, happenings: asyncio.Queue[AgentEvent]) -> None:
+    """Report ``r``'s exit once its process exited and what it wrote is passed on, so that its
+    last lines come before the line about its exit; waits at most :data:`EXIT_DRAIN_S` for that."""
     if r.proc is not None:
-        happenings.put_nowait(RankExited(r.index, await r.proc.wait()))
+        returncode = await r.proc.wait()
+        await r.output.drained(EXIT_DRAIN_S)
+        happenings.put_nowait(RankExited(r.index, returncode))
 
 
 def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:

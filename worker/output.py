@@ -40,6 +40,7 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
     "DEFAULT_OUTPUT_TAG",
+    "EXIT_DRAIN_S",
     "MAX_LINE_BYTES",
     "MAX_TAG_WIDTH",
     "TAG_PLACEHOLDERS",
@@ -76,6 +77,11 @@ TAIL_BYTES = 8192
 #: How long the agent waits for a rank's pipes to reach their end once the rank exited (a child
 #: of the rank may hold them open; its output is then not waited for).
 DRAIN_DEADLINE_S = 2.0
+#: How long the agent waits for that before it reports the rank's exit (so that the rank's last
+#: lines come before the line about its exit). An exited rank's pipes end at once unless a process
+#: it left holds them, and that one must not hold up the report: it has to reach the coordinator
+#: before the coordinator judges the rank by its silence (interval x misses, 1.5 s in fast tests).
+EXIT_DRAIN_S = 0.25
 
 _READ_BYTES = 1 << 16
 _CONSOLE_LOCK = threading.Lock()
