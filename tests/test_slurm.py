@@ -3,6 +3,7 @@ and the example batch script, on a real one-node Slurm cluster (slurmctld, slurm
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.agent.cli import parse
 from tests.conftest import StartCoordinator
-from tests.helpers import free_port, wait_for
+from tests.helpers import SAR_WORKER, free_port, wait_for
 from tests.slurm_cluster import SlurmCluster, slurm_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,3 +143,78 @@ def test_flags_and_variables_win_over_slurm(tmp_path: Path) -> None:
     without_step = {k: v for k, v in slurm_vars.items() if k != "SLURM_STEP_ID"}
     with pytest.raises(InvalidArgumentError, match="--job is required"):
         parse(["--coord", "h:1", "--", "x"], without_step)
+
+
+#: A task's variables as srun sets them: task 3 of 4, two per node, the second on node 1.
+STEP = {
+    "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_NODEID": "1", "SLURM_JOB_NAME": "gnn", "SLURM_JOB_ID": "77",
+}  # fmt: skip
+ALL_FLAGS = ["--coord", "h:1", "--job", "mine", "--world-size", "8", "--rank", "2", "--", "x"]
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x"},
+         "SLURM_STEP_TASKS_PER_NODE='2(x' must be a list like '2(x3),1' (tasks per node)."),
+        ({"SLURM_STEP_TASKS_PER_NODE": None, "SLURM_TASKS_PER_NODE": "2(x"},
+         "SLURM_TASKS_PER_NODE='2(x' must be a list like '2(x3),1' (tasks per node)."),
+        ({"SLURM_NODEID": "2"},
+         "SLURM_NODEID='2' must be an integer in 0..1 (SLURM_STEP_TASKS_PER_NODE lists 2 node(s))."),
+        ({"SLURM_LOCALID": "2"},
+         "SLURM_LOCALID='2' must be an integer in 0..1 (this node runs 2 task(s) of the step)."),
+        ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' must be an integer in 0..3 (SLURM_STEP_NUM_TASKS=4)."),
+        ({"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "many"},
+         "SLURM_NTASKS='many' must be an integer >= 1."),
+    ],
+    ids=["step-tasks-per-node", "job-tasks-per-node", "node-id", "local-id", "procid", "ntasks"],
+)  # fmt: skip
+def test_a_bad_slurm_variable_is_reported_under_its_own_name(
+    variables: dict[str, str | None], message: str
+) -> None:
+    env = {**STEP, **variables}
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse(["--coord", "h:1", "--", "x"], {k: v for k, v in env.items() if v is not None})
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [{"SLURM_PROCID": "garbage"}, {"SLURM_STEP_NUM_TASKS": "x", "SLURM_NTASKS": "y", "SLURM_PROCID": "-1"},
+     {"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": None}, {"SLURM_PROCID": "9"}],
+    ids=["procid", "task-counts", "no-task-count", "procid-beyond-the-tasks"],
+)  # fmt: skip
+def test_flags_replace_slurm_variables_without_reading_them(variables: dict[str, str | None]) -> None:
+    env = {k: v for k, v in {**STEP, **variables}.items() if v is not None}
+    config, *_ = parse(ALL_FLAGS, env)
+    assert (config.job, config.world_size, config.rank) == ("mine", 8, 2)
+    # Where this task sits on its node: no flag says, so Slurm does.
+    assert (config.local_rank, config.node_ranks) == (1, 2)
+    # The same through the variables of the flags.
+    config, *_ = parse(
+        ["--coord", "h:1", "--", "x"],
+        {**env, "SARCOMM_JOB": "mine", "SARCOMM_WORLD_SIZE": "8", "SARCOMM_RANK": "2"},
+    )
+    assert (config.job, config.world_size, config.rank) == ("mine", 8, 2)
+    # A world size of one's own: the coordinator deals the ranks, SLURM_PROCID is not read either.
+    config, *_ = parse(["--coord", "h:1", "--world-size", "8", "--", "x"], env)
+    assert (config.world_size, config.rank) == (8, None)
+
+
+def test_an_agent_whose_flags_replace_a_garbage_slurm_procid_runs_its_rank(
+    start_coordinator: StartCoordinator,
+) -> None:
+    coord = start_coordinator("--heartbeat-interval", "0.5")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_", "SLURM_"))}
+    env.update({**STEP, "SLURM_PROCID": "garbage", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NODEID": "0",
+                "SLURM_LOCALID": "0"})  # fmt: skip
+    done = subprocess.run(
+        [*SAR_WORKER, "--coord", coord.grpc_target, "--job", "flags",
+         "--world-size", "1", "--rank", "0", "--output-tag", "", "--", sys.executable, "-c",
+         "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['SAR_JOB'])"],
+        capture_output=True, text=True, timeout=JOB_DEADLINE_S, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "0 1 flags\n"

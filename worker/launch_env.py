@@ -107,9 +107,10 @@ def _parse_int(env: Mapping[str, str], var: str, low: int, high: int | None, rul
     return value
 
 
-def _slurm_local_size(env: Mapping[str, str]) -> int | None:
-    """Tasks on this node from SLURM_TASKS_PER_NODE ("2(x3),1") and SLURM_NODEID, or None."""
-    spec, node = env.get("SLURM_TASKS_PER_NODE"), env.get("SLURM_NODEID")
+def _slurm_local_size(env: Mapping[str, str], var: str = "SLURM_TASKS_PER_NODE") -> int | None:
+    """Tasks on this node from ``var`` (Slurm's "2(x3),1": tasks per node) and SLURM_NODEID, or
+    None when either is unset. Messages name ``var``."""
+    spec, node = env.get(var), env.get("SLURM_NODEID")
     if spec is None or node is None:
         return None
     counts: list[int] = []
@@ -117,10 +118,13 @@ def _slurm_local_size(env: Mapping[str, str]) -> int | None:
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if match is None:
             raise InvalidArgumentError(
-                f"SLURM_TASKS_PER_NODE={shorten(spec)} must be a list like '2(x3),1' (tasks per node)."
+                f"{var}={shorten(spec)} must be a list like '2(x3),1' (tasks per node)."
             )
         counts += [int(match.group(1))] * int(match.group(2) or 1)
-    index = _parse_int(env, "SLURM_NODEID", 0, len(counts) - 1, f"an integer in 0..{len(counts) - 1}")
+    index = _parse_int(
+        env, "SLURM_NODEID", 0, len(counts) - 1,
+        f"an integer in 0..{len(counts) - 1} ({var} lists {len(counts)} node(s))",
+    )  # fmt: skip
     return counts[index]
 
 
@@ -334,52 +338,71 @@ def metrics_report_host(bind_host: str, member_address: str) -> str:
 class SlurmTask:
     """The ``srun`` task this process is: what ``sar-worker`` takes from Slurm when no flag says.
 
+    Each property reads and checks only its own variables, when asked: a value that a flag or
+    ``SARCOMM_*`` variable replaces is never asked for, so a Slurm variable it replaces is never
+    parsed (flags win, whatever Slurm's variables hold).
+
     ``job`` is ``SLURM_JOB_NAME-SLURM_JOB_ID`` made a valid job name (unique per allocation, so two
     allocations of one script never share a world); ``tasks`` the step's task count, ``procid``
     this task's index among them, ``localid`` its index on this node, ``node_tasks`` the step's
-    tasks on this node.
+    tasks on this node. Each raises :class:`InvalidArgumentError` naming the variable at fault.
     """
 
-    job: str
-    tasks: int
-    procid: int
-    localid: int
-    node_tasks: int
+    env: Mapping[str, str]
 
+    @property
+    def job(self) -> str:
+        env = self.env
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_NAME", "")).strip("-._") or "slurm"
+        job_id = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_ID", "")).strip("-._")
+        full = f"{name}-{job_id}" if job_id else name
+        return full[-128:].lstrip("-._") or "slurm"
 
-def _slurm_job_name(env: Mapping[str, str]) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_NAME", "")).strip("-._") or "slurm"
-    job_id = re.sub(r"[^A-Za-z0-9._-]+", "-", env.get("SLURM_JOB_ID", "")).strip("-._")
-    full = f"{name}-{job_id}" if job_id else name
-    return full[-128:].lstrip("-._") or "slurm"
+    @property
+    def tasks_variable(self) -> str:
+        """The variable that says the step's task count (the step's own, or the job's)."""
+        var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if v in self.env), None)
+        if var is None:
+            raise InvalidArgumentError(
+                "SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is: run sar-worker "
+                "with srun, or give --world-size."
+            )
+        return var
+
+    @property
+    def tasks(self) -> int:
+        return _parse_int(self.env, self.tasks_variable, 1, None, "an integer >= 1")
+
+    @property
+    def procid(self) -> int:
+        tasks, var = self.tasks, self.tasks_variable
+        return _parse_int(
+            self.env, "SLURM_PROCID", 0, tasks - 1, f"an integer in 0..{tasks - 1} ({var}={tasks})"
+        )
+
+    @property
+    def _node_tasks_variable(self) -> str:
+        step = "SLURM_STEP_TASKS_PER_NODE"
+        return step if step in self.env else "SLURM_TASKS_PER_NODE"
+
+    @property
+    def node_tasks(self) -> int:
+        return _slurm_local_size(self.env, self._node_tasks_variable) or 1
+
+    @property
+    def localid(self) -> int:
+        if "SLURM_LOCALID" not in self.env:
+            return 0
+        node_tasks = self.node_tasks
+        rule = f"an integer in 0..{node_tasks - 1} (this node runs {node_tasks} task(s) of the step)"
+        return _parse_int(self.env, "SLURM_LOCALID", 0, node_tasks - 1, rule)
 
 
 def slurm_task(env: Mapping[str, str]) -> SlurmTask | None:
     """The task of the ``srun`` step that runs this process, or None outside one (no
     ``SLURM_STEP_ID`` or ``SLURM_PROCID``: a batch script's own shell is no task of a step).
-
-    Raises:
-        InvalidArgumentError: a Slurm variable has a value its rule forbids (the message names it).
+    Reads nothing else: :class:`SlurmTask`'s properties check the variables they read.
     """
     if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
         return None
-    tasks_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    if tasks_var not in env:
-        raise InvalidArgumentError(
-            "SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is: run sar-worker "
-            "with srun, or give --world-size."
-        )
-    tasks = _parse_int(env, tasks_var, 1, None, "an integer >= 1")
-    procid = _parse_int(
-        env, "SLURM_PROCID", 0, tasks - 1, f"an integer in 0..{tasks - 1} ({tasks_var}={tasks})"
-    )
-    per_node = {**env}
-    if "SLURM_STEP_TASKS_PER_NODE" in env:
-        per_node["SLURM_TASKS_PER_NODE"] = env["SLURM_STEP_TASKS_PER_NODE"]
-    node_tasks = _slurm_local_size(per_node) or 1
-    localid = (
-        _parse_int(env, "SLURM_LOCALID", 0, node_tasks - 1, f"an integer in 0..{node_tasks - 1}")
-        if "SLURM_LOCALID" in env
-        else 0
-    )
-    return SlurmTask(_slurm_job_name(env), tasks, procid, localid, node_tasks)
+    return SlurmTask(dict(env))

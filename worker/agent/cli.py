@@ -36,7 +36,7 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.agent import bench
 from sarcomm.worker.agent.config import AgentConfig
-from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee
+from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee, check_log_dir
 from sarcomm.worker.agent.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 from sarcomm.worker.launch_env import SlurmTask, metrics_host, slurm_task
 
@@ -189,7 +189,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
     _Option("--output-tag", str, "text with {rank} and {local_rank}", "what each console line of a "
             "rank starts with; '' for none", default=DEFAULT_OUTPUT_TAG, metavar="TAG"),
-    _Option("--log-dir", Path, "a path", "also write each rank's stdout and stderr to "
+    _Option("--log-dir", check_log_dir, "a folder", "also write each rank's stdout and stderr to "
             "DIR/JOB/GENERATION/rank-R.stdout and .stderr", metavar="DIR"),
     _Option("--tee", Tee, "console, files or both", "where the ranks' output goes (default: both with "
             "--log-dir, else console)", metavar="{console,files,both}"),
@@ -224,10 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(
-    option: _Option, given: str | None, env: Mapping[str, str], launcher: Mapping[str, tuple[str, str]]
+    option: _Option,
+    given: str | None,
+    env: Mapping[str, str],
+    launcher: Mapping[str, Callable[[], tuple[str, str]]],
 ) -> Any:
     """The option's value: flag, then its variables, then what the launcher says (``launcher``:
-    dest -> (source, text), e.g. Slurm's), then the default; converted and checked."""
+    dest -> a function giving (source, text), e.g. Slurm's, called only when no flag or variable
+    gives the value: a launcher's variable that one replaces is never read), then the default;
+    converted and checked."""
     if given is not None:
         source, text = option.flag, given
     else:
@@ -235,7 +240,7 @@ def _resolve(
         if found is not None:
             source, text = found, env[found]
         elif option.dest in launcher:
-            source, text = launcher[option.dest]
+            source, text = launcher[option.dest]()
         elif option.required:
             raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
         else:
@@ -294,7 +299,7 @@ def parse(
         command=tuple(command),
         token=token,
         tls=tls,
-        log_dir=log_dir.absolute() if log_dir is not None else None,
+        log_dir=log_dir,
         tee=tee or (Tee.BOTH if log_dir is not None else Tee.CONSOLE),
         **values,
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
@@ -304,21 +309,22 @@ def parse(
 
 def _slurm_settings(
     slurm: SlurmTask, args: argparse.Namespace, env: Mapping[str, str]
-) -> dict[str, tuple[str, str]]:
+) -> dict[str, Callable[[], tuple[str, str]]]:
     """What Slurm says of the flags no flag or variable sets: the job name, the world size (the
-    step's tasks times the local ranks per task) and, with that world size, this task's ranks."""
+    step's tasks times the local ranks per task) and, with that world size, this task's ranks.
+    Each is read (and its variables checked) only when :func:`_resolve` asks for it."""
     nproc_text = args.nproc_per_node or env.get("SARCOMM_NPROC_PER_NODE") or "1"
     try:
         nproc = max(1, int(nproc_text))
     except ValueError:
         nproc = 1  # _resolve reports the bad value itself
-    settings = {
-        "job": ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
-        "world_size": ("SLURM_STEP_NUM_TASKS", str(slurm.tasks * nproc)),
+    settings: dict[str, Callable[[], tuple[str, str]]] = {
+        "job": lambda: ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
+        "world_size": lambda: (slurm.tasks_variable, str(slurm.tasks * nproc)),
     }
     if args.world_size is None and "SARCOMM_WORLD_SIZE" not in env:
         # Ranks follow Slurm's task order, as srun's own ranks (SLURM_PROCID) do.
-        settings["rank"] = ("SLURM_PROCID", str(slurm.procid * nproc))
+        settings["rank"] = lambda: ("SLURM_PROCID", str(slurm.procid * nproc))
     return settings
 
 

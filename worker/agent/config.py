@@ -32,11 +32,15 @@ from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE, metrics_host
 __all__ = [
     "METRICS_ANY_PORT",
     "METRICS_OFF",
+    "STOP_GRACE_S",
     "AgentConfig",
     "omp_threads",
     "rank_environment",
     "rank_metrics_port",
 ]
+
+#: Seconds a rank gets between SIGTERM and SIGKILL when the agent stops it.
+STOP_GRACE_S = 10.0
 
 #: ``--metrics-port`` values with a meaning of their own.
 METRICS_ANY_PORT = 0
@@ -67,7 +71,8 @@ class AgentConfig:
         join_timeout: seconds to wait for the world to form (None: the coordinator's default).
         heartbeat_interval: seconds between heartbeats (default 1; keep it at or below the
             coordinator's ``--heartbeat-interval``).
-        stop_grace: seconds between SIGTERM and SIGKILL when stopping ranks (default 10).
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping ranks (default
+            :data:`STOP_GRACE_S`).
         token: bearer token for the coordinator, or None.
         tls: TLS settings for the coordinator connection (``--tls-ca``, ``--tls-cert``,
             ``--tls-key``), or None for plaintext.
@@ -95,7 +100,7 @@ class AgentConfig:
     metrics_host: str = ""
     join_timeout: float | None = None
     heartbeat_interval: float = 1.0
-    stop_grace: float = 10.0
+    stop_grace: float = STOP_GRACE_S
     token: str | None = field(default=None, repr=False)
     tls: ClientTls | None = None
     local_rank: int = 0

@@ -28,6 +28,8 @@ import contextlib
 import enum
 import logging
 import os
+import re
+import string
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,22 +40,35 @@ from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
     "DEFAULT_OUTPUT_TAG",
+    "EXIT_DRAIN_S",
     "MAX_LINE_BYTES",
+    "MAX_TAG_WIDTH",
+    "TAG_PLACEHOLDERS",
     "TAIL_BYTES",
     "TAIL_LINES",
     "Console",
     "ConsoleLogHandler",
     "RankOutput",
     "Tee",
+    "check_log_dir",
     "check_output_tag",
     "console_lock",
     "log_paths",
+    "make_log_dir",
 ]
 
 log = logging.getLogger(__name__)
 
 #: The tag each console line of a rank starts with; ``{rank}`` and ``{local_rank}`` are filled in.
 DEFAULT_OUTPUT_TAG = "[rank {rank}] "
+#: The placeholders a tag may hold.
+TAG_PLACEHOLDERS = ("rank", "local_rank")
+#: The widest a tag's placeholder may be padded (characters): a width of millions would cost that
+#: much memory on every line (and ``{rank:99999999999}`` raises MemoryError).
+MAX_TAG_WIDTH = 64
+#: A placeholder's format: Python's format mini-language for a whole number (fill and alignment,
+#: sign, ``#``, ``0``, width, ``,`` or ``_``, and a type of b, d, n, o, x, X); the width is group 1.
+_NUMBER_FORMAT = re.compile(r"(?:.?[<>=^])?[-+ ]?#?0?(\d*)[,_]?[bdnoxX]?", re.DOTALL)
 #: Lines longer than this are passed on in pieces (bytes).
 MAX_LINE_BYTES = 1 << 20
 #: How much of a failed rank's output the agent prints under the failure line.
@@ -62,6 +77,11 @@ TAIL_BYTES = 8192
 #: How long the agent waits for a rank's pipes to reach their end once the rank exited (a child
 #: of the rank may hold them open; its output is then not waited for).
 DRAIN_DEADLINE_S = 2.0
+#: How long the agent waits for that before it reports the rank's exit (so that the rank's last
+#: lines come before the line about its exit). An exited rank's pipes end at once unless a process
+#: it left holds them, and that one must not hold up the report: it has to reach the coordinator
+#: before the coordinator judges the rank by its silence (interval x misses, 1.5 s in fast tests).
+EXIT_DRAIN_S = 0.25
 
 _READ_BYTES = 1 << 16
 _CONSOLE_LOCK = threading.Lock()
@@ -99,19 +119,112 @@ class Tee(str, enum.Enum):
 
 
 def check_output_tag(template: str, field: str = "--output-tag") -> str:
-    """``template`` if it formats with ``{rank}`` and ``{local_rank}``; else an error naming it.
+    """``template`` if it is text with the placeholders ``{rank}`` and ``{local_rank}``, each with at
+    most a number format of width up to :data:`MAX_TAG_WIDTH` (``{rank:>3}``, ``{rank:03d}``); else
+    an error naming ``field``, the template and what is wrong with it.
 
     Raises:
-        InvalidArgumentError: the template has another placeholder or a stray brace.
+        InvalidArgumentError: a line break, a brace without its pair, another placeholder (a name,
+            a position, ``{}``), an index or attribute (``{rank[0]}``, ``{rank.real}``), a
+            conversion (``{rank!r}``), a placeholder in a format, a format that is not one for a
+            number, or a width above :data:`MAX_TAG_WIDTH`.
+    """
+    problem = _tag_problem(template)
+    if problem is not None:
+        raise InvalidArgumentError(
+            f"{field} {shorten(template)} must be text with the placeholders {{rank}} and {{local_rank}} "
+            f"only, each with at most a number format such as {{rank:>3}} (write '{{{{' and '}}}}' for "
+            f"braces): {problem}."
+        )
+    return template
+
+
+def _tag_problem(template: str) -> str | None:
+    """What is wrong with the tag ``template`` (see :func:`check_output_tag`), or None."""
+    if "\n" in template or "\r" in template:
+        return "it holds a line break (each line a rank writes gets the tag once)"
+    try:
+        fields = [
+            (name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+        ]
+    except ValueError as error:
+        return f"a brace has no pair ({error})"
+    for name, format_spec, conversion in fields:
+        if name is None:  # literal text only
+            continue
+        spec = format_spec or ""
+        shown = shorten(
+            "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        )
+        base = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not base:
+            return f"{shown} names no placeholder"
+        if base.isdigit():
+            return f"{shown} is a position, not a name"
+        if base not in TAG_PLACEHOLDERS:
+            return f"{shown} is not one of them"
+        if name != base:
+            return f"{shown} {'indexes' if name[len(base)] == '[' else 'reads an attribute of'} {base}"
+        if conversion:
+            return f"{shown} converts {base} (!{conversion}); a tag takes no conversion"
+        if "{" in spec or "}" in spec:
+            return f"{shown} has a placeholder in its format"
+        number = _NUMBER_FORMAT.fullmatch(spec)
+        if number is None:
+            return (
+                f"{shown}: {shorten(spec)} is not a format for a whole number (fill and align, sign, #, "
+                "0, width, ',' or '_', and a type of b, d, n, o, x or X)"
+            )
+        if number[1] and int(number[1]) > MAX_TAG_WIDTH:
+            return f"{shown}: width {number[1]} is above {MAX_TAG_WIDTH}"
+        try:
+            format(0, spec)
+        except ValueError as error:
+            return f"{shown}: {str(error).rstrip('.')}"
+    return None
+
+
+def check_log_dir(text: str) -> Path:
+    """``text`` as the absolute path of a folder this user can write to, or create: it is one, or
+    the nearest of its parents that exists is one this user can create folders in. Creates nothing.
+
+    Raises:
+        InvalidArgumentError: it is empty, it or a parent is not a folder, or this user cannot
+            write there (the message says which path and why, and the rule).
+    """
+    rule = "give a folder this user can write to, or create"
+    if not text.strip():
+        raise InvalidArgumentError(f"no folder named; {rule} ('.' for the current one).")
+    path = Path(text).absolute()
+    nearest = path
+    try:
+        # exists() is False past a parent that is a file (ENOTDIR), and for a link to nothing.
+        while not nearest.exists() and not nearest.is_symlink():
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            below = f", so {path} cannot be created" if nearest != path else ""
+            raise InvalidArgumentError(f"{nearest} is not a folder{below}; {rule}.")
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            where = f"write to {path}" if nearest == path else f"create folders in {nearest}"
+            raise InvalidArgumentError(f"this user cannot {where}; {rule}.")
+    except OSError as exc:  # a parent it may not look into
+        raise InvalidArgumentError(f"{exc.strerror or exc}: {exc.filename or nearest}; {rule}.") from None
+    return path
+
+
+def make_log_dir(log_dir: Path, field: str = "--log-dir") -> None:
+    """Create ``log_dir`` (and its parents) if it is not there yet.
+
+    Raises:
+        InvalidArgumentError: it cannot be created (the message names ``field``).
     """
     try:
-        template.format(rank=0, local_rank=0)
-    except (KeyError, IndexError, ValueError) as error:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
         raise InvalidArgumentError(
-            f"{field} {shorten(template)} must be text with at most the placeholders {{rank}} and "
-            f"{{local_rank}} (write '{{{{' for a brace): {error!r}"
+            f"{field} {shorten(str(log_dir))} must be a folder this user can create or write to: "
+            f"{exc.strerror or exc}."
         ) from None
-    return template
 
 
 def log_paths(log_dir: Path, job: str, generation: int, rank: int) -> tuple[Path, Path]:
@@ -168,8 +281,10 @@ class _Sink:
 class RankOutput:
     """Reads one rank's stdout and stderr pipes to their end; see the module docstring.
 
-    ``start(stdout, stderr)`` begins reading; ``await drained()`` waits (bounded) until both ended;
-    ``tail()`` gives the last lines; ``close()`` closes the files.
+    ``open_files()`` opens the log files (before the rank starts: a folder that cannot be made
+    fails the rank's start, not its output); ``start(stdout, stderr)`` begins reading; ``await
+    drained()`` waits (bounded) until both ended; ``tail()`` gives the last lines; ``close()``
+    closes the files.
     """
 
     def __init__(
@@ -192,20 +307,31 @@ class RankOutput:
         self._tasks: list[asyncio.Task[None]] = []
         self._handles: list[BinaryIO] = []
 
-    def _open(self, path: Path) -> BinaryIO:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = path.open("ab", buffering=0)
-        self._handles.append(handle)
-        return handle
+    def open_files(self) -> None:
+        """Create the log files' folder and open them for appending (once; without files, nothing).
+
+        Raises:
+            OSError: the folder or a file cannot be created or opened.
+        """
+        if self.files is None or self._handles:
+            return
+        self.files[0].parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as opened:
+            handles: list[BinaryIO] = [
+                opened.enter_context(path.open("ab", buffering=0)) for path in self.files
+            ]
+            opened.pop_all()  # both opened: kept until close()
+        self._handles = handles
 
     def start(self, stdout: asyncio.StreamReader | None, stderr: asyncio.StreamReader | None) -> None:
+        self.open_files()
         for index, stream in enumerate((stdout, stderr)):
             if stream is None:
                 continue
             console = None
             if self._console is not None:
                 console = self._console.stdout if index == 0 else self._console.stderr
-            file = self._open(self.files[index]) if self.files is not None else None
+            file = self._handles[index] if self._handles else None
             sink = _Sink(console, file, self._tails[index])
             self._tasks.append(asyncio.ensure_future(self._pump(stream, sink)))
 

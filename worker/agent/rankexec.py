@@ -15,7 +15,9 @@ command itself. It
 4. when COMMAND ends, ends what it left behind (SIGTERM, SIGKILL after ``LEFTOVER_GRACE_S``) and
    exits with COMMAND's status (dying by the same signal when it was killed by one);
 5. when the agent dies, ends the whole tree the same way (SIGTERM, SIGKILL after the grace) and
-   then its process group.
+   then its process group;
+6. on :data:`END_TREE_SIGNAL` (the agent's "kill the rank", sent once its stop grace is over, or
+   on a second Ctrl-C), ends the whole tree at once (SIGKILL) and exits as killed by SIGKILL.
 
 Why a launcher that stays, rather than one that sets the signal and execs COMMAND: the parent-death
 signal reaches only the direct child, and ``sh -c 'sleep 300 & sleep 300'`` leaves a grandchild
@@ -26,7 +28,9 @@ threads, so its ``preexec_fn`` (one ``prctl``) runs in a single-threaded fork.
 
 SIGINT and SIGTERM are ignored by the launcher itself: the agent signals the rank's whole process
 group (COMMAND gets them directly), and the launcher must outlive COMMAND to report its status.
-Signal the group (``kill -TERM -PGID``), not the launcher alone.
+Signal the group (``kill -TERM -PGID``), not the launcher alone. To kill a rank, do not SIGKILL its
+group either (the launcher would die before it could end what left the group): send the launcher
+:data:`END_TREE_SIGNAL`, as the agent does.
 """
 
 from __future__ import annotations
@@ -42,10 +46,15 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["LEFTOVER_GRACE_S", "main"]
+__all__ = ["END_TREE_SIGNAL", "LEFTOVER_GRACE_S", "main"]
 
 #: Seconds the processes a rank leaves behind get between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 2.0
+#: What the agent sends the launcher alone to have the rank's whole tree killed now. A real-time
+#: signal, which nothing sends by accident: SIGUSR1 and SIGUSR2 are what Slurm's ``--signal`` and
+#: ``scancel -s`` send ahead of a time limit (to every process of the step, this launcher
+#: included), and SIGHUP is what a user may send a group to have it reload.
+END_TREE_SIGNAL = signal.SIGRTMIN + 2
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -99,7 +108,8 @@ def _reap() -> None:
 
 
 def _end_tree(grace: float) -> None:
-    """SIGTERM every descendant, SIGKILL those left after ``grace`` seconds; reaps them."""
+    """SIGTERM every descendant, SIGKILL those left after ``grace`` seconds (at once, when the
+    agent asked for the end of the tree); reaps them."""
     deadline = time.monotonic() + grace
     signum = signal.SIGTERM
     while True:
@@ -107,7 +117,7 @@ def _end_tree(grace: float) -> None:
         left = _descendants()
         if not left:
             return
-        if time.monotonic() >= deadline:
+        if _STATE.hurry or time.monotonic() >= deadline:
             signum = signal.SIGKILL
         for pid in left:
             try:
@@ -122,13 +132,31 @@ def _end_tree(grace: float) -> None:
 def _exit_like(status: int) -> None:
     """Exit as COMMAND did: its code, or death by its signal (without a core of our own)."""
     if os.WIFSIGNALED(status):
-        signum = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
-            signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        os._exit(128 + signum)  # a signal that does not kill (cannot happen for a WTERMSIG)
+        _die_by(os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by ``signum`` (without a core of our own)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal that does not kill (cannot happen for a WTERMSIG)
+
+
+class _State:
+    """What the signal handlers share with the rest of the launcher."""
+
+    def __init__(self) -> None:
+        #: The launcher waits for COMMAND: a handler may break that wait (by raising). Outside it
+        #: (starting COMMAND, ending the tree), the handlers only take note.
+        self.waiting = False
+        #: The agent asked for the end of the tree (:data:`END_TREE_SIGNAL`): no grace is left.
+        self.hurry = False
+
+
+_STATE = _State()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -139,10 +167,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     agent_pid, command = int(args[0]), args[2:]
 
     def on_hangup(signum: int, frame: FrameType | None) -> None:
-        if os.getppid() != agent_pid:
+        if os.getppid() != agent_pid and _STATE.waiting:
             raise _AgentGone
 
+    def on_end_tree(signum: int, frame: FrameType | None) -> None:
+        _STATE.hurry = True
+        if _STATE.waiting:
+            raise _EndTree
+
     signal.signal(signal.SIGHUP, on_hangup)
+    signal.signal(END_TREE_SIGNAL, on_end_tree)
     for signum in (signal.SIGINT, signal.SIGTERM):
         # A handler, not SIG_IGN: an ignored signal would stay ignored in COMMAND across exec.
         signal.signal(signum, lambda signum, frame: None)
@@ -159,12 +193,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         if os.getpgrp() == os.getpid():  # we lead the rank's group (the agent starts a new session)
             os.killpg(os.getpgrp(), signal.SIGKILL)  # anything of the group that left our tree; and us
         return
+    except _EndTree:
+        _end_tree(0.0)
+        _die_by(signal.SIGKILL)  # as the agent's SIGKILL to the rank would have ended it
     _end_tree(LEFTOVER_GRACE_S)
     _exit_like(status)
 
 
 class _AgentGone(Exception):
     """Raised by the SIGHUP handler once the agent is gone: it breaks the wait."""
+
+
+class _EndTree(Exception):
+    """Raised by the :data:`END_TREE_SIGNAL` handler: it breaks the wait."""
 
 
 def _run(agent_pid: int, command: list[str]) -> int:
@@ -178,11 +219,20 @@ def _run(agent_pid: int, command: list[str]) -> int:
     except OSError as exc:
         sys.stderr.write(f"sar-worker: could not start {command[0]!r}: {exc}\n")
         os._exit(EXIT_NOT_STARTED)
-    while True:
-        # Python retries the wait after a signal's handler ran, unless the handler raised.
-        pid, status = os.waitpid(-1, 0)
-        if pid == child.pid:
-            return status
+    _STATE.waiting = True
+    try:
+        # What came while COMMAND was being started (the handlers only took note then).
+        if _STATE.hurry:
+            raise _EndTree
+        if os.getppid() != agent_pid:
+            raise _AgentGone
+        while True:
+            # Python retries the wait after a signal's handler ran, unless the handler raised.
+            pid, status = os.waitpid(-1, 0)
+            if pid == child.pid:
+                return status
+    finally:
+        _STATE.waiting = False
 
 
 if __name__ == "__main__":

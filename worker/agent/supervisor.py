@@ -4,13 +4,18 @@ One agent per host (or per group of local ranks):
 
 1. checks its settings locally (``--socket-name`` exists here, ranks fit the world, ...);
 2. reserves a TCP port for rank 0's store and joins the job with K members in one ``Join``;
-3. releases the port and starts COMMAND once per local rank (``asyncio.create_subprocess_exec``:
-   fork and exec happen in C, no Python code runs in a forked child of a process with gRPC
-   threads), each in a new session so that a rank's own children can be signalled as a group;
+3. releases the port and starts COMMAND once per local rank under the rank launcher
+   (:class:`~sarcomm.worker.agent.rank_process.RankProcess`, through asyncio's ``subprocess_exec``: fork
+   and exec happen in C, no Python code runs in a forked child of a process with gRPC threads),
+   each in a new session so that a rank's own children can be signalled as a group;
 4. keeps one heartbeat stream for all its ranks, forwards SIGINT/SIGTERM to them, reports
    ``Leave`` for each rank that exits;
-5. stops its other ranks (SIGTERM, SIGKILL after a grace period) when a rank fails or the
-   coordinator reports a failure elsewhere, and optionally joins again (``--max-restarts``).
+5. stops its other ranks (SIGTERM, then after a grace period the launcher kills the rank's whole
+   tree) when a rank fails or the coordinator reports a failure elsewhere, and optionally joins
+   again (``--max-restarts``).
+
+A rank's end is its launcher's exit, not the end of its pipes: a helper of the rank that left its
+tree (killed launcher) may hold them open for ever; the agent reads them a bounded time longer.
 
 The exit code is the command's: 0 when every rank exited 0, else the first failing rank's code
 (128+N for a rank killed by signal N), or ``EXIT_PEER_FAILED`` when a rank elsewhere failed.
@@ -68,8 +73,16 @@ from sarcomm.worker.agent.decisions import (
     liveness_age,
     process_runs,
 )
-from sarcomm.worker.agent.output import Console, RankOutput, log_paths
-from sarcomm.worker.agent.rank_process import command_problem, launch_command, process_state
+from sarcomm.worker.agent.output import EXIT_DRAIN_S, Console, RankOutput, log_paths, make_log_dir
+from sarcomm.worker.agent.rank_process import (
+    RankProcess,
+    command_problem,
+    kill_ranks,
+    launch_command,
+    process_state,
+    running,
+    wait_exits,
+)
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.progress import ProgressReader
 
@@ -89,7 +102,7 @@ class _Rank:
     address: str
     progress: ProgressReader
     output: RankOutput
-    proc: asyncio.subprocess.Process | None = None
+    proc: RankProcess | None = None
     returncode: int | None = None
     stale: bool = False
     #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
@@ -163,13 +176,15 @@ class Agent:
         """Join, run the ranks, restart up to ``max_restarts`` times after a failure.
 
         Raises:
-            InvalidArgumentError: ``--socket-name`` is not an interface of this host, or the
-                coordinator refused a field.
+            InvalidArgumentError: ``--socket-name`` is not an interface of this host, ``--log-dir``
+                cannot be created, or the coordinator refused a field.
             SarcommError: the coordinator refused or could not be reached (its subclasses).
         """
         config = self.config
         if config.socket_name:
             netinfo.check_socket_name(config.socket_name, host=self._host)
+        if config.log_dir is not None and config.tee.files:
+            make_log_dir(config.log_dir)
         generation = 0
         restarts = 0
         self._console = Console() if config.tee.console else None
@@ -251,24 +266,17 @@ class Agent:
             log.info("%s: rank %d left (%s); job is %s", label, r.rank, reason, state)
 
     async def _stop(self, ranks: Sequence[_Rank], signum: int, label: str) -> None:
-        """Send ``signum`` to the running ranks' process groups; SIGKILL those left after the grace."""
+        """Send ``signum`` to the running ranks' process groups; kill those left after the grace."""
         _signal_ranks(ranks, signum)
         # A stopped (SIGSTOP) rank only acts on the signal once continued.
         _signal_ranks(ranks, signal.SIGCONT)
-        waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks if r.running and r.proc is not None]
-        if not waits:
-            return
-        _, pending = await asyncio.wait(waits, timeout=self.config.stop_grace)
-        if pending:
-            stubborn = [r.rank for r in ranks if r.running]
+        if not await wait_exits(_processes(ranks).values(), self.config.stop_grace):
             log.warning(
-                "%s: rank(s) %s still running %g s after %s; sending SIGKILL",
-                label, stubborn, self.config.stop_grace, signal.Signals(signum).name,
+                "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
+                "process trees)",
+                label, running(_processes(ranks)), self.config.stop_grace, signal.Signals(signum).name,
             )  # fmt: skip
-            _signal_ranks(ranks, signal.SIGKILL)
-            await asyncio.wait(pending, timeout=10.0)
-            for task in pending:
-                task.cancel()
+            await kill_ranks(_processes(ranks), label)
 
 
 class _Run:
@@ -342,6 +350,8 @@ class _Run:
                 self.stop_task = asyncio.ensure_future(
                     self.agent._stop(self.ranks, action.signum, self.label)
                 )
+            elif isinstance(action, SignalRanks) and action.signum == signal.SIGKILL:
+                self.background.add(asyncio.ensure_future(kill_ranks(_processes(self.ranks), self.label)))
             elif isinstance(action, SignalRanks):
                 _signal_ranks(self.ranks, action.signum)
             elif isinstance(action, ShowTail):
@@ -363,31 +373,21 @@ class _Run:
                 env = rank_environment(
                     self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
                 )
-                problem = command_problem(config.command, env)
-                try:
-                    if problem is not None:
-                        raise OSError(problem)
-                    # Through the launcher: the rank's whole process tree ends with this agent.
-                    r.proc = await asyncio.create_subprocess_exec(
-                        *launch_command(config.command),
-                        env=env,
-                        start_new_session=True,
-                        stdout=asyncio.subprocess.PIPE,
-                        stderr=asyncio.subprocess.PIPE,
-                    )
-                except OSError as exc:
+                started = await self._start(r, env)
+                if isinstance(started, str):
                     r.returncode = 127  # never ran
-                    self.apply(SpawnFailed(r.index, f"could not start {shorten(config.command[0])}: {exc}"))
+                    self.apply(SpawnFailed(r.index, started))
                     break
+                r.proc = started
                 r.seen_running = time.time()
                 log.info(
                     "%s: started rank %d (process group %d): %s",
                     self.label,
                     r.rank,
-                    r.proc.pid,
+                    started.pid,
                     " ".join(config.command),
                 )
-                r.output.start(r.proc.stdout, r.proc.stderr)
+                r.output.start(started.stdout, started.stderr)
                 self.apply(RankStarted(r.index))
                 self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
 
@@ -412,7 +412,25 @@ class _Run:
         for r in self.ranks:
             r.progress.close()
             await r.output.close()
+            if r.proc is not None:
+                r.proc.close()
         return self.apply(Finished())
+
+    async def _start(self, r: _Rank, env: Mapping[str, str]) -> RankProcess | str:
+        """Start rank ``r``'s process (its output files first); or why it could not be."""
+        command = self.agent.config.command
+        try:
+            r.output.open_files()
+        except OSError as exc:
+            return f"could not open its output files: {exc}"
+        problem = command_problem(command, env)
+        try:
+            if problem is not None:
+                raise OSError(problem)
+            # Through the launcher: the rank's whole process tree ends with this agent.
+            return await RankProcess.start(launch_command(command), env)
+        except OSError as exc:
+            return f"could not start {shorten(command[0])}: {exc}"
 
     async def _show_tail(self, r: _Rank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
@@ -467,16 +485,24 @@ class _Run:
 
 
 async def _wait_exit(r: _Rank, happenings: asyncio.Queue[AgentEvent]) -> None:
+    """Report ``r``'s exit once its process exited and what it wrote is passed on, so that its
+    last lines come before the line about its exit; waits at most :data:`EXIT_DRAIN_S` for that."""
     if r.proc is not None:
-        happenings.put_nowait(RankExited(r.index, await r.proc.wait()))
+        returncode = await r.proc.wait()
+        await r.output.drained(EXIT_DRAIN_S)
+        happenings.put_nowait(RankExited(r.index, returncode))
 
 
 def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:
     """Signal each running rank's process group (the rank and the children it started)."""
     for r in ranks:
         if r.running and r.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(r.proc.pid, signum)
+            r.proc.signal_group(signum)
+
+
+def _processes(ranks: Sequence[_Rank]) -> dict[int, RankProcess]:
+    """The started ranks' processes, by global rank."""
+    return {r.rank: r.proc for r in ranks if r.proc is not None}
 
 
 @contextlib.contextmanager
