@@ -172,6 +172,28 @@ async def test_join_refuses_a_join_id_reused_after_a_restart_and_the_first_secre
         assert_first_world(second)
 
 
+async def test_join_still_answers_the_true_resend_after_a_restart_once_a_reused_id_was_refused(
+    state_backend: dict[str, Any],
+) -> None:
+    async with in_process_coordinator(FakeClock(), **state_backend) as first, stub(first) as raw:
+        answered = await raw.Join(join_request(), timeout=WAIT_S)
+    async with in_process_coordinator(FakeClock(monotonic=5.0), **state_backend) as second:
+        error = await refused(second, join_request("intruder"))
+        assert error.code() is grpc.StatusCode.ALREADY_EXISTS
+        # The answer to h1 was lost with the first coordinator: its resend gets its own members.
+        async with stub(second) as raw:
+            again = await raw.Join(join_request(join_timeout_seconds=30), timeout=WAIT_S)
+        assert [(a.rank, a.member_id) for a in again.assignments] == [
+            (a.rank, a.member_id) for a in answered.assignments
+        ]
+        assert await authenticated(second, again)
+        # Sent once more, the same answer (the same secrets); reused, still nothing.
+        async with stub(second) as raw:
+            assert await raw.Join(join_request(), timeout=WAIT_S) == again
+        assert (await refused(second, join_request("intruder"))).code() is grpc.StatusCode.ALREADY_EXISTS
+        assert await authenticated(second, again)
+
+
 @pytest.mark.parametrize("gives_up", ["cancelled", "timed out"])
 async def test_a_try_that_gives_up_leaves_its_members_to_the_resend_still_waiting(gives_up: str) -> None:
     # The client's first try waits on one connection; the client sends the same Join again on a
