@@ -114,16 +114,26 @@ class JoinIdentity:
             if then == now or (field.name in ("ranks", "local_ranks") and self.members != sent.members):
                 continue  # per-member lists differ anyway when the number of members does
             name = {"ranks": "members.rank", "local_ranks": "members.local_rank"}.get(field.name, field.name)
-            found.append(f"{name} {_shown(then)} then, {_shown(now)} now")
+            shown = _shown(then), _shown(now)
+            if shown[0] == shown[1]:  # interfaces that differ in kind or default route only
+                shown = _shown(then, detailed=True), _shown(now, detailed=True)
+            found.append(f"{name} {shown[0]} then, {shown[1]} now")
         return found
 
 
-def _shown(value: object) -> str:
+def _shown(value: object, detailed: bool = False) -> str:
     if isinstance(value, tuple) and value and isinstance(value[0], InterfaceInfo):
-        return shorten("; ".join(f"{i.name} {' '.join(i.addresses)}".strip() for i in value), 120)
+        return shorten("; ".join(_interface(i, detailed) for i in value), 120)
     if isinstance(value, tuple):
         return "[" + ", ".join("any" if v is None else str(v) for v in value) + "]"
     return shorten(value)
+
+
+def _interface(interface: InterfaceInfo, detailed: bool) -> str:
+    shown = " ".join([interface.name, *interface.addresses])
+    if detailed:
+        shown += f" {interface.kind.name.lower()}" + (" default route" if interface.default_route else "")
+    return shown
 
 
 @dataclass

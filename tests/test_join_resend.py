@@ -10,17 +10,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
 import pytest
 
+from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.coordinator.model import JobState
+from sarcomm.coordinator.rejoin import JoinIdentity
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.coordinator_fixture import FakeClock, InProcessCoordinator, in_process_coordinator
-from tests.helpers import LO_PB, wait_for_async
+from tests.helpers import LO_PB, spec, wait_for_async
 
 #: Bounds each wait for something the coordinator does at once.
 WAIT_S = 10.0
@@ -47,8 +50,8 @@ def join_request(
     join_timeout_seconds: float = 0.0,
 ) -> pb.JoinRequest:
     specs = [pb.MemberSpec(local_rank=i) for i in range(members)]
-    for spec, rank in zip(specs, ranks or (), strict=False):
-        spec.rank = rank
+    for member, rank in zip(specs, ranks or (), strict=False):
+        member.rank = rank
     return pb.JoinRequest(
         job=job,
         world_size=world_size,
@@ -127,6 +130,14 @@ async def test_join_refuses_a_join_id_reused_with_other_content_and_keeps_the_fi
         assert await authenticated(coord, first)
         assert_first_world(coord)
         assert coord.coordinator.membership.job("other") is None
+
+
+def test_join_identity_names_interfaces_that_differ_in_kind_or_default_route_only() -> None:
+    first = spec("h1", None)
+    sent = replace(first, interfaces=(InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.PHYSICAL, True),))
+    assert JoinIdentity.of_spec(first).differences(JoinIdentity.of_spec(sent)) == [
+        "interfaces 'lo 127.0.0.1 loopback' then, 'lo 127.0.0.1 physical default route' now"
+    ]
 
 
 async def test_join_names_every_difference_of_a_reused_join_id() -> None:
