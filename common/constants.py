@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "EXTRA_PORTS_VARIABLE",
     "INTERFACE_VARIABLES",
+    "JOIN_ANSWER_SLACK_S",
     "MAX_EXTRA_PORTS",
     "METRICS_HOST_VARIABLE",
     "METRICS_PORT_VARIABLE",
@@ -60,6 +61,11 @@ AGENT_PID_VARIABLE: Final = "SAR_AGENT_PID"
 DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_MISSES: Final = 3
 DEFAULT_JOIN_TIMEOUT: Final = 600.0
+#: Seconds a Join's client deadline runs past a join timeout the caller gave: the deadline is the
+#: caller's (reaching the coordinator counts against it), but a world that forms at the last
+#: moment must still be written and its answer sent, and so must the coordinator's word on why it
+#: did not form, which is why the coordinator stops waiting this long before the client's deadline.
+JOIN_ANSWER_SLACK_S: Final = 2.0
 
 
 class EventKind(enum.IntEnum):

@@ -17,13 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from tests.conftest import CoordinatorProcess
-from tests.helpers import SAR_WORKER, free_port, wait_for
+from tests.helpers import free_port, wait_for
 
 #: "Within seconds": the probe runs once a second while the channel fails; start-up included.
 SAY_S = 10.0
 #: How often a waiting join repeats itself (channel._STILL_TRYING_EVERY_S), with slack.
 REPEAT_S = 15.0
+#: What a sar-worker needs beyond its join deadline to start and to exit (a loaded machine).
+START_S = 5.0
 
 
 def _env() -> dict[str, str]:
@@ -50,12 +53,12 @@ def workers(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path
 
 
 def _worker(
-    coord: str, workers: list[tuple[subprocess.Popen[bytes], Path]], log: Path
+    coord: str, workers: list[tuple[subprocess.Popen[bytes], Path]], log: Path, join_timeout: float = 120
 ) -> tuple[subprocess.Popen[bytes], Path]:
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*SAR_WORKER, "--coord", coord, "--job", "addr",
-             "--world-size", "1", "--join-timeout", "120", "--", "true"],
+            [sys.executable, "-m", "sarcomm.worker.agent.cli", "--coord", coord, "--job", "addr",
+             "--world-size", "1", "--join-timeout", f"{join_timeout:g}", "--", "true"],
             stdout=out, stderr=subprocess.STDOUT, env=_env(),
         )  # fmt: skip
     workers.append((proc, log))
@@ -148,3 +151,47 @@ def test_sar_worker_pointed_at_the_http_port_fails_within_seconds_saying_it_is_n
     text = log.read_text()
     assert proc.returncode != 0, text
     assert f"{target} (not a gRPC server): {target} answers HTTP/1.1, not gRPC" in text, text
+
+
+@pytest.mark.parametrize(
+    ("where", "problem"),
+    [
+        ("closed port", "connection refused: nothing accepts connections on"),
+        (
+            "unresolvable name",
+            "name not resolved: the host name 'no-such-coordinator.invalid' does not resolve",
+        ),
+    ],
+)
+def test_sar_worker_gives_up_at_its_join_timeout_when_the_coordinator_cannot_be_reached(
+    workers: list[tuple[subprocess.Popen[bytes], Path]], tmp_path: Path, where: str, problem: str
+) -> None:
+    # --join-timeout is the user's deadline, reaching the coordinator included (it was 30 s more).
+    target = f"127.0.0.1:{free_port()}" if where == "closed port" else _unresolvable()
+    started = time.monotonic()
+    proc, log = _worker(target, workers, tmp_path / "worker.log", join_timeout=3)
+    deadline = 3 + JOIN_ANSWER_SLACK_S
+    try:
+        proc.wait(deadline + START_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"sar-worker --join-timeout 3 still runs after {deadline + START_S:g} s: {log.read_text()}"
+        )
+    took = time.monotonic() - started
+    text = log.read_text()
+    assert proc.returncode == 1, text
+    assert took >= 3, took
+    *said, last = text.splitlines()
+    # One line: what was wrong, found while it waited.
+    assert last.startswith(
+        f"sar-worker: error: job addr: The coordinator at {target} could not be reached within the "
+        f"{deadline:g} s deadline of Join: check the address and that sar-coordinator is running there. "
+        f"Found: {problem}"
+    ), text
+    # The warnings are as before: said at once, with what is left of the deadline.
+    assert any(
+        re.search(rf"Join: cannot reach the coordinator at {re.escape(target)} .*; still trying "
+                  rf"\(\d+ s so far, \d+ s left\)$", line)
+        for line in said
+    ), text  # fmt: skip
+    print(f"{where}: sar-worker --join-timeout 3 exited after {took:.1f} s")

@@ -10,6 +10,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, StartCoordinator, store_args
@@ -148,6 +150,23 @@ async def test_sd_lists_reported_metrics_endpoints_with_labels(
         {"job": "sd", "rank": str(i), "host": host_of_rank[i], "generation": "1"} for i in range(4)
     ]
     assert any(g["labels"]["job"] == "sar-coordinator" for g in groups)
+
+
+async def test_join_says_why_the_world_did_not_form_before_the_callers_deadline(
+    stub: pb_grpc.CoordinatorAsyncStub,
+) -> None:
+    # The coordinator (--join-timeout 60) stops waiting JOIN_ANSWER_SLACK_S before the call's own
+    # deadline: the caller hears what is missing, not its own bare "Deadline Exceeded".
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Join(join_request("a", 1, "deadline"), timeout=JOIN_ANSWER_SLACK_S + 2)
+    took = time.monotonic() - started
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    details = caught.value.details() or ""
+    assert details.startswith(
+        "join_timeout_seconds 60: job 'deadline' generation 1 did not form in time: 1 of 4 members joined"
+    ), details
+    assert 1.5 <= took < JOIN_ANSWER_SLACK_S + 2, took
 
 
 async def test_health_serving_and_reflection_lists_services(coordinator: CoordinatorProcess) -> None:

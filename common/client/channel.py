@@ -254,7 +254,7 @@ class CoordinatorChannel:
             if method == "Join":
                 return JoinTimeoutError(
                     f"The coordinator at {self.target} did not answer Join within the client deadline "
-                    f"of {deadline:g} s (join timeout plus {self.timeout:g} s to reach the coordinator)."
+                    f"of {deadline:g} s."
                 )
             return CoordinatorUnavailableError(
                 f"The coordinator at {self.target} did not answer {method} within {deadline:g} s."

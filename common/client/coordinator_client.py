@@ -32,7 +32,7 @@ import grpc.aio
 from sarcomm.common import netinfo
 from sarcomm.common.client.heartbeats import HeartbeatStream
 from sarcomm.common.client.replicas import ReplicaChannel, cancel_call
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT
+from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     InvalidArgumentError,
@@ -70,7 +70,8 @@ class CoordinatorClient(ReplicaChannel):
         token: bearer token sent as ``authorization: Bearer <token>`` on every call; None sends
             none.
         timeout: deadline in seconds for each call (default 30), including the time spent waiting
-            for a coordinator that is not up yet. ``join`` adds its join timeout on top.
+            for a coordinator that is not up yet. ``join`` has its own deadline
+            (:meth:`join_deadline`).
         tls: TLS settings (:class:`~sarcomm.common.tls.ClientTls`: the CA that signed the
             coordinator's certificate, and this client's certificate and key for mutual TLS);
             None (and no ``credentials``) makes a plaintext channel. When the coordinator
@@ -167,9 +168,9 @@ class CoordinatorClient(ReplicaChannel):
                 member here gets rank 0 (0: a port that is free now, see
                 :func:`sarcomm.common.netinfo.free_port`).
             generation: generation this host last belonged to (0 = none); a stale one is refused.
-            join_timeout: seconds to wait for the world to form; None uses the coordinator's
-                ``--join-timeout`` (assumed to be at most :data:`DEFAULT_JOIN_TIMEOUT` for the
-                client's deadline). The call's deadline is this plus ``timeout``.
+            join_timeout: seconds to wait for the world to form, reaching the coordinator included;
+                None uses the coordinator's ``--join-timeout``. The call's deadline is
+                :meth:`join_deadline`.
             backend: the torch.distributed backend the members will use (informational).
             max_restarts: how often this host restarts the job after a failure (informational:
                 ``status`` shows it beside the restart count).
@@ -230,7 +231,7 @@ class CoordinatorClient(ReplicaChannel):
 
         # The same on every try of this join: a retried Join gets the first one's answer.
         request.join_id = secrets.token_hex(16)
-        deadline = (join_timeout if join_timeout is not None else DEFAULT_JOIN_TIMEOUT) + self.timeout
+        deadline = self.join_deadline(join_timeout)
         started = time.monotonic()
         log.info(
             "job=%s ranks=%s generation=%d: joining at %s (world size %d, %d local member(s), deadline %g s)",
@@ -279,6 +280,16 @@ class CoordinatorClient(ReplicaChannel):
             result.master_addr, result.master_port, result.interface, result.address,
         )  # fmt: skip
         return result
+
+    def join_deadline(self, join_timeout: float | None) -> float:
+        """The deadline of a Join, in seconds. With a ``join_timeout`` it is the caller's: the join
+        timeout bounds everything, reaching the coordinator included, plus
+        :data:`JOIN_ANSWER_SLACK_S` for the coordinator's answer (the world, or why it did not form)
+        to arrive. Without one, the coordinator's ``--join-timeout`` decides, assumed to be at most
+        :data:`DEFAULT_JOIN_TIMEOUT`, plus ``timeout`` to reach a coordinator not up yet."""
+        if join_timeout is not None:
+            return join_timeout + JOIN_ANSWER_SLACK_S
+        return DEFAULT_JOIN_TIMEOUT + self.timeout
 
     # -- Heartbeat -------------------------------------------------------------------------------
 

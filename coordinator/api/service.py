@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     FailedPreconditionError,
@@ -29,7 +30,7 @@ from sarcomm.coordinator.api.views import event_message, failure_message, jobs_m
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
 from sarcomm.coordinator.domain.membership import Membership
-from sarcomm.coordinator.domain.model import EventKind, JobEvent, JobState, Progress, Ticket
+from sarcomm.coordinator.domain.model import EventKind, JobEvent, JobState, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -64,30 +65,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._config = config
         # Join calls waiting for their world now (see Limits.max_join_waiters).
         self._join_waiters = 0
-        # Joins by (job, join_id) while their generation is current: a retried Join (gRPC resends
-        # one answered UNAVAILABLE, e.g. while the state cannot be written) gets the same members,
-        # and so the same answer, instead of joining again into a generation it already filled.
-        self._tickets: dict[str, dict[str, Ticket]] = {}
-        # Dropped when the generation ends: they hold the job and its members' secrets.
-        membership.add_listener(self._forget_ended)
-
-    def _forget_ended(self, event: JobEvent) -> None:
-        if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
-            self._tickets.pop(event.job, None)
-
-    def _forget(self, key: tuple[str, str] | None) -> None:
-        if key is not None:
-            self._tickets.get(key[0], {}).pop(key[1], None)
-
-    def _retried(self, key: tuple[str, str] | None) -> Ticket | None:
-        """The ticket of an earlier try of this Join, while its generation is the job's current one."""
-        if key is None:
-            return None
-        ticket = self._tickets.get(key[0], {}).get(key[1])
-        if ticket is not None and self._membership.job(key[0]) is ticket.job and not ticket.job.state.ended:
-            return ticket
-        self._forget(key)
-        return None
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -99,35 +76,29 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
                 f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
             )
-        key = (spec.job, validation.join_id(request.join_id)) if request.join_id else None
-        ticket = self._retried(key)
-        if ticket is None and key is not None:
-            # Answered by the coordinator before a take-over or restart, but the answer was lost.
-            ticket = self._membership.reanswer(*key)
-            if ticket is not None:
-                self._tickets.setdefault(key[0], {})[key[1]] = ticket
-                log.info("%s: a resent Join (join_id %s) answered again", ticket.job.label, key[1])
-        if ticket is None:
-            ticket = self._membership.join(spec, key[1] if key is not None else "")
+        # A Join sent again (same join_id) waits on its first try's ticket (see rejoin).
+        ticket = self._membership.join(spec, validation.join_id(request.join_id) if request.join_id else "")
+        if not ticket.resent:
             self._metrics.joins.inc(len(spec.members))
-            if key is not None:
-                self._tickets.setdefault(key[0], {})[key[1]] = ticket
         job = ticket.job
         timeout = min(request.join_timeout_seconds or self._config.join_timeout, self._config.join_timeout)
+        left = context.time_remaining()
+        # The client's deadline is its join timeout plus JOIN_ANSWER_SLACK_S: the wait ends in time
+        # for the answer (why the world did not form) to reach it, even if the request came late.
+        wait = timeout if left is None else max(0.0, min(timeout, left - JOIN_ANSWER_SLACK_S))
         self._join_waiters += 1
         try:
-            await self._formed.wait(job, timeout)
+            await self._formed.wait(job, wait)
         except TimeoutError:
             missing = ranks.describe_missing(job)
             self._membership.abandon(ticket)
-            self._forget(key)
             raise JoinTimeoutError(
                 f"join_timeout_seconds {timeout:g}: {job.label} did not form in time: {missing}"
             ) from None
         except asyncio.CancelledError:
-            # The caller hung up or its own deadline passed: its members must not count any more.
+            # The caller hung up or its own deadline passed: its members must not count any more
+            # (unless a resend of the same Join still waits on them).
             self._membership.abandon(ticket)
-            self._forget(key)
             raise
         finally:
             self._join_waiters -= 1

@@ -101,6 +101,9 @@ class Membership:
         # or was only in the store. A few bytes a name.
         self._generations: dict[str, int] = {}
         self._stall_checked = float("-inf")
+        # The Joins sent with a join id, so that a resend gets its own members and nobody else's.
+        self._join_ids = rejoin.JoinIds(self._jobs.get, self._persist)
+        self._machine.add_listener(self._join_ids.forget_ended)
         self._restore(stored or StoredState())
 
     def jobs(self) -> list[Job]:
@@ -127,14 +130,19 @@ class Membership:
         """Add the members of ``spec`` to the job's forming world; form it if it is now complete.
 
         Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
-        is already RUNNING) and then reads the members' assignments from the ticket.
+        is already RUNNING) and then reads the members' assignments from the ticket. A Join sent
+        again (``join_id`` of an earlier try of it) gets that try's ticket, ``resent`` set, and
+        counts as one more call waiting on it (see :mod:`rejoin` for what a resend may change).
 
         Raises:
             FailedPreconditionError: the job is running, has another world size, is full, or the
                 request names a generation that is not the forming one.
-            AlreadyExistsError: a requested rank is taken.
+            AlreadyExistsError: a requested rank is taken, or ``join_id`` is another Join's.
             ResourceExhaustedError: the coordinator already holds ``max_jobs`` active jobs.
         """
+        resent = self._join_ids.resend(spec, join_id)
+        if resent is not None:
+            return resent
         # A fresh generation is built aside and adopted only once every check below has passed:
         # a refused join must leave the previous generation (and its members) exactly as it was.
         job = self._forming_job(spec)
@@ -186,16 +194,10 @@ class Membership:
             len(job.members),
             job.world_size,
         )
+        ticket = Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
+        self._join_ids.add(ticket)
         if plan is not None:
             self._form(job, plan)
-        return Ticket(job, tuple(ticket_members), tuple(ticket_secrets))
-
-    def reanswer(self, job_name: str, join_id: str) -> Ticket | None:
-        """The ticket of a Join answered before a restart or take-over, re-issued for a resend."""
-        job = self._jobs.get(job_name)
-        ticket = rejoin.reissue(job, join_id) if job is not None else None
-        if ticket is not None:
-            self._persist(ticket.job)
         return ticket
 
     def answered(self, ticket: Ticket, answered: bool = True) -> None:
@@ -203,8 +205,16 @@ class Membership:
         liveness.mark_answered(ticket.members, self._clock.monotonic(), answered)
 
     def abandon(self, ticket: Ticket) -> None:
-        """Withdraw a join whose caller gave up (deadline, cancel) before the world formed."""
+        """A call waiting on ``ticket`` gave up (deadline, cancel): withdraw its members if the world
+        has not formed and no other call (a resend of the same Join) still waits on them."""
         job = ticket.job
+        if not self._join_ids.release(ticket):
+            log.info(
+                "%s: a try of a Join from host %s gave up; a resend of it still waits",
+                job.label,
+                ticket.members[0].host,
+            )
+            return
         if job.state is not JobState.FORMING:
             return
         gone = {m.member_id for m in ticket.members}
@@ -477,6 +487,7 @@ class Membership:
             if job.state is JobState.FORMING:
                 continue
             self._jobs[job.name] = job
+            self._join_ids.restore(job)
             for member in job.members:
                 member.last_seen = now
                 if member.state is MemberState.RUNNING:

@@ -246,6 +246,8 @@ class Ticket:
     job: Job
     members: tuple[Member, ...]
     secrets: tuple[str, ...]
+    # Handed to a Join sent again (the same join id) rather than made for it: see :mod:`.rejoin`.
+    resent: bool = False
 
 
 def new_members(

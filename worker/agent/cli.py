@@ -175,7 +175,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "with it for SAR's sampling workers, given to the ranks as SAR_EXTRA_PORTS", default=0,
             metavar="K"),
     _Option("--join-timeout", _seconds, "a positive number of seconds", "seconds to wait for the "
-            "world to form (default: the coordinator's --join-timeout)", metavar="S"),
+            "world to form, reaching the coordinator included (default: the coordinator's "
+            "--join-timeout)", metavar="S"),
     _Option("--heartbeat-interval", _seconds, "a positive number of seconds", "seconds between "
             "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
     _Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",

@@ -38,7 +38,6 @@ from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.heartbeats import HeartbeatStream
 from sarcomm.common.constants import (
-    DEFAULT_JOIN_TIMEOUT,
     EXTRA_PORTS_VARIABLE,
     SOCKET_NAME_VARIABLE,
     EventKind,
@@ -139,9 +138,9 @@ class _Registration:
         #: The extra ports (extra_ports=K) this process holds while it is the job's master.
         self.ports = PortBlock([])
 
-    @property
-    def client_timeout(self) -> float:
-        return self._client.timeout
+    def join_deadline(self, join_timeout: float | None) -> float:
+        """The client's deadline of a Join (see ``CoordinatorClient.join_deadline``)."""
+        return self._client.join_deadline(join_timeout)
 
     @property
     def interval(self) -> float:
@@ -375,7 +374,7 @@ def register(
         registration.ports = PortBlock.reserve(extra_ports_count)
         try:
             result = registration.join(
-                (timeout or DEFAULT_JOIN_TIMEOUT) + registration.client_timeout,
+                registration.join_deadline(timeout),
                 job=job,
                 world_size=world_size,
                 nproc=1,

@@ -165,7 +165,10 @@ class JoinRequest(_message.Message):
     generation: _builtins.int
     """The generation this host expects to join (0 = whichever is forming). A stale one is refused."""
     join_timeout_seconds: _builtins.float
-    """How long to wait for the world to form, in seconds; 0 = the coordinator's --join-timeout."""
+    """How long to wait for the world to form, in seconds; 0 = the coordinator's --join-timeout
+    (also the most it waits). The wait ends 2 s before the call's deadline, so that the answer
+    (the world, or why it did not form) arrives within it.
+    """
     backend: _builtins.str
     """Backend the member will use ("gloo", "nccl", ...); informational."""
     max_restarts: _builtins.int
@@ -174,7 +177,10 @@ class JoinRequest(_message.Message):
     """
     join_id: _builtins.str
     """Chosen by the client once per join (the same on every retry of it): a Join the coordinator
-    has seen before gets the answer the first one would have had. Empty: no such guarantee.
+    has seen before gets the answer the first one would have had. A retry is the same request
+    (only join_timeout_seconds may differ): the coordinator compares job, host, world_size,
+    members and their ranks, store_port, socket_name and interfaces, and refuses a join_id sent
+    with other values with ALREADY_EXISTS. Empty: no such guarantee.
     """
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterface]: ...
