@@ -23,9 +23,9 @@ from sarcomm.common.messages import Assignment, JoinResult, MemberReport, Progre
 from sarcomm.worker.agent import cli
 from sarcomm.worker.agent.config import AgentConfig, omp_threads, rank_environment
 from sarcomm.worker.agent.decisions import exit_code_of, liveness_age, process_runs
+from sarcomm.worker.agent.local_rank import LocalRank
 from sarcomm.worker.agent.output import RankOutput
 from sarcomm.worker.agent.rank_process import process_state
-from sarcomm.worker.agent.supervisor import _Rank
 from sarcomm.worker.progress import ProgressReader, ProgressWriter
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import SAR_WORKER, free_port_run, stays_false, wait_for
@@ -458,7 +458,7 @@ def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatc
 
 def test_rank_report_carries_progress_and_the_age_of_the_ranks_last_sign_of_life(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
-    rank = _Rank(
+    rank = LocalRank(
         0, 0, "m0", "s0", "10.0.0.2", ProgressReader(path), RankOutput(0, 0, tag="", console=None, files=None)
     )
     # No record yet (a program without sarcomm's library): alive while its process is.

@@ -37,15 +37,13 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sarcomm.common import netinfo
-from sarcomm.common.addresses import host_port
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
-from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
+from sarcomm.common.messages import JoinResult, MemberReport, paced_interval
 from sarcomm.common.ports import PortBlock
 from sarcomm.worker.agent.config import AgentConfig, rank_environment
 from sarcomm.worker.agent.decisions import (
@@ -70,16 +68,14 @@ from sarcomm.worker.agent.decisions import (
     StopRequested,
     StreamBroke,
     decide,
-    liveness_age,
-    process_runs,
 )
+from sarcomm.worker.agent.local_rank import LocalRank, rank_processes, signal_ranks
 from sarcomm.worker.agent.output import EXIT_DRAIN_S, Console, RankOutput, log_paths, make_log_dir
 from sarcomm.worker.agent.rank_process import (
     RankProcess,
     command_problem,
     kill_ranks,
     launch_command,
-    process_state,
     running,
     wait_exits,
 )
@@ -89,69 +85,6 @@ from sarcomm.worker.progress import ProgressReader
 __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Rank:
-    index: int
-    rank: int
-    member_id: str
-    secret: str = field(repr=False)
-    #: Where this rank's /metrics endpoint is reachable: its address on its interface, or the
-    #: --metrics-host it listens on.
-    address: str
-    progress: ProgressReader
-    output: RankOutput
-    proc: RankProcess | None = None
-    returncode: int | None = None
-    stale: bool = False
-    #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
-    failed: bool = False
-    #: Unix time the kernel last said this rank's process runs (set when it starts).
-    seen_running: float = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.returncode is None
-
-    def report(self, now: float, stale_after: float, label: str = "") -> MemberReport:
-        """This rank's heartbeat report, with the age of its last sign of life (Unix time ``now``).
-
-        Signs of life (:func:`~sarcomm.worker.agent.decisions.liveness_age`): the alive stamp of
-        the rank's progress record, and the kernel's word that the rank's process runs (its state
-        in ``/proc``, read once per report). A rank that is stopped or dead stops both, its age
-        grows and the coordinator judges it by the interval x misses rule, counted from its last
-        sign. A rank whose Python is busy (the GIL held by a long C call) stops stamping but runs:
-        it stays alive, and once its stamp is older than ``stale_after`` the agent logs it. The
-        stamped progress is what tells the coordinator about stalls.
-        """
-        record = self.progress.read()
-        # The record names the process that stamps it (the rank itself, below its launcher).
-        pid = record.pid if record is not None and record.pid > 0 else self.proc.pid if self.proc else 0
-        state = process_state(pid) if pid > 0 else None
-        if pid <= 0 or process_runs(state):  # no process to ask: alive while the agent runs it
-            self.seen_running = now
-        age = liveness_age(now, record.stamp if record is not None else None, self.seen_running)
-        if record is None:
-            return MemberReport(self.member_id, self.secret, age=age)
-        # A stamp in the future vouches for an exiting rank (see services.EXIT_GRACE_S).
-        stamp_age = max(0.0, now - record.stamp)
-        if stamp_age > stale_after:
-            if not self.stale:
-                self.stale = True
-                log.warning(
-                    "%s: rank %d has not stamped its progress for %.1f s (last in %s #%d); its process "
-                    "is %s", label, self.rank, stamp_age, record.op or "no collective", record.seq,
-                    "running (busy: its Python does not get the GIL)" if process_runs(state)
-                    else f"not running (state {state or 'gone'})",
-                )  # fmt: skip
-        elif self.stale:
-            self.stale = False
-            log.info("%s: rank %d stamps its progress again", label, self.rank)
-        progress = Progress(record.seq, record.op, record.in_collective, record.since)
-        # The rank binds its metrics port itself (possibly any free one) and notes it in the record.
-        metrics_address = host_port(self.address, record.metrics_port) if record.metrics_port else ""
-        return MemberReport(self.member_id, self.secret, progress, metrics_address, age)
 
 
 class Agent:
@@ -254,7 +187,9 @@ class Agent:
         with tempfile.TemporaryDirectory(prefix=f"sar-worker-{joined.job}-") as progress_dir:
             return await _Run(self, client, joined, restarts, label, Path(progress_dir)).run()
 
-    async def _leave(self, client: CoordinatorClient, r: _Rank, code: int, reason: str, label: str) -> None:
+    async def _leave(
+        self, client: CoordinatorClient, r: LocalRank, code: int, reason: str, label: str
+    ) -> None:
         if r.failed and r.output.files is not None:
             # Where to read all of it: shown by `status` and in the failure line of every rank.
             reason = f"{reason}; log: {self._host}:{r.output.files[1]}"
@@ -265,18 +200,18 @@ class Agent:
         else:
             log.info("%s: rank %d left (%s); job is %s", label, r.rank, reason, state)
 
-    async def _stop(self, ranks: Sequence[_Rank], signum: int, label: str) -> None:
+    async def _stop(self, ranks: Sequence[LocalRank], signum: int, label: str) -> None:
         """Send ``signum`` to the running ranks' process groups; kill those left after the grace."""
-        _signal_ranks(ranks, signum)
+        signal_ranks(ranks, signum)
         # A stopped (SIGSTOP) rank only acts on the signal once continued.
-        _signal_ranks(ranks, signal.SIGCONT)
-        if not await wait_exits(_processes(ranks).values(), self.config.stop_grace):
+        signal_ranks(ranks, signal.SIGCONT)
+        if not await wait_exits(rank_processes(ranks).values(), self.config.stop_grace):
             log.warning(
                 "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
                 "process trees)",
-                label, running(_processes(ranks)), self.config.stop_grace, signal.Signals(signum).name,
+                label, running(rank_processes(ranks)), self.config.stop_grace, signal.Signals(signum).name,
             )  # fmt: skip
-            await kill_ranks(_processes(ranks), label)
+            await kill_ranks(rank_processes(ranks), label)
 
 
 class _Run:
@@ -296,7 +231,7 @@ class _Run:
         self.agent, self.client, self.joined, self.label = agent, client, joined, label
         self.restart_count = max(restarts, joined.restart_count)
         self.ranks = [
-            _Rank(
+            LocalRank(
                 index=i,
                 rank=a.rank,
                 member_id=a.member_id,
@@ -351,9 +286,9 @@ class _Run:
                     self.agent._stop(self.ranks, action.signum, self.label)
                 )
             elif isinstance(action, SignalRanks) and action.signum == signal.SIGKILL:
-                self.background.add(asyncio.ensure_future(kill_ranks(_processes(self.ranks), self.label)))
+                self.background.add(asyncio.ensure_future(kill_ranks(rank_processes(self.ranks), self.label)))
             elif isinstance(action, SignalRanks):
-                _signal_ranks(self.ranks, action.signum)
+                signal_ranks(self.ranks, action.signum)
             elif isinstance(action, ShowTail):
                 self.ranks[action.index].failed = True
                 self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[action.index])))
@@ -416,7 +351,7 @@ class _Run:
                 r.proc.close()
         return self.apply(Finished())
 
-    async def _start(self, r: _Rank, env: Mapping[str, str]) -> RankProcess | str:
+    async def _start(self, r: LocalRank, env: Mapping[str, str]) -> RankProcess | str:
         """Start rank ``r``'s process (its output files first); or why it could not be."""
         command = self.agent.config.command
         try:
@@ -432,7 +367,7 @@ class _Run:
         except OSError as exc:
             return f"could not start {shorten(command[0])}: {exc}"
 
-    async def _show_tail(self, r: _Rank) -> None:
+    async def _show_tail(self, r: LocalRank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
         await r.output.drained()
         stream, lines = r.output.tail()
@@ -484,25 +419,13 @@ class _Run:
             log.exception("%s: heartbeats stopped; ranks keep running", label)
 
 
-async def _wait_exit(r: _Rank, happenings: asyncio.Queue[AgentEvent]) -> None:
+async def _wait_exit(r: LocalRank, happenings: asyncio.Queue[AgentEvent]) -> None:
     """Report ``r``'s exit once its process exited and what it wrote is passed on, so that its
     last lines come before the line about its exit; waits at most :data:`EXIT_DRAIN_S` for that."""
     if r.proc is not None:
         returncode = await r.proc.wait()
         await r.output.drained(EXIT_DRAIN_S)
         happenings.put_nowait(RankExited(r.index, returncode))
-
-
-def _signal_ranks(ranks: Sequence[_Rank], signum: int) -> None:
-    """Signal each running rank's process group (the rank and the children it started)."""
-    for r in ranks:
-        if r.running and r.proc is not None:
-            r.proc.signal_group(signum)
-
-
-def _processes(ranks: Sequence[_Rank]) -> dict[int, RankProcess]:
-    """The started ranks' processes, by global rank."""
-    return {r.rank: r.proc for r in ranks if r.proc is not None}
 
 
 @contextlib.contextmanager
