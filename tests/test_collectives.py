@@ -684,6 +684,24 @@ def test_initialize_comms_needs_a_port_when_none_is_given(monkeypatch: pytest.Mo
     assert not dist.is_initialized()
 
 
+def _adopt_a_group_with_a_bad_master_port(rank: int, world_size: int) -> str:
+    # As if another library had made the group: initialize_comms takes its port from MASTER_PORT.
+    comm.STATE.master_port = 0
+    os.environ["MASTER_PORT"] = "port"
+    try:
+        comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo")
+    except InvalidArgumentError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_initialize_comms_names_a_bad_master_port_of_a_group_it_adopts() -> None:
+    # It raised a bare ValueError (int('port')) there, unlike the same variable for a new group.
+    assert run_gloo(1, _adopt_a_group_with_a_bad_master_port) == {
+        0: "MASTER_PORT='port' is not an integer port in 1..65535."
+    }
+
+
 def test_initialize_comms_rejects_bad_arguments_before_touching_the_network(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -51,6 +51,7 @@ from sarcomm.worker.launch_env.settings import (
     progress_settings,
     rank_identity,
     registration_settings,
+    required_master_port,
     socket_environment,
     socket_name_setting,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "progress_settings",
     "rank_identity",
     "registration_settings",
+    "required_master_port",
     "slurm_task",
     "socket_environment",
     "socket_name_setting",

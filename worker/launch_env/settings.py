@@ -71,6 +71,7 @@ __all__ = [
     "progress_settings",
     "rank_identity",
     "registration_settings",
+    "required_master_port",
     "socket_environment",
     "socket_name_setting",
 ]
@@ -322,6 +323,22 @@ def master_port_setting(environ: Mapping[str, str], master_port_number: int | No
         port, field = master_port_number, "master_port_number"
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise InvalidArgumentError(f"{field}={shorten(port)} is not an integer port in 1..65535.")
+    return port
+
+
+def required_master_port(environ: Mapping[str, str], master_port_number: int | None) -> int:
+    """The port a new process group meets on: :func:`master_port_setting`, which must give one.
+
+    Raises:
+        InvalidArgumentError: as :func:`master_port_setting`, or neither is given.
+    """
+    port = master_port_setting(environ, master_port_number)
+    if port is None:
+        raise InvalidArgumentError(
+            f"master_port_number is None and {MASTER_PORT_VARIABLE} is not set: pass master_port_number, "
+            "or start the process through sar-worker (or sar.init), which exports the port the "
+            "coordinator handed out."
+        )
     return port
 
 

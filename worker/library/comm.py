@@ -21,9 +21,11 @@ process group left alone) with these differences, each on purpose:
 - SAR's writes of ``MPI_COMM_WORLD``, ``OMPI_COMM_WORLD`` and similar variables are left out: no MPI
   implementation reads those names.
 
-The decisions (backend, device, routing, timeout, interface variables) are pure functions of their
-inputs, in :mod:`sarcomm.worker.library.backends`, so that they are unit-tested without GPUs or a process
-group.
+The decisions (backend, device, routing) are pure functions of their inputs, in
+:mod:`sarcomm.worker.library.backends`, so that they are unit-tested without GPUs or a process
+group; what the environment says (the timeouts, the master port, ``LOCAL_RANK``, the interface
+variables) is read by :mod:`sarcomm.worker.launch_env`, from the mapping :func:`initialize_comms`
+takes from ``process_environ()``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 import sarcomm.worker as _package
-from sarcomm.common.constants import MASTER_PORT_VARIABLE
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
 from sarcomm.worker.launch_env import (
     collective_timeout_setting,
@@ -50,6 +51,7 @@ from sarcomm.worker.launch_env import (
     master_port_setting,
     process_environ,
     rank_identity,
+    required_master_port,
     socket_environment,
 )
 from sarcomm.worker.library import metrics, registration, sar_keywords
@@ -234,14 +236,7 @@ def initialize_comms(
         owns_group = STATE.owns_group and STATE.initialized
     else:
         name = choose_backend(backend, probe)
-        given_port = master_port_setting(environ, master_port_number)
-        if given_port is None:
-            raise InvalidArgumentError(
-                f"master_port_number is None and {MASTER_PORT_VARIABLE} is not set: pass "
-                "master_port_number, or start the process through sar-worker (or sar.init), which "
-                "exports the port the coordinator handed out."
-            )
-        port = given_port
+        port = required_master_port(environ, master_port_number)
         if name == "ccl":
             _import_ccl()
         environ.update(master_environment(master_ip_address, port))
