@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_TIMEOUT_VARIABLE",
     "EXTRA_PORTS_VARIABLE",
     "GENERATION_VARIABLE",
+    "GLOO_INTERFACE_VARIABLE",
     "HEARTBEAT_INTERVAL_VARIABLE",
     "INTERFACE_VARIABLES",
     "JOB_VARIABLE",
@@ -87,9 +88,11 @@ OMP_THREADS_VARIABLE: Final = "OMP_NUM_THREADS"
 
 #: The interface a rank uses, as SAR documents it; the backends' own variables below get its value.
 SOCKET_NAME_VARIABLE: Final = "SAR_SOCKET_NAME"
+#: Gloo's interface variable (the one a rank's log line shows).
+GLOO_INTERFACE_VARIABLE: Final = "GLOO_SOCKET_IFNAME"
 #: The backends' own interface variables; every one gets the interface the coordinator chose.
 INTERFACE_VARIABLES: Final = (
-    "GLOO_SOCKET_IFNAME",
+    GLOO_INTERFACE_VARIABLE,
     "NCCL_SOCKET_IFNAME",
     "TP_SOCKET_IFNAME",
     "CCL_SOCKET_IFNAME",

@@ -27,6 +27,7 @@ from sarcomm.common.constants import (
     DEFAULT_HEARTBEAT_INTERVAL,
     EXIT_TIMEOUT_VARIABLE,
     GENERATION_VARIABLE,
+    GLOO_INTERFACE_VARIABLE,
     HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
     JOB_VARIABLE,
@@ -146,9 +147,9 @@ def socket_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def interface_setting(environ: Mapping[str, str]) -> str | None:
-    """The interface gloo is told (its ``GLOO_SOCKET_IFNAME``, the first interface variable), or
-    None when it is unset: then gloo chooses. For log lines."""
-    return environ.get(INTERFACE_VARIABLES[0])
+    """The interface gloo is told (``GLOO_SOCKET_IFNAME``), or None when it is unset: then gloo
+    chooses. For log lines."""
+    return environ.get(GLOO_INTERFACE_VARIABLE)
 
 
 def heartbeat_interval_setting(env: Mapping[str, str], value: float | None) -> float:
