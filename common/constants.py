@@ -1,5 +1,10 @@
 """Names and values both sides agree on, each defined once: backends, the environment a rank is
-given, the interface variables of the backends, event kinds and failure reasons."""
+given, the interface variables of the backends, event kinds and failure reasons.
+
+Every variable a rank is given, or a rank's library reads, is named here (the ``*_VARIABLE`` names;
+the launchers' own, ``OMPI_*``, ``PMI_*``, ``SLURM_*``, where they are parsed, in
+:mod:`sarcomm.worker.launch_env.launchers`). :mod:`sarcomm.worker.launch_env` is the one place that
+reads them; ``tests/test_env_reads.py`` holds both rules."""
 
 from __future__ import annotations
 
@@ -9,17 +14,39 @@ from typing import Final
 __all__ = [
     "AGENT_PID_VARIABLE",
     "BACKENDS",
+    "BACKEND_VARIABLE",
+    "COLLECTIVE_TIMEOUT_VARIABLE",
+    "COORD_VARIABLE",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
+    "EXIT_TIMEOUT_VARIABLE",
     "EXTRA_PORTS_VARIABLE",
+    "GENERATION_VARIABLE",
+    "GLOO_INTERFACE_VARIABLE",
+    "HEARTBEAT_INTERVAL_VARIABLE",
     "INTERFACE_VARIABLES",
+    "JOB_VARIABLE",
     "JOIN_ANSWER_SLACK_S",
+    "LOCAL_RANK_VARIABLE",
+    "LOCAL_WORLD_SIZE_VARIABLE",
+    "MASTER_ADDR_VARIABLE",
+    "MASTER_PORT_VARIABLE",
     "MAX_EXTRA_PORTS",
+    "MEMBER_ID_VARIABLE",
+    "MEMBER_SECRET_VARIABLE",
     "METRICS_HOST_VARIABLE",
     "METRICS_PORT_VARIABLE",
+    "OMP_THREADS_VARIABLE",
     "PROGRESS_FILE_VARIABLE",
+    "RANK_VARIABLE",
+    "RESTART_COUNT_VARIABLE",
     "SOCKET_NAME_VARIABLE",
+    "TLS_CA_VARIABLE",
+    "TLS_CERT_VARIABLE",
+    "TLS_KEY_VARIABLE",
+    "TOKEN_FILE_VARIABLE",
+    "WORLD_SIZE_VARIABLE",
     "EventKind",
     "FailureReason",
 ]
@@ -28,11 +55,45 @@ __all__ = [
 #: CUDA is there, else gloo). The wire also accepts "" for "not said".
 BACKENDS: Final = ("auto", "gloo", "nccl", "ccl", "mpi", "ucc")
 
+#: Who a rank is and where its world meets (the contract's variables, as torchrun names the first
+#: six): ``sar-worker`` gives them to each rank, a process that registers itself exports them.
+RANK_VARIABLE: Final = "RANK"
+WORLD_SIZE_VARIABLE: Final = "WORLD_SIZE"
+LOCAL_RANK_VARIABLE: Final = "LOCAL_RANK"
+LOCAL_WORLD_SIZE_VARIABLE: Final = "LOCAL_WORLD_SIZE"
+MASTER_ADDR_VARIABLE: Final = "MASTER_ADDR"
+MASTER_PORT_VARIABLE: Final = "MASTER_PORT"
+#: The coordinator's address (a comma-separated list of replicas), the job, the world's generation
+#: and the backend asked for ("auto" lets ``initialize_comms`` choose).
+COORD_VARIABLE: Final = "SAR_COORD"
+JOB_VARIABLE: Final = "SAR_JOB"
+GENERATION_VARIABLE: Final = "SAR_GENERATION"
+BACKEND_VARIABLE: Final = "SAR_BACKEND"
+#: The rank's identity at the coordinator, and how often its agent restarted the world.
+MEMBER_ID_VARIABLE: Final = "SAR_MEMBER_ID"
+MEMBER_SECRET_VARIABLE: Final = "SAR_MEMBER_SECRET"
+RESTART_COUNT_VARIABLE: Final = "SAR_RESTART_COUNT"
+#: Seconds a collective may block (the process group's timeout), and the exit hook may take.
+COLLECTIVE_TIMEOUT_VARIABLE: Final = "SAR_COLLECTIVE_TIMEOUT"
+EXIT_TIMEOUT_VARIABLE: Final = "SAR_EXIT_TIMEOUT"
+#: How often a rank stamps its progress record, and a self-registered process heartbeats (seconds).
+HEARTBEAT_INTERVAL_VARIABLE: Final = "SARCOMM_HEARTBEAT_INTERVAL"
+#: The client settings of ``sar-worker --token-file/--tls-ca/--tls-cert/--tls-key``, which a process
+#: that registers itself reads too.
+TOKEN_FILE_VARIABLE: Final = "SARCOMM_TOKEN_FILE"
+TLS_CA_VARIABLE: Final = "SARCOMM_TLS_CA"
+TLS_CERT_VARIABLE: Final = "SARCOMM_TLS_CERT"
+TLS_KEY_VARIABLE: Final = "SARCOMM_TLS_KEY"
+#: OpenMP's thread count: ``sar-worker`` shares the host's CPUs among its ranks unless it is set.
+OMP_THREADS_VARIABLE: Final = "OMP_NUM_THREADS"
+
 #: The interface a rank uses, as SAR documents it; the backends' own variables below get its value.
 SOCKET_NAME_VARIABLE: Final = "SAR_SOCKET_NAME"
+#: Gloo's interface variable (the one a rank's log line shows).
+GLOO_INTERFACE_VARIABLE: Final = "GLOO_SOCKET_IFNAME"
 #: The backends' own interface variables; every one gets the interface the coordinator chose.
 INTERFACE_VARIABLES: Final = (
-    "GLOO_SOCKET_IFNAME",
+    GLOO_INTERFACE_VARIABLE,
     "NCCL_SOCKET_IFNAME",
     "TP_SOCKET_IFNAME",
     "CCL_SOCKET_IFNAME",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import socket
 import ssl
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +24,6 @@ import grpc
 from sarcomm.common.errors import InvalidArgumentError
 
 __all__ = [
-    "ENV_CA",
-    "ENV_CERT",
-    "ENV_KEY",
     "ClientTls",
     "Diagnosis",
     "Rejection",
@@ -36,10 +32,6 @@ __all__ = [
     "server_credentials",
     "server_ssl_context",
 ]
-
-ENV_CA = "SARCOMM_TLS_CA"
-ENV_CERT = "SARCOMM_TLS_CERT"
-ENV_KEY = "SARCOMM_TLS_KEY"
 
 # What an HTTP/2 client sends first; a gRPC server that accepted the connection answers it with
 # its SETTINGS frame, one that rejected the client's certificate closes the connection instead.
@@ -177,14 +169,6 @@ class ClientTls:
         for field, path in (("--tls-ca", self.ca), ("--tls-cert", self.cert), ("--tls-key", self.key)):
             if path is not None:
                 _read(field, path)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> ClientTls | None:
-        """From ``SARCOMM_TLS_CA``, ``SARCOMM_TLS_CERT`` and ``SARCOMM_TLS_KEY``; None when none is set."""
-        ca, cert, key = (env.get(name) or None for name in (ENV_CA, ENV_CERT, ENV_KEY))
-        if ca is None and cert is None and key is None:
-            return None
-        return cls(*(Path(value) if value else None for value in (ca, cert, key)))
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

@@ -3,6 +3,10 @@
 The protocol is one datagram of ``KEY=VALUE`` lines to the Unix socket named by ``NOTIFY_SOCKET``
 (a path, or ``@name`` for an abstract socket); see sd_notify(3). Outside systemd the variable is
 unset and :func:`notify` does nothing, so the coordinator calls it unconditionally.
+
+``NOTIFY_SOCKET`` is read here, where the notice is sent, and not with the settings: it is
+systemd's variable, not a sarcomm setting (no flag, no ``SARCOMM_*`` name), set by the service
+manager for this one process, and nothing else reads it (``tests/test_env_reads.py`` lists it).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ No test asserts a timing.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import re
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
+from sarcomm.worker import launch_env
 from sarcomm.worker.library import backends, collectives, comm, metrics, sar_compat
 from sarcomm.worker.library.backends import BackendProbe
 from sarcomm.worker.library.collectives import model_sync, timing, torch_ops
@@ -639,19 +639,18 @@ def test_adopted_backend_reads_torch_mixed_backend_names() -> None:
     assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
 
 
-def _exit_seconds(environ: dict[str, str]) -> datetime.timedelta:
-    return datetime.timedelta(seconds=backends.exit_timeout(environ))
-
-
 @pytest.mark.parametrize(
     ("variable", "read", "default"),
-    [("SAR_COLLECTIVE_TIMEOUT", backends.collective_timeout, 300), ("SAR_EXIT_TIMEOUT", _exit_seconds, 30)],
+    [
+        ("SAR_COLLECTIVE_TIMEOUT", launch_env.collective_timeout_setting, 300),
+        ("SAR_EXIT_TIMEOUT", launch_env.exit_timeout_setting, 30),
+    ],
 )
 def test_timeouts_have_their_default_and_read_their_variable(
-    variable: str, read: Callable[[dict[str, str]], datetime.timedelta], default: int
+    variable: str, read: Callable[[dict[str, str]], float], default: int
 ) -> None:
-    assert read({}) == datetime.timedelta(seconds=default)
-    assert read({variable: "12.5"}) == datetime.timedelta(seconds=12.5)
+    assert read({}) == default
+    assert read({variable: "12.5"}) == 12.5
     for bad in ("abc", "0", "-3", "inf", "nan"):
         with pytest.raises(
             InvalidArgumentError,
@@ -662,9 +661,9 @@ def test_timeouts_have_their_default_and_read_their_variable(
 
 
 def test_socket_environment_fills_only_interface_variables_the_user_left_unset() -> None:
-    assert backends.socket_environment({}) == {}
+    assert launch_env.socket_environment({}) == {}
     env = {"SAR_SOCKET_NAME": "ib0", "NCCL_SOCKET_IFNAME": "eth7"}
-    assert backends.socket_environment(env) == {
+    assert launch_env.socket_environment(env) == {
         "GLOO_SOCKET_IFNAME": "ib0",
         "TP_SOCKET_IFNAME": "ib0",
         "CCL_SOCKET_IFNAME": "ib0",
@@ -683,6 +682,24 @@ def test_initialize_comms_needs_a_port_when_none_is_given(monkeypatch: pytest.Mo
     ):
         comm.initialize_comms(0, 2, "127.0.0.1", "gloo")
     assert not dist.is_initialized()
+
+
+def _adopt_a_group_with_a_bad_master_port(rank: int, world_size: int) -> str:
+    # As if another library had made the group: initialize_comms takes its port from MASTER_PORT.
+    comm.STATE.master_port = 0
+    os.environ["MASTER_PORT"] = "port"
+    try:
+        comm.initialize_comms(rank, world_size, "127.0.0.1", "gloo")
+    except InvalidArgumentError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_initialize_comms_names_a_bad_master_port_of_a_group_it_adopts() -> None:
+    # It raised a bare ValueError (int('port')) there, unlike the same variable for a new group.
+    assert run_gloo(1, _adopt_a_group_with_a_bad_master_port) == {
+        0: "MASTER_PORT='port' is not an integer port in 1..65535."
+    }
 
 
 def test_initialize_comms_rejects_bad_arguments_before_touching_the_network(

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.messages import Assignment, JoinResult
 from sarcomm.worker import launch_env
-from sarcomm.worker.launch_env import LaunchEnv, detect_launcher, parse_launch_env
+from sarcomm.worker.launch_env import LaunchEnv, RegistrationSettings, detect_launcher, parse_launch_env
 from sarcomm.worker.library import registration, startup
 from sarcomm.worker.library.startup import WorkerInfo
 from tests.conftest import CoordinatorProcess
@@ -289,6 +290,73 @@ def test_init_with_a_coordinator_needs_a_job_name(monkeypatch: pytest.MonkeyPatc
         startup.init(coord="127.0.0.1:1", world_size=2, initialize=False)
     with pytest.raises(InvalidArgumentError, match=r"needs the world size"):
         startup.init(coord="127.0.0.1:1", job="j", initialize=False)
+
+
+def test_init_judges_no_variable_it_does_not_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each setting is read when the call that needs it runs: without initialising, the timeouts of
+    # initialize_comms are not read, and without a progress file neither is the stamp interval.
+    _launch(
+        monkeypatch,
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "2",
+         "SAR_COLLECTIVE_TIMEOUT": "soon", "SAR_EXIT_TIMEOUT": "never"},
+    )  # fmt: skip
+    monkeypatch.setenv("SARCOMM_HEARTBEAT_INTERVAL", "often")
+    assert startup.init(initialize=False).rank == 0
+
+
+def test_registration_settings_let_arguments_win_without_reading_the_variables(tmp_path: Path) -> None:
+    env = {"SARCOMM_HEARTBEAT_INTERVAL": "often", "SARCOMM_TOKEN_FILE": str(tmp_path / "missing")}
+    assert launch_env.registration_settings(env, 2.0, "secret") == RegistrationSettings(
+        interval=2.0, socket_name="", metrics_host="0.0.0.0", tls=None, token="secret"
+    )
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^SARCOMM_HEARTBEAT_INTERVAL='often' must be a positive number of seconds\.$",
+    ):
+        launch_env.registration_settings(env, None, "secret")
+    with pytest.raises(
+        InvalidArgumentError, match=r"^SARCOMM_TOKEN_FILE '.*missing' must be a readable file: "
+    ):
+        launch_env.registration_settings(env, 2.0, None)
+    (tmp_path / "token").write_text("t0k\n")
+    env = {
+        "SARCOMM_TOKEN_FILE": str(tmp_path / "token"),
+        "SAR_SOCKET_NAME": " lo ",
+        "SAR_METRICS_HOST": "127.0.0.1",
+    }
+    assert launch_env.registration_settings(env, None, None) == RegistrationSettings(
+        interval=1.0, socket_name="lo", metrics_host="127.0.0.1", tls=None, token="t0k"
+    )
+
+
+def test_member_environment_is_what_the_launch_parser_reads_back() -> None:
+    member = Assignment(
+        rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="10.0.0.1", master_port=29500,
+        interface="eth1", address="10.0.0.2", generation=3, member_id="m1", secret="s1", job="j",
+        restart_count=0,
+    )  # fmt: skip
+    joined = JoinResult("j", 3, 4, "10.0.0.1", 29500, "eth1", "10.0.0.2", 2, (member,))
+    env = launch_env.member_environment(joined, 0, "h:1", restart_count=2)
+    assert env == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "SAR_COORD": "h:1", "SAR_JOB": "j",
+        "SAR_GENERATION": "3", "SAR_SOCKET_NAME": "eth1", "SAR_MEMBER_ID": "m1", "SAR_MEMBER_SECRET": "s1",
+        "SAR_RESTART_COUNT": "2",
+    }  # fmt: skip
+    assert parse_launch_env(env) == LaunchEnv(
+        "sar-worker", 3, 4, 1, 2, "10.0.0.1", 29500, generation=3, job="j", restart_count=2, coord="h:1"
+    )
+    extras = launch_env.member_environment(joined, 0, "h:1", 2, backend="gloo", extra_ports_count=2)
+    assert (extras["SAR_BACKEND"], extras["SAR_EXTRA_PORTS"]) == ("gloo", "29501,29502")
+    assert parse_launch_env(extras).backend == "gloo"
+
+
+def test_rank_identity_reads_what_is_written_and_never_fails() -> None:
+    identity = launch_env.rank_identity({"RANK": "x", "SAR_COORD": "", "SAR_GENERATION": "?"})
+    assert identity == launch_env.RankIdentity(
+        rank="x", job="", generation="?", coord=None, member_id=None, master_addr=None
+    )
+    assert (identity.rank_label, launch_env.rank_identity({}).rank_label) == ("x", "?")
 
 
 @pytest.mark.parametrize(

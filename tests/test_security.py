@@ -32,6 +32,7 @@ from sarcomm.common.tls import ClientTls
 from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+from sarcomm.worker.launch_env import client_tls_setting
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import LO, LO_PB, SAR_WORKER, wait_for_async
 from tests.tls_files import TlsFiles, make_tls_files
@@ -511,7 +512,8 @@ def test_sar_worker_reads_tls_from_flags_and_variables_and_the_flag_wins(tls_fil
     assert config.tls == ClientTls(tls_files.ca, tls_files.client_cert, tls_files.client_key)
     config, *_ = worker_cli.parse(base, {})
     assert config.tls is None
-    assert ClientTls.from_env(env) == ClientTls(
+    # A process that registers itself reads the same variables (sarcomm.worker.launch_env).
+    assert client_tls_setting(env) == ClientTls(
         tls_files.rogue_ca, tls_files.client_cert, tls_files.client_key
     )
-    assert ClientTls.from_env({}) is None
+    assert client_tls_setting({}) is None

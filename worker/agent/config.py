@@ -15,19 +15,19 @@ from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
-    EXTRA_PORTS_VARIABLE,
+    HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
     METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
+    OMP_THREADS_VARIABLE,
     PROGRESS_FILE_VARIABLE,
-    SOCKET_NAME_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.messages import JoinResult
-from sarcomm.common.ports import check_extra_ports, extra_ports
+from sarcomm.common.ports import check_extra_ports
 from sarcomm.common.tls import ClientTls
 from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
-from sarcomm.worker.launch_env import HEARTBEAT_INTERVAL_VARIABLE, metrics_host
+from sarcomm.worker.launch_env import member_environment, metrics_host
 
 __all__ = [
     "METRICS_ANY_PORT",
@@ -216,7 +216,9 @@ def rank_environment(
     restart_count: int,
     progress_file: Path | None = None,
 ) -> dict[str, str]:
-    """The environment of local rank ``index``: ``base`` plus the contract's variables.
+    """The environment of local rank ``index``: ``base`` plus the contract's variables
+    (:func:`~sarcomm.worker.launch_env.member_environment`, as a process that registers itself
+    exports them; ``SAR_BACKEND`` always).
 
     Besides the contract's variables: ``SAR_MEMBER_ID``/``SAR_MEMBER_SECRET`` (the rank's identity
     at the coordinator), ``SAR_RESTART_COUNT``, ``SAR_METRICS_PORT`` (see :func:`rank_metrics_port`),
@@ -231,33 +233,20 @@ def rank_environment(
     member = joined.assignments[index]
     env = dict(base)
     env.update(
+        member_environment(joined, index, config.coord, restart_count, config.backend, config.extra_ports)
+    )
+    env.update(
         {
-            "RANK": str(member.rank),
-            "WORLD_SIZE": str(joined.world_size),
-            "LOCAL_RANK": str(member.local_rank),
-            "LOCAL_WORLD_SIZE": str(member.local_world_size),
-            "MASTER_ADDR": joined.master_addr,
-            "MASTER_PORT": str(joined.master_port),
-            "SAR_COORD": config.coord,
-            "SAR_JOB": joined.job,
-            "SAR_GENERATION": str(joined.generation),
-            "SAR_BACKEND": config.backend,
-            SOCKET_NAME_VARIABLE: joined.interface,
-            "SAR_MEMBER_ID": member.member_id,
-            "SAR_MEMBER_SECRET": member.secret,
-            "SAR_RESTART_COUNT": str(restart_count),
             METRICS_PORT_VARIABLE: str(rank_metrics_port(config.metrics_port, member.local_rank)),
             HEARTBEAT_INTERVAL_VARIABLE: str(config.heartbeat_interval),
             AGENT_PID_VARIABLE: str(os.getpid()),
         }
     )
-    if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = str(omp_threads(config.node_ranks))
+    if not env.get(OMP_THREADS_VARIABLE):
+        env[OMP_THREADS_VARIABLE] = str(omp_threads(config.node_ranks))
     if progress_file is not None:
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
     if config.metrics_host:
         env[METRICS_HOST_VARIABLE] = config.metrics_host
-    if config.extra_ports:
-        env[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(joined.master_port, config.extra_ports)))
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})
     return env

@@ -1,55 +1,36 @@
 """The decisions of communication start-up, as pure functions of their inputs: which backend,
-which device, whether CPU tensors need a gloo side group, the process group timeout, the backends'
-interface variables, the master port and the local rank.
+which device, whether CPU tensors need a gloo side group, and the local rank when no launcher said.
 
 Pure so that they are unit-tested without GPUs or a process group: what the process can use is
-gathered once by :func:`probe_backends` and passed in as a :class:`BackendProbe`.
+gathered once by :func:`probe_backends` and passed in as a :class:`BackendProbe`. What the
+environment says (the timeouts, the master port, ``LOCAL_RANK``, the interface variables) is read
+by :mod:`sarcomm.worker.launch_env` and passed in.
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
 import torch
 import torch.distributed as dist
 
-from sarcomm.common.constants import BACKENDS, INTERFACE_VARIABLES
+from sarcomm.common.constants import BACKENDS
 from sarcomm.common.errors import InvalidArgumentError, shorten
-from sarcomm.worker.launch_env import socket_name_setting
 
 __all__ = [
     "CCL_MODULE",
-    "DEFAULT_COLLECTIVE_TIMEOUT_S",
-    "DEFAULT_EXIT_TIMEOUT_S",
-    "EXIT_TIMEOUT_VARIABLE",
-    "TIMEOUT_VARIABLE",
     "BackendProbe",
     "adopted_backend",
     "choose_backend",
     "choose_comm_device",
-    "collective_timeout",
-    "exit_timeout",
     "local_rank_from",
-    "master_port_from",
     "needs_cpu_side_group",
     "probe_backends",
-    "socket_environment",
     "uses_cpu_side_group",
 ]
 
-#: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
-DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 300.0
-TIMEOUT_VARIABLE: Final = "SAR_COLLECTIVE_TIMEOUT"
-#: Seconds the exit hook may take to end the process groups before it cuts the exit short, unless
-#: SAR_EXIT_TIMEOUT says. A clean end takes milliseconds; what can take longer is a collective still
-#: waiting for a silent peer, which the group's destructor waits for (see sarcomm.worker.library.teardown).
-DEFAULT_EXIT_TIMEOUT_S: Final = 30.0
-EXIT_TIMEOUT_VARIABLE: Final = "SAR_EXIT_TIMEOUT"
 #: The oneCCL bindings' module: importing it registers the "ccl" backend with torch.distributed.
 CCL_MODULE: Final = "oneccl_bindings_for_pytorch"
 
@@ -166,78 +147,12 @@ def uses_cpu_side_group(tensor_is_cpu: bool, has_side_group: bool) -> bool:
     return has_side_group and tensor_is_cpu
 
 
-def collective_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
-    """The process group timeout: ``SAR_COLLECTIVE_TIMEOUT`` seconds from ``environ``, else
-    :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it is a
-    finite number greater than 0."""
-    return datetime.timedelta(seconds=_seconds(environ, TIMEOUT_VARIABLE, DEFAULT_COLLECTIVE_TIMEOUT_S))
-
-
-def exit_timeout(environ: Mapping[str, str]) -> float:
-    """Seconds the exit hook may take to end the process groups: ``SAR_EXIT_TIMEOUT`` from
-    ``environ``, else :data:`DEFAULT_EXIT_TIMEOUT_S`. Raises :class:`InvalidArgumentError` unless it
-    is a finite number greater than 0."""
-    return _seconds(environ, EXIT_TIMEOUT_VARIABLE, DEFAULT_EXIT_TIMEOUT_S)
-
-
-def _seconds(environ: Mapping[str, str], variable: str, default: float) -> float:
-    raw = environ.get(variable)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidArgumentError(
-            f"{variable}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
-            "greater than 0."
-        )
-    return seconds
-
-
-def socket_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The interface variables to set: each of :data:`~sarcomm.common.constants.INTERFACE_VARIABLES`
-    that ``environ`` lacks, set to ``SAR_SOCKET_NAME``; nothing when ``SAR_SOCKET_NAME`` is unset or
-    empty (see :func:`~sarcomm.worker.launch_env.socket_name_setting`)."""
-    name = socket_name_setting(environ)
-    if not name:
-        return {}
-    return {var: name for var in INTERFACE_VARIABLES if not environ.get(var)}
-
-
-def master_port_from(master_port_number: int | None, environ: Mapping[str, str]) -> int:
-    if master_port_number is None:
-        raw = environ.get("MASTER_PORT")
-        if raw is None or raw.strip() == "":
-            raise InvalidArgumentError(
-                "master_port_number is None and MASTER_PORT is not set: pass master_port_number, or "
-                "start the process through sar-worker (or sar.init), which exports the port the "
-                "coordinator handed out."
-            )
-        try:
-            port = int(raw)
-        except ValueError as exc:
-            raise InvalidArgumentError(
-                f"MASTER_PORT={shorten(raw)} is not an integer port in 1..65535."
-            ) from exc
-        field = "MASTER_PORT"
-    else:
-        port, field = master_port_number, "master_port_number"
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise InvalidArgumentError(f"{field}={shorten(port)} is not an integer port in 1..65535.")
-    return port
-
-
-def local_rank_from(rank_: int, probe: BackendProbe, environ: Mapping[str, str]) -> int:
-    raw = environ.get("LOCAL_RANK")
-    if raw is None or raw.strip() == "":
-        # Without a launcher, assume ranks fill each host's devices in order.
+def local_rank_from(rank_: int, probe: BackendProbe, local_rank: int | None) -> int:
+    """The local rank: ``local_rank`` (``LOCAL_RANK``) when a launcher said; without one, ranks are
+    taken to fill each host's devices in order (``rank_`` modulo the device count)."""
+    if local_rank is None:
         return rank_ % max(probe.cuda_device_count, 1)
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"LOCAL_RANK={shorten(raw)} is not a non-negative integer.") from exc
+    return local_rank
 
 
 def adopted_backend(

@@ -21,17 +21,19 @@ process group left alone) with these differences, each on purpose:
 - SAR's writes of ``MPI_COMM_WORLD``, ``OMPI_COMM_WORLD`` and similar variables are left out: no MPI
   implementation reads those names.
 
-The decisions (backend, device, routing, timeout, interface variables) are pure functions of their
-inputs, in :mod:`sarcomm.worker.library.backends`, so that they are unit-tested without GPUs or a process
-group.
+The decisions (backend, device, routing) are pure functions of their inputs, in
+:mod:`sarcomm.worker.library.backends`, so that they are unit-tested without GPUs or a process
+group; what the environment says (the timeouts, the master port, ``LOCAL_RANK``, the interface
+variables) is read by :mod:`sarcomm.worker.launch_env`, from the mapping :func:`initialize_comms`
+takes from ``process_environ()``.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import importlib
 import logging
-import os
 import threading
 from typing import Any, Final, cast
 
@@ -40,19 +42,27 @@ import torch.distributed as dist
 
 import sarcomm.worker as _package
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError, shorten
+from sarcomm.worker.launch_env import (
+    collective_timeout_setting,
+    exit_timeout_setting,
+    interface_setting,
+    local_rank_setting,
+    master_environment,
+    master_port_setting,
+    process_environ,
+    rank_identity,
+    required_master_port,
+    socket_environment,
+)
 from sarcomm.worker.library import metrics, registration, sar_keywords
 from sarcomm.worker.library.backends import (
     CCL_MODULE,
     adopted_backend,
     choose_backend,
     choose_comm_device,
-    collective_timeout,
-    exit_timeout,
     local_rank_from,
-    master_port_from,
     needs_cpu_side_group,
     probe_backends,
-    socket_environment,
 )
 from sarcomm.worker.library.services import start_rank_services
 from sarcomm.worker.library.teardown import ExitDeadline, end_groups, shutdown_sockets, socket_inodes
@@ -201,14 +211,15 @@ def initialize_comms(
         raise InvalidArgumentError(
             f"master_ip_address={shorten(master_ip_address)} must be a non-empty host name or IP address."
         )
-    environ = os.environ
+    environ = process_environ()
     probe = probe_backends()
-    timeout = collective_timeout(environ)
-    exit_seconds = exit_timeout(environ)
-    job, generation = environ.get("SAR_JOB", ""), environ.get("SAR_GENERATION", "")
+    timeout = datetime.timedelta(seconds=collective_timeout_setting(environ))
+    exit_seconds = exit_timeout_setting(environ)
+    identity = rank_identity(environ)
+    job, generation = identity.job, identity.generation
 
     if dist.is_initialized():
-        port = STATE.master_port or int(environ.get("MASTER_PORT", "0") or 0)
+        port = STATE.master_port or master_port_setting(environ, None) or 0
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
             raise InvalidArgumentError(
                 f"rank {rank} of world size {world_size} does not match the process group that is "
@@ -225,26 +236,27 @@ def initialize_comms(
         owns_group = STATE.owns_group and STATE.initialized
     else:
         name = choose_backend(backend, probe)
-        port = master_port_from(master_port_number, environ)
+        port = required_master_port(environ, master_port_number)
         if name == "ccl":
             _import_ccl()
-        environ["MASTER_ADDR"] = master_ip_address
-        environ["MASTER_PORT"] = str(port)
+        environ.update(master_environment(master_ip_address, port))
         environ.update(socket_environment(environ))
         owns_group = True
         group_carries_cpu = not needs_cpu_side_group(name)
 
-    device = choose_comm_device(name, comm_device, local_rank_from(rank, probe, environ), probe)
+    local_rank = local_rank_from(rank, probe, local_rank_setting(environ))
+    device = choose_comm_device(name, comm_device, local_rank, probe)
     if device.type == "cuda":
         # Collectives without an explicit device (barrier, object collectives) use the current one.
         torch.cuda.set_device(device)
     sockets_before = socket_inodes() if not dist.is_initialized() else None
     if not dist.is_initialized():
+        interface = interface_setting(environ)
         log.info(
             "job %s rank %s generation %s: initialising %s process group of %s ranks via %s:%s "
             "(timeout %.0f s, interface %s)",
             job, rank, generation, name, world_size, master_ip_address, port,
-            timeout.total_seconds(), environ.get("GLOO_SOCKET_IFNAME", "backend default"),
+            timeout.total_seconds(), "backend default" if interface is None else interface,
         )  # fmt: skip
         dist.init_process_group(
             backend=name, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
@@ -340,7 +352,7 @@ def _destroy_at_exit() -> None:
     def destroy() -> None:
         if not STATE.initialized:
             return
-        label = f"job {os.environ.get('SAR_JOB', '')} rank {STATE.rank}"
+        label = f"job {rank_identity(process_environ()).job} rank {STATE.rank}"
         with ExitDeadline(STATE.exit_timeout, STATE.backend_sockets, label):
             try:
                 destroy_comms()

@@ -37,20 +37,16 @@ from sarcomm.common import netinfo
 from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.heartbeats import HeartbeatStream
-from sarcomm.common.constants import (
-    EXTRA_PORTS_VARIABLE,
-    SOCKET_NAME_VARIABLE,
-    EventKind,
-)
+from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
-from sarcomm.common.ports import PortBlock, check_extra_ports, extra_ports
-from sarcomm.common.tls import ClientTls, read_token_file
+from sarcomm.common.ports import PortBlock, check_extra_ports
+from sarcomm.common.tls import ClientTls
 from sarcomm.worker.launch_env import (
-    heartbeat_interval_setting,
-    metrics_host_setting,
+    member_environment,
     metrics_report_host,
-    socket_name_setting,
+    process_environ,
+    registration_settings,
 )
 from sarcomm.worker.library.services import install_progress
 from sarcomm.worker.progress import ProgressWriter
@@ -353,24 +349,20 @@ def register(
     global _registration
     coord = ",".join(parse_targets(coord))
     check_extra_ports(extra_ports_count, "extra_ports")
-    interval = heartbeat_interval_setting(environ, heartbeat_interval)
-    socket_name = socket_name_setting(environ)
-    metrics_host = metrics_host_setting(environ)
-    if socket_name:
+    # The agent's settings, for processes that register themselves: SARCOMM_TOKEN_FILE and
+    # SARCOMM_TLS_CA/_CERT/_KEY mean here what they mean to sar-worker.
+    settings = registration_settings(environ, heartbeat_interval, token)
+    interval = settings.interval
+    if settings.socket_name:
         # Checked here so a typo is reported on the host that made it, with the names that exist.
-        netinfo.check_socket_name(socket_name)
+        netinfo.check_socket_name(settings.socket_name)
     with _registration_lock:
         if _registration is not None:
             raise SarcommError(
                 "This process already registered with a coordinator (coord_ip_init or init(coord=...) "
                 "ran before); a process is one member."
             )
-        # The agent's settings, for processes that register themselves: SARCOMM_TOKEN_FILE and
-        # SARCOMM_TLS_CA/_CERT/_KEY mean here what they mean to sar-worker.
-        tls = ClientTls.from_env(environ)
-        if token is None and environ.get("SARCOMM_TOKEN_FILE"):
-            token = read_token_file(environ["SARCOMM_TOKEN_FILE"], "SARCOMM_TOKEN_FILE")
-        registration = _Registration(coord, token, interval, tls)
+        registration = _Registration(coord, settings.token, interval, settings.tls)
         registration.ports = PortBlock.reserve(extra_ports_count)
         try:
             result = registration.join(
@@ -381,7 +373,7 @@ def register(
                 ranks=None if rank is None else [rank],
                 local_ranks=[local_rank],
                 local_world_size=local_world_size,
-                socket_name=socket_name,
+                socket_name=settings.socket_name,
                 store_port=registration.ports.store_port,
                 join_timeout=timeout,
                 backend="" if backend == "auto" else backend,
@@ -392,30 +384,14 @@ def register(
         # The store port is released now so that rank 0's TCPStore (this process, in
         # initialize_comms) can bind it; the extra ports stay held while this process is the master.
         registration.ports.keep_if_master(result.master_port)
-        registration.start_heartbeats(result, install_progress(None, interval), metrics_host)
+        registration.start_heartbeats(result, install_progress(None, interval), settings.metrics_host)
         _registration = registration
     member = result.assignments[0]
     environ.update(
-        {
-            "RANK": str(member.rank),
-            "WORLD_SIZE": str(result.world_size),
-            "LOCAL_RANK": str(member.local_rank),
-            "LOCAL_WORLD_SIZE": str(member.local_world_size),
-            "MASTER_ADDR": result.master_addr,
-            "MASTER_PORT": str(result.master_port),
-            "SAR_COORD": coord,
-            "SAR_JOB": result.job,
-            "SAR_GENERATION": str(result.generation),
-            SOCKET_NAME_VARIABLE: result.interface,
-            "SAR_MEMBER_ID": member.member_id,
-            "SAR_MEMBER_SECRET": member.secret,
-            "SAR_RESTART_COUNT": str(result.restart_count),
-        }
+        member_environment(
+            result, 0, coord, result.restart_count, None if backend == "auto" else backend, extra_ports_count
+        )
     )
-    if backend != "auto":
-        environ["SAR_BACKEND"] = backend
-    if extra_ports_count:
-        environ[EXTRA_PORTS_VARIABLE] = ",".join(map(str, extra_ports(result.master_port, extra_ports_count)))
     log.info(
         "job=%s rank=%d generation=%d: registered at %s; master %s:%d, interface %s",
         result.job, member.rank, result.generation, coord, result.master_addr, result.master_port,
@@ -475,7 +451,7 @@ def coord_ip_init(
         timeout=timeout,
         token=token,
         heartbeat_interval=heartbeat_interval,
-        environ=os.environ,
+        environ=process_environ(),
         extra_ports_count=extra_ports,
     )
     return result.master_addr

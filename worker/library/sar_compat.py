@@ -16,13 +16,13 @@ with.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Final
 
 import torch
 import torch.distributed as dist
 
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, shorten
+from sarcomm.worker.launch_env import process_environ, rank_identity
 from sarcomm.worker.library import comm
 from sarcomm.worker.library.collectives.timing import raise_not_ready, route, timed_call
 
@@ -126,9 +126,9 @@ def nfs_ip_init(_rank: int, ip_file: str) -> str:
 
     Raises :class:`InvalidArgumentError` when ``_rank`` is not this member's rank.
     """
-    environ = os.environ
-    master, member, rank_text = environ.get("MASTER_ADDR"), environ.get("SAR_MEMBER_ID"), environ.get("RANK")
-    if master and member:
+    identity = rank_identity(process_environ())
+    master, rank_text = identity.master_addr, identity.rank
+    if master and identity.member_id:
         if rank_text is not None and rank_text.strip() != str(_rank):
             raise InvalidArgumentError(
                 f"nfs_ip_init(_rank={shorten(_rank)}, ...) but this process is rank {rank_text} of its job "
@@ -137,7 +137,7 @@ def nfs_ip_init(_rank: int, ip_file: str) -> str:
         log.warning(
             "rank %s: nfs_ip_init(%r) ignores its file: this process is a member of job %s already, "
             "so it returns the master address handed out (%s); call coord_ip_init instead",
-            _rank, ip_file, environ.get("SAR_JOB", "?"), master,
+            _rank, ip_file, identity.job or "?", master,
         )  # fmt: skip
         return master
     raise FailedPreconditionError(

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from sarcomm.common.constants import PROGRESS_FILE_VARIABLE
 from sarcomm.worker.launch_env import (
-    agent_pid_setting,
-    heartbeat_interval_setting,
     metrics_host_setting,
     metrics_port_setting,
+    process_environ,
+    progress_settings,
+    rank_identity,
 )
 from sarcomm.worker.library import metrics
 from sarcomm.worker.progress import ProgressWriter
@@ -49,14 +49,16 @@ EXIT_GRACE_S = 60.0
 _progress: ProgressWriter | None = None
 
 
-def install_progress(path: Path | None, interval: float, agent_pid: int | None = None) -> ProgressWriter:
+def install_progress(
+    path: Path | None, interval: float, agent_pid: int | None = None, rank_label: str = "?"
+) -> ProgressWriter:
     """Note every collective's progress in a :class:`ProgressWriter` (once per process).
 
     With ``path`` (under ``sar-worker``) a daemon thread stamps the shared record every
     ``interval`` seconds: a rank blocked inside a collective still stamps, a stopped or wedged one
     does not, which is how its agent tells them apart. The same thread stops this rank (SIGTERM to
-    itself) once the agent ``agent_pid`` is gone. Without ``path`` the record stays in this
-    process, read by its own heartbeats.
+    itself) once the agent ``agent_pid`` is gone, saying so with ``rank_label``. Without ``path``
+    the record stays in this process, read by its own heartbeats.
     """
     global _progress
     if _progress is not None:
@@ -76,7 +78,7 @@ def install_progress(path: Path | None, interval: float, agent_pid: int | None =
                 if agent_pid is not None and not _alive(agent_pid):
                     log.error(
                         "rank %s: its sar-worker (pid %d) is gone, so nobody watches it or tells it of "
-                        "failures; stopping", os.environ.get("RANK", "?"), agent_pid,
+                        "failures; stopping", rank_label, agent_pid,
                     )  # fmt: skip
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
@@ -132,15 +134,14 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
     a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
     """
-    env = os.environ if environ is None else environ
+    env = process_environ() if environ is None else environ
     writer = _progress
-    progress_file = env.get(PROGRESS_FILE_VARIABLE)
     # A self-registered process has its (in-memory) writer already: this makes the shared one.
-    if writer is None and progress_file:
-        writer = install_progress(
-            Path(progress_file), heartbeat_interval_setting(env, None), agent_pid_setting(env)
-        )
-    port = metrics_port_setting(env, member=bool(env.get("SAR_MEMBER_ID")))
+    progress = progress_settings(env) if writer is None else None
+    if progress is not None:
+        writer = install_progress(progress.path, progress.interval, progress.agent_pid, progress.rank_label)
+    identity = rank_identity(env)
+    port = metrics_port_setting(env, member=bool(identity.member_id))
     if port is None:
         return
     host = metrics_host_setting(env)
@@ -151,7 +152,7 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
         except OSError as exc:
             log.error(
                 "rank %s: cannot serve /metrics on %s port %d (%s); continuing without the endpoint",
-                env.get("RANK", "?"), host, port, exc,
+                identity.rank_label, host, port, exc,
             )  # fmt: skip
             return
     if writer is not None:

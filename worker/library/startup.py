@@ -16,19 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from sarcomm.common.constants import BACKENDS, PROGRESS_FILE_VARIABLE
-from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.constants import (
+    BACKENDS,
+    JOB_VARIABLE,
+    MASTER_ADDR_VARIABLE,
+    MASTER_PORT_VARIABLE,
+    WORLD_SIZE_VARIABLE,
+)
+from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import Assignment
 from sarcomm.worker.launch_env import (
     LaunchEnv,
-    agent_pid_setting,
+    backend_setting,
     detect_launcher,
-    heartbeat_interval_setting,
     parse_launch_env,
+    process_environ,
+    progress_settings,
+    rank_identity,
 )
 from sarcomm.worker.library import comm
 from sarcomm.worker.library.registration import register
@@ -99,30 +105,27 @@ def init(
             value and the rule), or a needed one is missing.
         the errors of :func:`~sarcomm.worker.library.registration.coord_ip_init` when registering.
     """
-    env = os.environ
+    env = process_environ()
     launcher = detect_launcher(env)
+    identity = rank_identity(env)
     if backend is not None and backend not in BACKENDS:
         raise InvalidArgumentError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}.")
-    coord = coord or (env.get("SAR_COORD") if "RANK" not in env else None) or None
-    if launcher == "sar-worker" and "SAR_MEMBER_ID" in env:
+    coord = coord or (identity.coord if identity.rank is None else None)
+    if launcher == "sar-worker" and identity.member_id is not None:
         coord = None  # the agent registered this rank already; joining again would double it
 
     if coord is not None:
         launch = parse_launch_env(env) if launcher is not None else None
-        job = job or env.get("SAR_JOB") or ""
+        job = job or identity.job
         if not job:
-            raise InvalidArgumentError("init(coord=...) needs a job name: pass job= or set SAR_JOB.")
+            raise InvalidArgumentError(f"init(coord=...) needs a job name: pass job= or set {JOB_VARIABLE}.")
         if world_size is None:
             if launch is None:
                 raise InvalidArgumentError(
-                    "init(coord=...) needs the world size: pass world_size= or set WORLD_SIZE."
+                    f"init(coord=...) needs the world size: pass world_size= or set {WORLD_SIZE_VARIABLE}."
                 )
             world_size = launch.world_size
-        chosen_backend = backend or env.get("SAR_BACKEND") or "auto"
-        if chosen_backend not in BACKENDS:
-            raise InvalidArgumentError(
-                f"SAR_BACKEND={shorten(chosen_backend)} must be one of {', '.join(BACKENDS)}."
-            )
+        chosen_backend = backend or backend_setting(env) or "auto"
         result = register(
             coord,
             job=job,
@@ -141,31 +144,30 @@ def init(
     else:
         launch = parse_launch_env(env)
         if launch.master_addr is None or launch.master_port is None:
-            missing = " and ".join(
-                v for v, val in (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port))
-                if val is None
-            )  # fmt: skip
+            given = ((MASTER_ADDR_VARIABLE, launch.master_addr), (MASTER_PORT_VARIABLE, launch.master_port))
+            missing = " and ".join(name for name, value in given if value is None)
             raise InvalidArgumentError(
-                f"{missing} not set (launcher: {launch.launcher}): set MASTER_ADDR and MASTER_PORT to "
-                "rank 0's host and a free port there, or pass coord= to let the coordinator hand them out."
+                f"{missing} not set (launcher: {launch.launcher}): set {MASTER_ADDR_VARIABLE} and "
+                f"{MASTER_PORT_VARIABLE} to rank 0's host and a free port there, or pass coord= to let "
+                "the coordinator hand them out."
             )
         if job is not None and launch.job and job != launch.job:
             raise InvalidArgumentError(
-                f"job={job!r} does not match SAR_JOB={launch.job!r} set by the launcher."
+                f"job={job!r} does not match {JOB_VARIABLE}={launch.job!r} set by the launcher."
             )
         if world_size is not None and world_size != launch.world_size:
             raise InvalidArgumentError(
-                f"world_size={world_size!r} does not match WORLD_SIZE={launch.world_size} set by the "
-                f"launcher ({launch.launcher})."
+                f"world_size={world_size!r} does not match {WORLD_SIZE_VARIABLE}={launch.world_size} set "
+                f"by the launcher ({launch.launcher})."
             )
         info = _worker_info(launch, backend or launch.backend or "auto")
 
-    progress_file = env.get(PROGRESS_FILE_VARIABLE)
-    if coord is None and progress_file:
+    progress = progress_settings(env) if coord is None else None
+    if progress is not None:
         # Under sar-worker: keep the record its agent reads, so that it reports this rank's
         # progress and notices when the rank is stopped or wedged. Started before the rendezvous,
         # which can take long, so that the agent sees the rank alive meanwhile.
-        install_progress(Path(progress_file), heartbeat_interval_setting(env, None), agent_pid_setting(env))
+        install_progress(progress.path, progress.interval, progress.agent_pid, progress.rank_label)
     if not initialize:
         start_rank_services(env)  # initialize_comms does it otherwise
     else:

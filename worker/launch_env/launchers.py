@@ -1,46 +1,44 @@
-"""What a rank's environment says, as pure functions of a mapping: the launcher's variables
-(``sar-worker``, torchrun, Open MPI, MPICH/PMI, Slurm) and the ``SAR_*``/``SARCOMM_*`` settings a
-rank reads. Each validates its value; messages name the variable, the value and the rule.
+"""Who started this process, and as which rank: the launchers' variables (``sar-worker``,
+torchrun, Open MPI, MPICH/PMI, Slurm) as pure functions of a mapping. Each validates its value;
+messages name the variable, the value and the rule.
 
-Imports neither torch nor the coordinator client: the agent side may use it.
+The launchers' own variables (``OMPI_*``, ``PMI_*``, ``SLURM_*``, ``TORCHELASTIC_RUN_ID``) are
+named here, where they are parsed and nowhere else; the contract's are in
+:mod:`sarcomm.common.constants`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
 
 from sarcomm.common.constants import (
-    AGENT_PID_VARIABLE,
+    BACKEND_VARIABLE,
     BACKENDS,
-    DEFAULT_HEARTBEAT_INTERVAL,
-    METRICS_HOST_VARIABLE,
-    METRICS_PORT_VARIABLE,
-    SOCKET_NAME_VARIABLE,
+    COORD_VARIABLE,
+    GENERATION_VARIABLE,
+    JOB_VARIABLE,
+    LOCAL_RANK_VARIABLE,
+    LOCAL_WORLD_SIZE_VARIABLE,
+    MASTER_ADDR_VARIABLE,
+    MASTER_PORT_VARIABLE,
+    MEMBER_ID_VARIABLE,
+    RANK_VARIABLE,
+    RESTART_COUNT_VARIABLE,
+    WORLD_SIZE_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
-    "HEARTBEAT_INTERVAL_VARIABLE",
     "LaunchEnv",
     "SlurmTask",
-    "agent_pid_setting",
+    "check_backend",
     "detect_launcher",
-    "heartbeat_interval_setting",
-    "metrics_host",
-    "metrics_host_setting",
-    "metrics_port_setting",
-    "metrics_report_host",
+    "parse_int",
     "parse_launch_env",
     "slurm_task",
-    "socket_name_setting",
 ]
-
-#: How often a rank stamps its progress record, and a self-registered process heartbeats (seconds).
-HEARTBEAT_INTERVAL_VARIABLE = "SARCOMM_HEARTBEAT_INTERVAL"
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class LaunchEnv:
 
 # (launcher, rank, world size, local rank, local world size) variable names, in detection order.
 _LAUNCHERS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("env", RANK_VARIABLE, WORLD_SIZE_VARIABLE, LOCAL_RANK_VARIABLE, LOCAL_WORLD_SIZE_VARIABLE),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
@@ -84,10 +82,10 @@ def detect_launcher(env: Mapping[str, str]) -> str | None:
     TORCHELASTIC_RUN_ID is, else "env"), then Open MPI, MPICH/PMI and Slurm, in that order: a
     launcher run inside another (torchrun inside an ``srun`` step) sets the inner variables.
     """
-    if "RANK" in env:
-        if "SAR_JOB" in env or "SAR_MEMBER_ID" in env:
+    if RANK_VARIABLE in env:
+        if JOB_VARIABLE in env or MEMBER_ID_VARIABLE in env:
             return "sar-worker"
-        if "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env:
+        if "TORCHELASTIC_RUN_ID" in env or LOCAL_RANK_VARIABLE in env:
             return "torchrun"
         return "env"
     for launcher, rank_var, *_ in _LAUNCHERS[1:]:
@@ -96,7 +94,9 @@ def detect_launcher(env: Mapping[str, str]) -> str | None:
     return None
 
 
-def _parse_int(env: Mapping[str, str], var: str, low: int, high: int | None, rule: str) -> int:
+def parse_int(env: Mapping[str, str], var: str, low: int, high: int | None, rule: str) -> int:
+    """``env[var]`` as an integer in ``low..high`` (``high`` None: no upper bound); else raises
+    :class:`InvalidArgumentError` ``VAR='text' must be RULE.``"""
     text = env[var]
     try:
         value = int(text.strip())
@@ -121,7 +121,7 @@ def _slurm_local_size(env: Mapping[str, str], var: str = "SLURM_TASKS_PER_NODE")
                 f"{var}={shorten(spec)} must be a list like '2(x3),1' (tasks per node)."
             )
         counts += [int(match.group(1))] * int(match.group(2) or 1)
-    index = _parse_int(
+    index = parse_int(
         env, "SLURM_NODEID", 0, len(counts) - 1,
         f"an integer in 0..{len(counts) - 1} ({var} lists {len(counts)} node(s))",
     )  # fmt: skip
@@ -140,7 +140,7 @@ def _parse_local(
     local_size: int | None = None
     size_source = local_size_var
     if local_size_var in env:
-        local_size = _parse_int(
+        local_size = parse_int(
             env, local_size_var, 1, world_size, f"an integer in 1..{size_var} ({size_var}={world_size})"
         )
     elif launcher == "slurm":
@@ -158,7 +158,7 @@ def _parse_local(
             f"{local_size_var} is not set although {local_rank_var} is; set both "
             "(torchrun and sar-worker do)."
         )
-    local_rank = _parse_int(
+    local_rank = parse_int(
         env, local_rank_var, 0, local_size - 1,
         f"an integer in 0..{local_size_var}-1 ({local_size_var}={local_size})",
     )  # fmt: skip
@@ -193,27 +193,29 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     _, rank_var, size_var, local_rank_var, local_size_var = names
     if size_var not in env:
         raise InvalidArgumentError(f"{size_var} is not set although {rank_var} is; a launcher sets both.")
-    world_size = _parse_int(env, size_var, 1, None, "an integer >= 1")
-    rank = _parse_int(
+    world_size = parse_int(env, size_var, 1, None, "an integer >= 1")
+    rank = parse_int(
         env, rank_var, 0, world_size - 1, f"an integer in 0..{size_var}-1 ({size_var}={world_size})"
     )
     local_rank, local_size = _parse_local(env, launcher, size_var, world_size, local_rank_var, local_size_var)
-    master_addr = env.get("MASTER_ADDR")
+    master_addr = env.get(MASTER_ADDR_VARIABLE)
     if master_addr is not None and not master_addr.strip():
-        raise InvalidArgumentError("MASTER_ADDR='' must be the host name or address of rank 0.")
+        raise InvalidArgumentError(f"{MASTER_ADDR_VARIABLE}='' must be the host name or address of rank 0.")
     master_port = (
-        _parse_int(env, "MASTER_PORT", 1, 65535, "an integer in 1..65535 (a TCP port)")
-        if "MASTER_PORT" in env
+        parse_int(env, MASTER_PORT_VARIABLE, 1, 65535, "an integer in 1..65535 (a TCP port)")
+        if MASTER_PORT_VARIABLE in env
         else None
     )
-    backend = env.get("SAR_BACKEND")
-    if backend is not None and backend not in BACKENDS:
-        raise InvalidArgumentError(f"SAR_BACKEND={shorten(backend)} must be one of {', '.join(BACKENDS)}.")
+    backend = env.get(BACKEND_VARIABLE)
+    if backend is not None:
+        check_backend(backend)
     generation = (
-        _parse_int(env, "SAR_GENERATION", 0, None, "an integer >= 0") if "SAR_GENERATION" in env else 0
+        parse_int(env, GENERATION_VARIABLE, 0, None, "an integer >= 0") if GENERATION_VARIABLE in env else 0
     )
     restarts = (
-        _parse_int(env, "SAR_RESTART_COUNT", 0, None, "an integer >= 0") if "SAR_RESTART_COUNT" in env else 0
+        parse_int(env, RESTART_COUNT_VARIABLE, 0, None, "an integer >= 0")
+        if RESTART_COUNT_VARIABLE in env
+        else 0
     )
     return LaunchEnv(
         launcher=launcher,
@@ -225,113 +227,20 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
         master_port=master_port,
         backend=backend,
         generation=generation,
-        job=env.get("SAR_JOB", ""),
+        job=env.get(JOB_VARIABLE, ""),
         restart_count=restarts,
-        coord=env.get("SAR_COORD") or None,
+        coord=env.get(COORD_VARIABLE) or None,
     )
 
 
-# -- settings a rank reads -------------------------------------------------------------------------
-
-
-def socket_name_setting(environ: Mapping[str, str]) -> str:
-    """``SAR_SOCKET_NAME`` without surrounding blanks; "" when it is unset or empty (then the
-    coordinator chooses the interface, and the backends keep their own defaults until it has)."""
-    return environ.get(SOCKET_NAME_VARIABLE, "").strip()
-
-
-def heartbeat_interval_setting(env: Mapping[str, str], value: float | None) -> float:
-    """Seconds between heartbeats and progress stamps: ``value`` when given, else
-    ``SARCOMM_HEARTBEAT_INTERVAL``, else the coordinator's default (1 s).
-
-    Raises:
-        InvalidArgumentError: the one in force is not a positive number of seconds.
-    """
-    if value is None:
-        text = env.get(HEARTBEAT_INTERVAL_VARIABLE)
-        if text is None:
-            return DEFAULT_HEARTBEAT_INTERVAL
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not value > 0:
-            raise InvalidArgumentError(
-                f"{HEARTBEAT_INTERVAL_VARIABLE}={shorten(text)} must be a positive number of seconds."
-            )
-    if not value > 0:
-        raise InvalidArgumentError(f"heartbeat_interval={value!r} must be a positive number of seconds.")
-    return value
-
-
-def agent_pid_setting(env: Mapping[str, str]) -> int | None:
-    """``SAR_AGENT_PID`` as a pid, or None (unset, or not a positive integer: then not watched)."""
-    text = env.get(AGENT_PID_VARIABLE, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None:
-    """The port this rank serves ``/metrics`` on (0: any free port), or None for no endpoint.
-
-    ``SAR_METRICS_PORT`` decides when set (``sar-worker`` always sets it): a port, 0 or -1 (none).
-    Unset, a process that is a member at a coordinator (``member``) serves on any free port, so
-    that ``/sd`` lists it; any other process serves none (a plain torchrun job opts in with the
-    variable). Raises :class:`InvalidArgumentError` for a value that is not an integer in -1..65535.
-    """
-    raw = environ.get(METRICS_PORT_VARIABLE, "").strip()
-    if not raw:
-        return 0 if member else None
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -2
-    if not -1 <= port <= 65535:
+def check_backend(text: str) -> str:
+    """``text``, the value of ``SAR_BACKEND``, when it is one of :data:`BACKENDS`; else raises
+    :class:`InvalidArgumentError` ``SAR_BACKEND='x' must be one of auto, gloo, ...``."""
+    if text not in BACKENDS:
         raise InvalidArgumentError(
-            f"{METRICS_PORT_VARIABLE}={shorten(raw)} must be an integer in -1..65535 "
-            "(0: any free port, -1: no metrics endpoint)."
+            f"{BACKEND_VARIABLE}={shorten(text)} must be one of {', '.join(BACKENDS)}."
         )
-    return None if port == -1 else port
-
-
-#: Where a rank's ``/metrics`` endpoint listens unless told: every IPv4 interface.
-ALL_INTERFACES: Final = "0.0.0.0"
-
-
-def metrics_host(text: str, source: str) -> str:
-    """``text`` (the value of ``source``, a flag or variable) as the address to serve ``/metrics``
-    on: an IP address, written as Python's ``ipaddress`` writes it; "" means every interface.
-
-    Only an IP address: the coordinator lists a rank's endpoint in ``/sd`` only on an address of
-    the rank's own host (or the wildcard), and a host name would have to be resolved first.
-    Raises :class:`InvalidArgumentError` naming ``source`` otherwise.
-    """
-    text = text.strip()
-    if not text:
-        return ""
-    try:
-        return str(ipaddress.ip_address(text))
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{source}={shorten(text)} must be an IP address of this host to serve /metrics on "
-            f"(e.g. 127.0.0.1; {ALL_INTERFACES} or unset: every interface)."
-        ) from None
-
-
-def metrics_host_setting(environ: Mapping[str, str]) -> str:
-    """The address this rank serves ``/metrics`` on: ``SAR_METRICS_HOST`` (``sar-worker
-    --metrics-host`` sets it), else every interface (``0.0.0.0``). Raises
-    :class:`InvalidArgumentError` for a value that is not an IP address."""
-    return metrics_host(environ.get(METRICS_HOST_VARIABLE, ""), METRICS_HOST_VARIABLE) or ALL_INTERFACES
-
-
-def metrics_report_host(bind_host: str, member_address: str) -> str:
-    """The address to report to the coordinator for an endpoint bound on ``bind_host``: the
-    member's own address when it listens on every interface ("" or a wildcard, reachable there),
-    else ``bind_host`` itself, where it really listens (an address of the member's host, which the
-    coordinator accepts and lists in ``/sd``)."""
-    if not bind_host or ipaddress.ip_address(bind_host).is_unspecified:
-        return member_address
-    return bind_host
+    return text
 
 
 @dataclass(frozen=True)
@@ -371,12 +280,12 @@ class SlurmTask:
 
     @property
     def tasks(self) -> int:
-        return _parse_int(self.env, self.tasks_variable, 1, None, "an integer >= 1")
+        return parse_int(self.env, self.tasks_variable, 1, None, "an integer >= 1")
 
     @property
     def procid(self) -> int:
         tasks, var = self.tasks, self.tasks_variable
-        return _parse_int(
+        return parse_int(
             self.env, "SLURM_PROCID", 0, tasks - 1, f"an integer in 0..{tasks - 1} ({var}={tasks})"
         )
 
@@ -395,7 +304,7 @@ class SlurmTask:
             return 0
         node_tasks = self.node_tasks
         rule = f"an integer in 0..{node_tasks - 1} (this node runs {node_tasks} task(s) of the step)"
-        return _parse_int(self.env, "SLURM_LOCALID", 0, node_tasks - 1, rule)
+        return parse_int(self.env, "SLURM_LOCALID", 0, node_tasks - 1, rule)
 
 
 def slurm_task(env: Mapping[str, str]) -> SlurmTask | None:
