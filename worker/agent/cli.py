@@ -26,13 +26,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import parse_targets, validate_target
 from sarcomm.common.constants import BACKENDS, MAX_EXTRA_PORTS, SOCKET_NAME_VARIABLE
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.flags import Option, add_options, integer, nonempty, resolve_all, seconds
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.agent import bench
 from sarcomm.worker.agent.config import AgentConfig
@@ -84,27 +84,11 @@ def _builtin_subcommands() -> None:
 # -- flags ---------------------------------------------------------------------------------------
 
 
-def _integer(low: int, high: int | None = None) -> tuple[Callable[[str], int], str]:
-    def convert(text: str) -> int:
-        value = int(text.strip())
-        if value < low or (high is not None and value > high):
-            raise ValueError
-        return value
-
-    return convert, f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError
-    return value
-
-
 def _target(text: str) -> str:
     """One coordinator address, or a comma-separated list of replicas (given back without the
     spaces around its items). A single address's error is the option's rule, as it always was; a
-    list's names the item (an :class:`InvalidArgumentError`, which :func:`_resolve` passes on)."""
+    list's names the item (an :class:`InvalidArgumentError`, which
+    :func:`~sarcomm.common.flags.resolve` passes on)."""
     if "," in text:
         return ",".join(parse_targets(text))
     try:
@@ -126,75 +110,49 @@ def _ip_or_empty(text: str) -> str:
         raise ValueError from exc
 
 
-def _nonempty(text: str) -> str:
-    if not text.strip():
-        raise ValueError
-    return text.strip()
-
-
-@dataclass(frozen=True)
-class _Option:
-    flag: str
-    convert: Callable[[str], Any]
-    rule: str
-    help: str
-    default: Any = None
-    metavar: str | None = None
-    required: bool = False
-    also_env: tuple[str, ...] = ()
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return "SARCOMM_" + self.dest.upper()
-
-
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("--coord", _target, "HOST:PORT with a port in 1..65535",
+_OPTIONS: tuple[Option, ...] = (
+    Option("--coord", _target, "HOST:PORT with a port in 1..65535",
             "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
             required=True),
-    _Option("--job", _nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
-    _Option("--world-size", *_integer(1), "ranks in the whole job", metavar="N", required=True),
-    _Option("--rank", *_integer(0), "global rank of local rank 0 (default: the coordinator deals "
+    Option("--job", nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
+    Option("--world-size", *integer(1), "ranks in the whole job", metavar="N", required=True),
+    Option("--rank", *integer(0), "global rank of local rank 0 (default: the coordinator deals "
             "contiguous ranks per host)", metavar="R"),
-    _Option("--nproc-per-node", *_integer(1), "local ranks to run", default=1, metavar="K"),
-    _Option("--backend", _backend, f"one of {', '.join(BACKENDS)}", "torch.distributed backend",
+    Option("--nproc-per-node", *integer(1), "local ranks to run", default=1, metavar="K"),
+    Option("--backend", _backend, f"one of {', '.join(BACKENDS)}", "torch.distributed backend",
             default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
-    _Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
+    Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
             "the coordinator chooses)", default="", metavar="IFACE", also_env=(SOCKET_NAME_VARIABLE,)),
-    _Option("--max-restarts", *_integer(0), "times to rejoin and restart after a failure", default=0,
+    Option("--max-restarts", *integer(0), "times to rejoin and restart after a failure", default=0,
             metavar="M"),
-    _Option("--metrics-port", *_integer(-1, 65535), "where the ranks serve /metrics: local rank i "
+    Option("--metrics-port", *integer(-1, 65535), "where the ranks serve /metrics: local rank i "
             "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
-    _Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
+    Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
             "/metrics on, e.g. 127.0.0.1 (default: every interface)", default="", metavar="HOST"),
-    _Option("--extra-ports", *_integer(0, MAX_EXTRA_PORTS), "ports after the master port to reserve "
+    Option("--extra-ports", *integer(0, MAX_EXTRA_PORTS), "ports after the master port to reserve "
             "with it for SAR's sampling workers, given to the ranks as SAR_EXTRA_PORTS", default=0,
             metavar="K"),
-    _Option("--join-timeout", _seconds, "a positive number of seconds", "seconds to wait for the "
+    Option("--join-timeout", seconds, "a positive number of seconds", "seconds to wait for the "
             "world to form, reaching the coordinator included (default: the coordinator's "
             "--join-timeout)", metavar="S"),
-    _Option("--heartbeat-interval", _seconds, "a positive number of seconds", "seconds between "
+    Option("--heartbeat-interval", seconds, "a positive number of seconds", "seconds between "
             "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
-    _Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
+    Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
             metavar="PATH"),
     # TLS to the coordinator; any of the three turns it on. The names mirror the coordinator's:
     # --tls-cert/--tls-key are this program's own certificate and key (for --tls-client-ca).
-    _Option("--tls-ca", Path, "a path", "PEM CA bundle that signed the coordinator's certificate "
+    Option("--tls-ca", Path, "a path", "PEM CA bundle that signed the coordinator's certificate "
             "(default with --tls-cert: the system's roots)", metavar="PATH"),
-    _Option("--tls-cert", Path, "a path", "this host's PEM certificate, for a coordinator that "
+    Option("--tls-cert", Path, "a path", "this host's PEM certificate, for a coordinator that "
             "requires one (--tls-client-ca)", metavar="PATH"),
-    _Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
-    _Option("--output-tag", str, "text with {rank} and {local_rank}", "what each console line of a "
+    Option("--tls-key", Path, "a path", "PEM private key of --tls-cert", metavar="PATH"),
+    Option("--output-tag", str, "text with {rank} and {local_rank}", "what each console line of a "
             "rank starts with; '' for none", default=DEFAULT_OUTPUT_TAG, metavar="TAG"),
-    _Option("--log-dir", check_log_dir, "a folder", "also write each rank's stdout and stderr to "
+    Option("--log-dir", check_log_dir, "a folder", "also write each rank's stdout and stderr to "
             "DIR/JOB/GENERATION/rank-R.stdout and .stderr", metavar="DIR"),
-    _Option("--tee", Tee, "console, files or both", "where the ranks' output goes (default: both with "
+    Option("--tee", Tee, "console, files or both", "where the ranks' output goes (default: both with "
             "--log-dir, else console)", metavar="{console,files,both}"),
-    _Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "log level", default="INFO"),
+    Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "log level", default="INFO"),
 )  # fmt: skip
 
 
@@ -207,52 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Put the command after '--': sar-worker --coord head:50051 --job gnn --world-size 8 "
         "--nproc-per-node 4 -- python train.py",
     )
-    for option in _OPTIONS:
-        more = f" or {', '.join(option.also_env)}" if option.also_env else ""
-        default = "" if option.default in (None, "") else f"; default {option.default}"
-        parser.add_argument(
-            option.flag,
-            dest=option.dest,
-            metavar=option.metavar,
-            help=f"{option.help} (env {option.env}{more}{default})",
-        )
+    add_options(parser, _OPTIONS)
     _builtin_subcommands()
     if _SUBCOMMANDS:
         commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
         for command in _SUBCOMMANDS.values():
             command.add_arguments(commands.add_parser(command.name, help=command.help))
     return parser
-
-
-def _resolve(
-    option: _Option,
-    given: str | None,
-    env: Mapping[str, str],
-    launcher: Mapping[str, Callable[[], tuple[str, str]]],
-) -> Any:
-    """The option's value: flag, then its variables, then what the launcher says (``launcher``:
-    dest -> a function giving (source, text), e.g. Slurm's, called only when no flag or variable
-    gives the value: a launcher's variable that one replaces is never read), then the default;
-    converted and checked."""
-    if given is not None:
-        source, text = option.flag, given
-    else:
-        found = next((v for v in (option.env, *option.also_env) if v in env), None)
-        if found is not None:
-            source, text = found, env[found]
-        elif option.dest in launcher:
-            source, text = launcher[option.dest]()
-        elif option.required:
-            raise InvalidArgumentError(f"{option.flag} is required (or set {option.env}).")
-        else:
-            return option.default
-    sep = " " if source.startswith("--") else "="
-    try:
-        return option.convert(text)
-    except InvalidArgumentError as exc:  # a converter that names the part of the value at fault
-        raise InvalidArgumentError(f"{source}{sep}{shorten(text)}: {exc}") from None
-    except (ValueError, TypeError):
-        raise InvalidArgumentError(f"{source}{sep}{shorten(text)} must be {option.rule}.") from None
 
 
 def parse(
@@ -277,7 +196,7 @@ def parse(
     args = parser.parse_args(argv)
     slurm = slurm_task(env)
     launcher = _slurm_settings(slurm, args, env) if slurm is not None else {}
-    values = {option.dest: _resolve(option, getattr(args, option.dest), env, launcher) for option in _OPTIONS}
+    values = resolve_all(_OPTIONS, args, env, launcher)
     token_file: Path | None = values.pop("token_file")
     tls_paths: tuple[Path | None, ...] = tuple(values.pop(name) for name in ("tls_ca", "tls_cert", "tls_key"))
     tls = ClientTls(*tls_paths) if any(p is not None for p in tls_paths) else None
@@ -313,12 +232,12 @@ def _slurm_settings(
 ) -> dict[str, Callable[[], tuple[str, str]]]:
     """What Slurm says of the flags no flag or variable sets: the job name, the world size (the
     step's tasks times the local ranks per task) and, with that world size, this task's ranks.
-    Each is read (and its variables checked) only when :func:`_resolve` asks for it."""
+    Each is read (and its variables checked) only when :func:`~sarcomm.common.flags.resolve` asks for it."""
     nproc_text = args.nproc_per_node or env.get("SARCOMM_NPROC_PER_NODE") or "1"
     try:
         nproc = max(1, int(nproc_text))
     except ValueError:
-        nproc = 1  # _resolve reports the bad value itself
+        nproc = 1  # resolve reports the bad value itself
     settings: dict[str, Callable[[], tuple[str, str]]] = {
         "job": lambda: ("SLURM_JOB_NAME/SLURM_JOB_ID", slurm.job),
         "world_size": lambda: (slurm.tasks_variable, str(slurm.tasks * nproc)),
