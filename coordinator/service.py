@@ -26,7 +26,7 @@ from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.events import EventHub, FormedWaiters
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.metrics import CoordinatorMetrics
-from sarcomm.coordinator.model import EventKind, JobEvent, JobState, Progress, Ticket
+from sarcomm.coordinator.model import EventKind, Job, JobEvent, JobState, Progress, Ticket
 from sarcomm.coordinator.views import event_message, failure_message, jobs_message
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
@@ -48,7 +48,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         events: EventHub,
         metrics: CoordinatorMetrics,
         config: CoordinatorConfig,
-        durable: Callable[[], Awaitable[None]],
+        durable: Callable[[Job], Awaitable[None]],
         formed: FormedWaiters,
     ) -> None:
         self._membership = membership
@@ -132,7 +132,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
         try:
-            await self._durable()
+            await self._durable(job)
         except CoordinatorUnavailableError:
             # The state cannot be written (a full disk): no answer, and so no liveness yet; the
             # client sends this Join again (same join_id) and gets the answer once it is written.
@@ -308,7 +308,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         exit_code = validation.exit_code(request.exit_code)
         reason = validation.reason(request.reason)
         job = self._membership.leave(member_id, secret, exit_code, reason)
-        await self._durable()
+        await self._durable(job)
         return pb.LeaveResponse(job_state=job.state.value)
 
     async def Watch(

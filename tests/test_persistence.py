@@ -48,7 +48,7 @@ class CountingStore:
         self.inner.write_rows(rows)
         # Counted once written: a test that waits for a batch may then read it back.
         self.batches.append(
-            [f"{name}#{generation}:{len(json.loads(raw)['members'])}" for name, generation, _, raw in rows]
+            [f"{row.name}#{row.generation}:{len(json.loads(row.record_json)['members'])}" for row in rows]
         )
 
     def close(self) -> None:
