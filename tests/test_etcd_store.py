@@ -188,8 +188,11 @@ def test_a_store_url_gives_its_endpoints_and_prefix() -> None:
 
 
 def test_etcd_settings_name_the_flag_value_and_rule(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"--leader-ttl 0 must be a whole number of seconds >= 1"):
-        EtcdSettings("etcd://h:1", leader_ttl=0)
+    for ttl in (0, 3601, 10**20):
+        with pytest.raises(
+            InvalidArgumentError, match=rf"^--leader-ttl {ttl} must be a whole number of seconds in 1..3600"
+        ):
+            EtcdSettings("etcd://h:1", leader_ttl=ttl)
     with pytest.raises(InvalidArgumentError, match="must be given together"):
         EtcdSettings("etcd://h:1", cacert=tmp_path, cert=tmp_path / "c.pem")
     with pytest.raises(InvalidArgumentError, match="--etcd-user 'u' and --etcd-password-file"):
