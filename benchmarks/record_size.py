@@ -63,7 +63,8 @@ def realistic_job(world: int, per_join: int) -> Job:
         )  # fmt: skip
         membership.join(spec, join_id=f"join-{host}")
     job = membership.job("big")
-    assert job is not None and job.formed
+    assert job is not None
+    assert job.formed
     for member in job.members:
         member.metrics_address = f"{member.address}:{9400 + member.local_rank}"
         member.last_heartbeat = job.formed + 1.5
@@ -114,8 +115,12 @@ def lead(client: EtcdClient, store: EtcdStore) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4096,32768,65536", help="members per job (default 4096,32768,65536)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes", default="4096,32768,65536", help="members per job (default 4096,32768,65536)"
+    )
     parser.add_argument("--per-join", default="8,1", help="members per Join (default 8,1)")
     parser.add_argument("--stores", action="store_true", help="also write and read back on SQLite and etcd")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -147,15 +152,23 @@ def main() -> None:
     ]
     for row in rows:
         stores = [
-            f"{row[s]['write_s']:.2f} s / {row[s]['load_s']:.2f} s" if s in row else "" for s in ("sqlite", "etcd")
+            f"{row[s]['write_s']:.2f} s / {row[s]['load_s']:.2f} s" if s in row else ""
+            for s in ("sqlite", "etcd")
         ]
         lines.append(
             f"| {row['members']} | {row['per_join']} | {row['json_bytes']:,} | {row['zlib_bytes']:,} "
-            f"| {'yes' if row['fits_one_request'] else 'no'} | {row['chunks']} | {row['largest_chunk_bytes']:,} "
+            f"| {'yes' if row['fits_one_request'] else 'no'} | {row['chunks']} "
+            f"| {row['largest_chunk_bytes']:,} "
             f"| {row['chunked_bytes']:,} | {row['encode_s']:.2f} s | {stores[0]} | {stores[1]} |"
         )
-    note = f"\nBytes. A chunk may take at most {MAX_CHUNK_BYTES:,} bytes.\n"
-    doc = {"machine": describe(), "results": rows}
+    machine = describe()
+    note = (
+        f"\nBytes. A chunk may take at most {MAX_CHUNK_BYTES:,} bytes. Machine: {machine['nproc']} CPUs "
+        f"({machine['cpu_model']}), Python {machine['python']}, {machine['date']}, load "
+        f"{machine['loadavg_1m_at_start']}. Command: "
+        f"`python benchmarks/record_size.py {' '.join(sys.argv[1:])}`\n"
+    )
+    doc = {"machine": machine, "results": rows}
     write_results(doc, "\n".join(lines) + "\n" + note, args.json, args.markdown)
 
 

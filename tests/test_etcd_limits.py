@@ -16,7 +16,6 @@ import ipaddress
 import random
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -89,7 +88,9 @@ def _stub(channels: dict[str, grpc.Channel], coord: CoordinatorProcess) -> pb_gr
     return pb_grpc.CoordinatorStub(channels[coord.grpc_target])
 
 
-def _answers(futures: list[Future[pb.JoinResponse]], timeout: float) -> list[pb.JoinResponse | grpc.RpcError]:
+def _answers(
+    futures: list[grpc.CallFuture[pb.JoinResponse]], timeout: float
+) -> list[pb.JoinResponse | grpc.RpcError]:
     """Each call's answer or its error, once all are done."""
     deadline = time.monotonic() + timeout
     results: list[pb.JoinResponse | grpc.RpcError] = []

@@ -25,7 +25,7 @@ from sarcomm.coordinator.etcd_store import EtcdStore
 from sarcomm.coordinator.leadership import LeaderRecord
 from sarcomm.coordinator.membership import Membership
 from sarcomm.coordinator.records import job_record, load_state
-from sarcomm.coordinator.store import SqliteStore, StateStore, encode_job
+from sarcomm.coordinator.store import JobRow, SqliteStore, StateStore, encode_job
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
 from tests.tls_files import make_tls_files
@@ -148,7 +148,7 @@ def test_a_store_without_the_quorum_raises_unavailable_naming_etcd(etcd_cluster:
         client.close()
 
 
-def _writes(store: EtcdStore, row: tuple[str, int, str, str]) -> bool:
+def _writes(store: EtcdStore, row: JobRow) -> bool:
     try:
         store.write_rows([row])
     except StoreUnavailableError:
