@@ -9,6 +9,8 @@ value and the rule, because they reach users verbatim.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class SarcommError(Exception):
     """Base of every error sarcomm raises on purpose."""
@@ -51,6 +53,21 @@ class ResourceExhaustedError(SarcommError):
     """Raised when a configured limit (jobs, members, streams, waiters) would be exceeded."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class StoreLimitError(ResourceExhaustedError):
+    """Raised when the state store refuses, for good, what it was asked to keep: a job record
+    larger than it takes (its own bounds, or etcd's ``--max-request-bytes``), or a lease TTL above
+    etcd's maximum. The same request would be refused again, so it is not retried: the message
+    names the job (when there is one), the size and the limit, and says what to do.
+
+    ``refused`` maps each refused job, as ``(name, generation)``, to its own message; the other
+    records of the same write were written.
+    """
+
+    def __init__(self, message: str, *, refused: Mapping[tuple[str, int], str] | None = None) -> None:
+        super().__init__(message)
+        self.refused: Mapping[tuple[str, int], str] = dict(refused or {})
 
 
 class JoinTimeoutError(SarcommError, TimeoutError):
@@ -98,6 +115,14 @@ class StateError(SarcommError):
     and says what to do."""
 
     code = "FAILED_PRECONDITION"
+
+
+class CoordinatorFailedError(SarcommError):
+    """Raised when a part of the coordinator that must run for as long as it does (the leader
+    election) ended on an unexpected error: the coordinator stops, with one line naming the error,
+    rather than run on as a replica that can never lead."""
+
+    code = "INTERNAL"
 
 
 class PeerFailedError(SarcommError, RuntimeError):

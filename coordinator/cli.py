@@ -18,12 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from sarcomm import __version__
-from sarcomm.common.errors import InvalidArgumentError, SarcommError
+from sarcomm.common.errors import CoordinatorFailedError, InvalidArgumentError, SarcommError
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
 from sarcomm.coordinator.server import serve
-from sarcomm.coordinator.storage.etcd_config import DEFAULT_LEADER_TTL, EtcdSettings, read_password_file
+from sarcomm.coordinator.storage.etcd_config import (
+    DEFAULT_LEADER_TTL,
+    LEADER_TTL_RULE,
+    MAX_LEADER_TTL,
+    EtcdSettings,
+    read_password_file,
+)
 
 log = logging.getLogger("sarcomm.coordinator")
 
@@ -41,15 +47,18 @@ def _add(
     type: Callable[[str], Any] = str,
     help: str,
     dest: str | None = None,
+    shown_default: object = None,
 ) -> None:
-    """A flag whose default comes from ``SARCOMM_<FLAG>`` when that is set."""
+    """A flag whose default comes from ``SARCOMM_<FLAG>`` when that is set. ``shown_default`` is
+    the default ``--help`` names when it is not ``default`` (a flag that must tell whether it was
+    given defaults to None)."""
     env_value = env.get(_env_name(flag))
     parser.add_argument(
         flag,
         dest=dest or flag.lstrip("-").replace("-", "_"),
         type=type,
         default=env_value if env_value is not None else default,
-        help=f"{help} (env {_env_name(flag)}; default {default})",
+        help=f"{help} (env {_env_name(flag)}; default {default if shown_default is None else shown_default})",
     )
 
 
@@ -85,18 +94,17 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         parser,
         env,
         "--leader-ttl",
-        type=_whole_seconds,
-        default=DEFAULT_LEADER_TTL,
-        help="with --store: whole seconds a leader's etcd lease lives unrenewed (how long a dead leader "
-        "holds the jobs before a standby takes over)",
+        type=_leader_ttl,
+        shown_default=DEFAULT_LEADER_TTL,
+        help=f"with --store: whole seconds, 1 to {MAX_LEADER_TTL}, a leader's etcd lease lives unrenewed "
+        "(how long a dead leader holds the jobs before a standby takes over)",
     )
     _add(
         parser,
         env,
         "--advertise",
-        default="",
-        help="with --store: HOST:PORT clients reach this coordinator's gRPC at (default: --listen, a "
-        "wildcard host replaced by this host's name)",
+        shown_default="--listen, a wildcard host replaced by this host's name",
+        help="with --store: HOST:PORT clients reach this coordinator's gRPC at",
     )
     _add(
         parser, env, "--etcd-cacert", type=Path, help="PEM CA bundle that signed etcd's certificate (TLS on)"
@@ -211,13 +219,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _whole_seconds(text: str) -> int:
-    """argparse type of ``--leader-ttl``: a whole number of seconds >= 1."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} must be a whole number of seconds >= 1 (etcd leases count whole seconds), e.g. 5"
-        )
-    return int(text)
+def _leader_ttl(text: str) -> int:
+    """argparse type of ``--leader-ttl``: a whole number of seconds in 1..MAX_LEADER_TTL."""
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= MAX_LEADER_TTL:
+        raise argparse.ArgumentTypeError(f"{text!r} {LEADER_TTL_RULE}")
+    return int(digits)
 
 
 def _positive_seconds(text: str) -> float:
@@ -238,6 +245,8 @@ def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
         given = [
             flag
             for flag, value in (
+                ("--leader-ttl", args.leader_ttl),
+                ("--advertise", args.advertise or None),
                 ("--etcd-cacert", args.etcd_cacert),
                 ("--etcd-cert", args.etcd_cert),
                 ("--etcd-key", args.etcd_key),
@@ -248,14 +257,15 @@ def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
         ]
         if given:
             raise InvalidArgumentError(
-                f"{', '.join(given)} configure(s) the etcd store, but no --store etcd://... was given"
+                f"{', '.join(given)} configure(s) the etcd store, but no --store etcd://... was given; "
+                "give --store, or leave them out"
             )
         return None
     if (args.etcd_user is None) != (args.etcd_password_file is None):
         raise InvalidArgumentError("--etcd-user and --etcd-password-file must be given together")
     return EtcdSettings(
         url=args.store,
-        leader_ttl=args.leader_ttl,
+        leader_ttl=DEFAULT_LEADER_TTL if args.leader_ttl is None else args.leader_ttl,
         cacert=args.etcd_cacert,
         cert=args.etcd_cert,
         key=args.etcd_key,
@@ -267,7 +277,7 @@ def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         store=_etcd_settings(args),
-        advertise=args.advertise,
+        advertise=args.advertise or "",
         listen=args.listen,
         http=args.http,
         state=args.state,
@@ -354,6 +364,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _raise_open_file_limit()
         loop.run(serve(config))
         return 0
+    except CoordinatorFailedError as error:
+        print(f"sar-coordinator: {error}", file=sys.stderr)
+        return 1
     except SarcommError as error:
         print(f"sar-coordinator: {error}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Assembles the coordinator: state store, membership, gRPC server, HTTP side, liveness sweeper.
 
 :func:`serve` runs until SIGTERM/SIGINT (or ``stop`` is set), then shuts down gracefully: health
-goes NOT_SERVING first, in-flight RPCs get ``shutdown_grace`` seconds, then everything closes.
+goes NOT_SERVING first, in-flight RPCs get ``shutdown_grace`` seconds, then everything closes. A
+coordinator whose leader election ended on an error shuts down the same way, then raises it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sarcomm.common.addresses import host_port, parse_host_port
+from sarcomm.common.errors import CoordinatorFailedError
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
 from sarcomm.coordinator import systemd
 from sarcomm.coordinator.api.http import HttpApi
@@ -77,12 +79,15 @@ class Coordinator:
         self.config = config
         self.clock = clock
         self.metrics = CoordinatorMetrics(None, wall=clock.wall)
+        # Set when a part that must run for as long as the coordinator does ended (the election).
+        self.failure: CoordinatorFailedError | None = None
+        self.failed = asyncio.Event()
         # The jobs this coordinator serves, from the term its seat holds: on SQLite one term for as
         # long as it runs; on etcd one per time it leads (None while it stands by).
         self.seat: Seat = (
             SoleSeat(config, clock, self.metrics)
             if config.store is None
-            else Replica(config, config.store, clock, self.metrics, self._term_changed)
+            else Replica(config, config.store, clock, self.metrics, self._term_changed, self._failed)
         )
         self.store: StateStore = self.seat.store
         self.term: Term | None = self.seat.term
@@ -128,6 +133,11 @@ class Coordinator:
             health_pb2.HealthCheckResponse.SERVING if term else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
+
+    def _failed(self, error: CoordinatorFailedError) -> None:
+        log.error("%s: shutting down", error)
+        self.failure = error
+        self.failed.set()
 
     async def start(self) -> None:
         limits = self.config.limits
@@ -308,15 +318,24 @@ def _in_use(flag: str, address: str, error: OSError | None = None) -> str:
 
 
 async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
-    """Run a coordinator until SIGTERM/SIGINT or until ``stop`` is set."""
+    """Run a coordinator until SIGTERM/SIGINT or until ``stop`` is set.
+
+    Raises:
+        CoordinatorFailedError: its leader election ended on an error (after shutting down).
+    """
     stop = stop or asyncio.Event()
     coordinator = Coordinator(config)
     with _stop_on_signals(asyncio.get_running_loop(), stop):
         await coordinator.start()
         ports = f"gRPC on port {coordinator.grpc_port}, HTTP on port {coordinator.http_port}"
         systemd.notify(f"READY=1\nSTATUS=serving {ports}")
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(coordinator.failed.wait())]
         try:
-            await stop.wait()
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for wait in waits:
+                wait.cancel()
             systemd.notify("STOPPING=1\nSTATUS=shutting down")
             await coordinator.stop()
+    if coordinator.failure is not None:
+        raise coordinator.failure

@@ -11,7 +11,7 @@ a client certificate signed by that CA (etcd's ``--client-cert-auth``); the same
 serves as the tests' client certificate. ``extra_hosts`` makes every member also listen for
 clients on those addresses (e.g. a bridge address that a coordinator in a network namespace
 reaches); ``enable_v2`` turns on etcd's v2 API (torch elastic's ``etcd`` rendezvous backend speaks
-v2 only).
+v2 only); ``extra_args`` are more flags for every member (e.g. ``--max-request-bytes``).
 
 The pytest fixture :func:`etcd_cluster` skips, saying so, only when the ``etcd`` binary is absent.
 Nothing here imports the product, so benchmarks can use it too.
@@ -94,6 +94,7 @@ class EtcdCluster:
     extra_hosts: Sequence[str] = ()
     enable_v2: bool = False
     client_tls: tuple[Path, Path, Path] | None = None
+    extra_args: Sequence[str] = ()
     members: list[EtcdMember] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -173,6 +174,7 @@ class EtcdCluster:
             "zap",
             "--log-level",
             "warn",
+            *self.extra_args,
         ]
 
     def _spawn(self, member: EtcdMember, state: str) -> None:
@@ -337,9 +339,12 @@ def running_cluster(
     extra_hosts: Sequence[str] = (),
     enable_v2: bool = False,
     client_tls: tuple[Path, Path, Path] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[EtcdCluster]:
     """A started :class:`EtcdCluster` in ``root``, closed on exit (benchmarks use this)."""
-    cluster = EtcdCluster(root, extra_hosts=extra_hosts, enable_v2=enable_v2, client_tls=client_tls)
+    cluster = EtcdCluster(
+        root, extra_hosts=extra_hosts, enable_v2=enable_v2, client_tls=client_tls, extra_args=extra_args
+    )
     cluster.start()
     try:
         yield cluster

@@ -3,22 +3,29 @@ and the ``--store`` settings' validation. etcd tests run a real three-member clu
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sarcomm.common.errors import InvalidArgumentError, LeadershipLostError, StoreUnavailableError
+from sarcomm.common.errors import (
+    InvalidArgumentError,
+    LeadershipLostError,
+    StoreLimitError,
+    StoreUnavailableError,
+)
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.ha.leadership import LeaderRecord
-from sarcomm.coordinator.storage import etcd_client
+from sarcomm.coordinator.storage import etcd_client, etcd_store
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings, parse_store_url
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.records import job_record, load_state
-from sarcomm.coordinator.storage.store import SqliteStore, StateStore, encode_job
+from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore, encode_job
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
 from tests.tls_files import make_tls_files
@@ -141,7 +148,7 @@ def test_a_store_without_the_quorum_raises_unavailable_naming_etcd(etcd_cluster:
         client.close()
 
 
-def _writes(store: EtcdStore, row: tuple[str, int, str, str]) -> bool:
+def _writes(store: EtcdStore, row: JobRow) -> bool:
     try:
         store.write_rows([row])
     except StoreUnavailableError:
@@ -181,8 +188,11 @@ def test_a_store_url_gives_its_endpoints_and_prefix() -> None:
 
 
 def test_etcd_settings_name_the_flag_value_and_rule(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"--leader-ttl 0 must be a whole number of seconds >= 1"):
-        EtcdSettings("etcd://h:1", leader_ttl=0)
+    for ttl in (0, 3601, 10**20):
+        with pytest.raises(
+            InvalidArgumentError, match=rf"^--leader-ttl {ttl} must be a whole number of seconds in 1..3600"
+        ):
+            EtcdSettings("etcd://h:1", leader_ttl=ttl)
     with pytest.raises(InvalidArgumentError, match="must be given together"):
         EtcdSettings("etcd://h:1", cacert=tmp_path, cert=tmp_path / "c.pem")
     with pytest.raises(InvalidArgumentError, match="--etcd-user 'u' and --etcd-password-file"):
@@ -226,3 +236,125 @@ def test_etcd_over_mutual_tls_with_the_coordinators_client_certificate(tmp_path:
         with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not read"):
             EtcdStore(anonymous, "/tls").load_jobs()
         anonymous.close()
+
+
+# -- jobs of any size the limits admit; one deployment's keys only ---------------------------------
+
+
+def _realistic_job(name: str, world: int, per_host: int = 8) -> dict[str, object]:
+    """A formed job of ``world`` members as a cluster would bring them: ``per_host`` members per
+    Join (each with its own join id), an address of its own per host, every metrics endpoint
+    known, a heartbeat stamp set."""
+    membership = Membership(liveness_timeout=30.0, clock=FakeClock())
+    for host in range(world // per_host):
+        ip = f"10.{host >> 16 & 255}.{host >> 8 & 255}.{host & 255}"
+        ranks = [None] * per_host
+        membership.join(
+            spec(f"node{host}", *ranks, job=name, world_size=world, peer=ip, address=ip), f"j{host}"
+        )
+    job = membership.job(name)
+    assert job is not None
+    assert job.formed
+    for member in job.members:
+        member.metrics_address = f"{member.address}:{9400 + member.local_rank}"
+        member.last_heartbeat = job.formed + 1.25
+    return job_record(job)
+
+
+def _chunk_keys(client: EtcdClient, prefix: str) -> list[str]:
+    return [kv.key.decode() for kv in client.range_prefix(f"{prefix}/@members/".encode(), keys_only=True)]
+
+
+def test_a_store_keeps_a_32768_member_job_and_restores_it_identically(any_store: StateStore) -> None:
+    # ~27 MB of JSON, 2.5 MB compressed: more than etcd takes in one request (1.5 MiB).
+    record = _realistic_job("huge", 32768)
+    any_store.write_rows([encode_job(record)])
+    (loaded,) = any_store.load_jobs()
+    assert loaded == json.loads(json.dumps(record))
+    (job,) = load_state(any_store).jobs
+    assert job_record(job) == loaded
+    assert any_store.last_generations() == {"huge": 1}
+
+
+def test_etcd_keeps_only_the_chunks_of_the_last_write_and_a_write_cut_short_changes_nothing(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    client = EtcdClient(EtcdSettings(etcd_cluster.url("chunks")))
+    store = EtcdStore(client, "/chunks")
+    try:
+        lead(client, store)
+        record = _realistic_job("big", 4096)
+        store.write_rows([encode_job(record)])
+        first = _chunk_keys(client, "/chunks")
+        assert len(first) == 16  # 256 members a chunk
+        # A write cut short (its leader died between its chunks and its head) left a chunk behind:
+        # readers still get the record as it was.
+        orphan = "/chunks/@members/big/1/999-1/0"
+        client.txn("orphan", [], [etcd_client.put(orphan.encode(), b"[]")])
+        (loaded,) = store.load_jobs()
+        assert loaded == json.loads(json.dumps(record))
+        record["state"] = "FINISHED"
+        store.write_rows([encode_job(record)])
+        second = _chunk_keys(client, "/chunks")
+        assert len(second) == 16
+        assert not set(second) & {*first, orphan}
+        assert store.load_jobs()[0]["state"] == "FINISHED"
+        # Small again (whole in its key): no chunk of it is left.
+        record["members"] = record["members"][:8]  # type: ignore[index]
+        store.write_rows([encode_job(record)])
+        assert _chunk_keys(client, "/chunks") == []
+        assert store.load_jobs() == [json.loads(json.dumps(record))]
+    finally:
+        client.close()
+
+
+def test_a_deployment_never_sees_nor_deletes_the_keys_of_one_nested_in_its_prefix(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    client = EtcdClient(EtcdSettings(etcd_cluster.url()))
+    outer, inner = EtcdStore(client, "/a"), EtcdStore(client, "/a/jobs/team")
+    try:
+        lead(client, outer)
+        lead(client, inner)
+        # The same names on both, one a large (chunked) job, each written twice (the second write
+        # deletes the chunks of the first); a job of the inner one named like the outer's key space.
+        for _ in range(2):
+            outer.write_rows([encode_job(_realistic_job("x", 2048)), encode_job(_formed_job("team"))])
+            inner.write_rows([encode_job(_realistic_job("x", 2048)), encode_job(_formed_job("jobs"))])
+        # Keys of the first layout: an old outer's job (read), an old inner's keys (not its).
+        old = {**_formed_job("old", 1), "generation": 4}
+        client.txn("old layout", [], [
+            etcd_client.put(b"/a/jobs/old/4", json.dumps(old).encode()),
+            etcd_client.put(b"/a/jobs/team/jobs/y/1", json.dumps(_formed_job("y", 1)).encode()),
+            etcd_client.put(b"/a/jobs/team/7/jobs/z/1", json.dumps(_formed_job("z", 1)).encode()),
+        ])  # fmt: skip
+        assert sorted(r["name"] for r in outer.load_jobs()) == ["old", "team", "x"]
+        assert outer.last_generations() == {"old": 4, "team": 1, "x": 1}
+        assert sorted(r["name"] for r in inner.load_jobs()) == ["jobs", "x", "y"]
+        assert {len(r["members"]) for r in inner.load_jobs() if r["name"] == "x"} == {2048}
+    finally:
+        client.close()
+
+
+def test_a_record_etcd_can_never_take_is_refused_alone_naming_the_limit(
+    etcd_cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = EtcdClient(EtcdSettings(etcd_cluster.url("limits")))
+    store = EtcdStore(client, "/limits")
+    try:
+        lead(client, store)
+        # One member larger than a request may be (random text does not compress).
+        huge = _realistic_job("huge", 2048)
+        huge["members"][0]["reason"] = base64.b64encode(os.urandom(1536 * 1024)).decode()  # type: ignore[index]
+        with pytest.raises(StoreLimitError) as refused:
+            store.write_rows([encode_job(huge), encode_job(_formed_job("small"))])
+        assert set(refused.value.refused) == {("huge", 1)}
+        assert "more than one etcd request may carry (1048576)" in refused.value.refused[("huge", 1)]
+        assert [r["name"] for r in store.load_jobs()] == ["small"]
+        assert _chunk_keys(client, "/limits") == []  # its chunks before the one too large: none kept
+        # A record over the most one job may take in etcd.
+        monkeypatch.setattr(etcd_store, "MAX_RECORD_BYTES", 100_000)
+        with pytest.raises(StoreLimitError, match=r"more than 100000 bytes compressed, the most one job"):
+            store.write_rows([encode_job(_realistic_job("big", 4096))])
+    finally:
+        client.close()

@@ -7,7 +7,9 @@ is a store wrapper that counts the batches (and, in one test, fails the way a fu
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sarcomm.common.errors import CoordinatorUnavailableError
+from sarcomm.common.errors import CoordinatorUnavailableError, StoreLimitError
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
@@ -45,11 +47,21 @@ class CountingStore:
         if self.fail_next:
             self.fail_next -= 1
             raise sqlite3.OperationalError("database or disk is full")
-        self.inner.write_rows(rows)
+        refused: StoreLimitError | None = None
+        try:
+            self.inner.write_rows(rows)
+        except StoreLimitError as error:  # the others were written
+            refused = error
         # Counted once written: a test that waits for a batch may then read it back.
         self.batches.append(
-            [f"{name}#{generation}:{len(json.loads(raw)['members'])}" for name, generation, _, raw in rows]
+            [
+                f"{row.name}#{row.generation}:{len(json.loads(row.record_json)['members'])}"
+                for row in rows
+                if refused is None or row.key not in refused.refused
+            ]
         )
+        if refused is not None:
+            raise refused
 
     def close(self) -> None:
         self.inner.close()
@@ -174,3 +186,38 @@ async def test_large_answers_pause_the_collector_only_while_they_compute() -> No
         await task
     assert seen == [False, True, False]
     assert gc.isenabled()
+
+
+async def test_a_record_the_store_can_never_take_fails_its_job_alone_and_is_not_retried(
+    store: CountingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sarcomm.coordinator.storage.persistence.RETRY_DELAY_S", 0.05)
+    if isinstance(store.inner, SqliteStore):
+        # SQLite's own bound on one row's text, lowered from 1 GB so that a test can reach it.
+        if not hasattr(sqlite3, "SQLITE_LIMIT_LENGTH"):
+            pytest.skip("Python < 3.11 cannot set SQLite's limits")
+        store.inner._db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 64 * 1024)
+    writes = WriteBehind(store)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
+    big = membership.join(spec("a", job="big", world_size=1)).job
+    # One member larger than one etcd request may be, and than the row SQLite now takes: random
+    # text does not compress.
+    big.members[0].reason = base64.b64encode(os.urandom(1536 * 1024)).decode()
+    small = membership.join(spec("b", job="small", world_size=1)).job
+    with pytest.raises(StoreLimitError, match=r"^job 'big' generation 1: .*(etcd|SQLite)"):
+        await writes.durable(big)
+    await writes.durable(small)  # the same batch: written
+    assert set(stored(store)) == {"small"}
+    # Not re-queued: later batches carry the other jobs' changes alone, and are not refused.
+    other = membership.join(spec("c", job="other", world_size=1)).job
+    await writes.durable(other)
+    assert store.batches == [["small#1:1"], ["other#1:1"]]
+    # The job stays refused for its callers until a change of it is written.
+    with pytest.raises(StoreLimitError):
+        await writes.durable(big)
+    big.members[0].reason = ""
+    writes.mark(big)
+    await writes.durable(big)
+    assert set(stored(store)) == {"big", "small", "other"}
+    await writes.close()
+    store.close()

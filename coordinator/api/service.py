@@ -30,7 +30,7 @@ from sarcomm.coordinator.api.views import event_message, failure_message, jobs_m
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
 from sarcomm.coordinator.domain.membership import Membership
-from sarcomm.coordinator.domain.model import EventKind, JobEvent, JobState, Progress
+from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -51,7 +51,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         events: EventHub,
         metrics: CoordinatorMetrics,
         config: CoordinatorConfig,
-        durable: Callable[[], Awaitable[None]],
+        durable: Callable[[Job], Awaitable[None]],
         formed: FormedWaiters,
     ) -> None:
         self._membership = membership
@@ -105,7 +105,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
         try:
-            await self._durable()
+            await self._durable(job)
         except CoordinatorUnavailableError:
             # The state cannot be written (a full disk): no answer, and so no liveness yet; the
             # client sends this Join again (same join_id) and gets the answer once it is written.
@@ -281,7 +281,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         exit_code = validation.exit_code(request.exit_code)
         reason = validation.reason(request.reason)
         job = self._membership.leave(member_id, secret, exit_code, reason)
-        await self._durable()
+        await self._durable(job)
         return pb.LeaveResponse(job_state=job.state.value)
 
     async def Watch(

@@ -17,10 +17,9 @@ from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
 from sarcomm.common.messages import Progress
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.domain.model import JoinSpec, MemberRequest
+from sarcomm.coordinator.domain.model import JOB_NAME_RULE, JoinSpec, MemberRequest, is_job_name
 from sarcomm.v1 import coordinator_pb2 as pb
 
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 # Linux interface names: up to 15 bytes, no '/', no whitespace.
 _IFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
@@ -44,10 +43,8 @@ def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
 
 
 def job_name(value: str, field: str = "job") -> str:
-    if not _JOB_NAME.fullmatch(value):
-        raise invalid(
-            field, value, "must be 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+    if not is_job_name(value):
+        raise invalid(field, value, JOB_NAME_RULE)
     return value
 
 

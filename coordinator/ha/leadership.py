@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from sarcomm.common.errors import StoreUnavailableError
+from sarcomm.common.errors import CoordinatorFailedError, SarcommError, StoreUnavailableError
 from sarcomm.coordinator.storage import etcd_client
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 
@@ -131,7 +131,9 @@ class Elector:
     """Runs the election for one coordinator; ``on_change`` hears every new :class:`Decision`.
 
     ``on_change`` is called on the event loop and must not block. ``changes`` counts the leader
-    changes this replica has seen (a new leader key after the first one it saw).
+    changes this replica has seen (a new leader key after the first one it saw). ``on_failure``
+    hears the error that ended the election other than by :meth:`stop` (etcd refusing for good, a
+    bug): a replica without its election can never lead, so the coordinator must stop.
     """
 
     def __init__(
@@ -142,12 +144,14 @@ class Elector:
         ttl: int,
         on_change: Callable[[Decision], None],
         monotonic: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[CoordinatorFailedError], None] = lambda error: None,
     ) -> None:
         self._client = client
         self._key = leader_key
         self._record = record
         self._ttl = ttl
         self._on_change = on_change
+        self._on_failure = on_failure
         self._monotonic = monotonic
         self.decision = STANDBY_UNKNOWN
         self.changes = 0
@@ -164,10 +168,28 @@ class Elector:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="leader-election")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        assert error is not None
+        self._apply(STANDBY_UNKNOWN, "the leader election stopped")
+        if isinstance(error, SarcommError):
+            cause = str(error)
+        else:
+            cause = f"an unexpected error ({type(error).__name__}: {error}); please report it"
+            log.debug("the leader election's error", exc_info=error)
+        self._on_failure(
+            CoordinatorFailedError(
+                " ".join(f"the leader election stopped: {cause}; this coordinator could never lead".split())
+            )
+        )
 
     async def stop(self, resign: bool = True) -> None:
         """Stop campaigning; with ``resign`` revoke the lease so a standby takes over at once."""
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task

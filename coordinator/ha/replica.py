@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from sarcomm.common.errors import NotLeaderError, StoreUnavailableError
+from sarcomm.common.errors import CoordinatorFailedError, NotLeaderError, StoreUnavailableError
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain.clock import Clock
@@ -44,7 +44,8 @@ TAKE_OVER_LOG_EVERY_S = 15.0
 
 
 class Replica:
-    """The etcd side of one coordinator; ``on_term`` hears each new term (None: standing by)."""
+    """The etcd side of one coordinator; ``on_term`` hears each new term (None: standing by),
+    ``on_failure`` the error that ended its election (the coordinator must then stop)."""
 
     def __init__(
         self,
@@ -53,12 +54,14 @@ class Replica:
         clock: Clock,
         metrics: CoordinatorMetrics,
         on_term: Callable[[Term | None], None],
+        on_failure: Callable[[CoordinatorFailedError], None] = lambda error: None,
     ) -> None:
         self._config = config
         self._settings = settings
         self._clock = clock
         self._metrics = metrics
         self._on_term = on_term
+        self._on_failure = on_failure
         # Election calls must answer well within the TTL, or a renewal comes too late to count.
         self.client = EtcdClient(settings, timeout=min(CALL_TIMEOUT_S, max(0.5, settings.leader_ttl / 2)))
         self.store = EtcdStore(self.client, settings.prefix)
@@ -87,6 +90,7 @@ class Replica:
             LeaderRecord(address, self.replica_id),
             self._settings.leader_ttl,
             self._decided,
+            on_failure=self._on_failure,
         )
         self.elector.start()
         log.info(

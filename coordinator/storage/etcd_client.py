@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from sarcomm.common.addresses import parse_address
-from sarcomm.common.errors import InvalidArgumentError, StoreUnavailableError
+from sarcomm.common.errors import InvalidArgumentError, StoreLimitError, StoreUnavailableError
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 try:
@@ -42,6 +42,12 @@ Compare = Any  # etcd's Compare message (aetcd ships no type stubs)
 RequestOp = Any
 KeyValue = Any
 TxnResponse = Any
+#: etcd's answers to a request it will refuse however often it is sent, and the limit behind each.
+_REFUSED_FOR_GOOD = {
+    "request is too large": "larger than etcd's --max-request-bytes (1.5 MiB by default)",
+    "too many operations in txn request": "more operations than etcd's --max-txn-ops (128 by default)",
+    "too large lease TTL": "longer than the longest lease etcd grants; give a smaller --leader-ttl",
+}
 
 
 def require_aetcd() -> None:
@@ -130,7 +136,13 @@ class EtcdClient:
         self._metadata = (("token", answer.token),)
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
-        """Run ``call``; authenticate first (and again once when the token expired)."""
+        """Run ``call``; authenticate first (and again once when the token expired).
+
+        Raises:
+            StoreUnavailableError: etcd could not be reached or could not commit in time.
+            StoreLimitError: etcd refused the request for good (too large, too many operations, a
+                lease too long): sending it again would be refused again.
+        """
         try:
             if self.settings.user is not None and not self._metadata:
                 self._authenticate()
@@ -142,11 +154,16 @@ class EtcdClient:
                 self._authenticate()
                 return call()
         except grpc.RpcError as error:
-            raise self._unavailable(what, error) from None
+            raise self._error(what, error) from None
 
-    def _unavailable(self, what: str, error: grpc.RpcError) -> StoreUnavailableError:
+    def _error(self, what: str, error: grpc.RpcError) -> StoreUnavailableError | StoreLimitError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = _details(error)
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            for refusal, limit in _REFUSED_FOR_GOOD.items():
+                if refusal in details:
+                    where = self.settings.describe()
+                    return StoreLimitError(f"{where} refused to {what}: {details}, {limit}")
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             cause = (
                 f"no answer within {self.timeout:g} s: has etcd lost its quorum? start the missing members "
@@ -174,12 +191,14 @@ class EtcdClient:
         )
         return answer.kvs[0] if answer.kvs else None
 
-    def range_prefix(self, prefix: bytes, keys_only: bool = False) -> list[KeyValue]:
-        """Every key under ``prefix`` (linearizable), in key order."""
+    def range_prefix(self, prefix: bytes, keys_only: bool = False, revision: int = 0) -> list[KeyValue]:
+        """Every key under ``prefix``, in key order: as of ``revision`` (0: now, linearizable)."""
         answer = self._call(
             f"read the keys under {prefix.decode()}",
             lambda: self._kv.Range(
-                etcd_pb.RangeRequest(key=prefix, range_end=prefix_end(prefix), keys_only=keys_only),
+                etcd_pb.RangeRequest(
+                    key=prefix, range_end=prefix_end(prefix), keys_only=keys_only, revision=revision
+                ),
                 timeout=self.timeout * 5,
                 metadata=self._metadata,
             ),
@@ -258,3 +277,8 @@ def put(key: bytes, value: bytes, lease: int = 0) -> RequestOp:
 
 def get(key: bytes) -> RequestOp:
     return etcd_pb.RequestOp(request_range=etcd_pb.RangeRequest(key=key))
+
+
+def delete_range(key: bytes, range_end: bytes) -> RequestOp:
+    """Delete every key from ``key`` (included) to ``range_end`` (excluded)."""
+    return etcd_pb.RequestOp(request_delete_range=etcd_pb.DeleteRangeRequest(key=key, range_end=range_end))

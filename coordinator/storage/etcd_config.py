@@ -19,9 +19,19 @@ SCHEME = "etcd://"
 DEFAULT_PREFIX = "/sarcomm"
 #: Seconds a leader's lease lives without renewal: how long a dead leader holds the job.
 DEFAULT_LEADER_TTL = 5
+#: The longest --leader-ttl: a dead leader holds every job that long before a standby takes over,
+#: and an hour already defeats having a standby (etcd itself grants at most ~285 years).
+MAX_LEADER_TTL = 3600
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _EXAMPLE = "e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/sarcomm"
+
+
+#: What --leader-ttl must be, as its messages say it.
+LEADER_TTL_RULE = (
+    f"must be a whole number of seconds in 1..{MAX_LEADER_TTL} (how long a dead leader holds the jobs "
+    f"before a standby takes over; etcd leases count whole seconds), e.g. {DEFAULT_LEADER_TTL}"
+)
 
 
 def _bad(value: str, rule: str) -> InvalidArgumentError:
@@ -96,11 +106,12 @@ class EtcdSettings:
 
     def __post_init__(self) -> None:
         parse_store_url(self.url)
-        if isinstance(self.leader_ttl, bool) or not isinstance(self.leader_ttl, int) or self.leader_ttl < 1:
-            raise InvalidArgumentError(
-                f"--leader-ttl {self.leader_ttl!r} must be a whole number of seconds >= 1 (etcd leases "
-                f"count whole seconds; default {DEFAULT_LEADER_TTL})"
-            )
+        if (
+            isinstance(self.leader_ttl, bool)
+            or not isinstance(self.leader_ttl, int)
+            or not 1 <= self.leader_ttl <= MAX_LEADER_TTL
+        ):
+            raise InvalidArgumentError(f"--leader-ttl {self.leader_ttl!r} {LEADER_TTL_RULE}")
         if (self.cert is None) != (self.key is None):
             raise InvalidArgumentError(
                 f"--etcd-cert {self.cert} and --etcd-key {self.key} must be given together (this "

@@ -12,6 +12,12 @@ before it answers, so nothing a client was told is lost with a SIGKILL (the writ
 with the synchronous store). Changes nobody is answered about (a metrics endpoint, a verdict of
 the liveness sweep) are written within the same few milliseconds without anyone waiting; after a
 crash a verdict not yet written is reached again by the same rule.
+
+A write that failed is tried again a second later, with everything marked since: a full disk or
+an etcd without its quorum comes back. A record the store can never take (too large: a
+:class:`StoreLimitError`) is not: the store wrote the others and named it, its job's callers get
+that error (RESOURCE_EXHAUSTED, naming the limit) at once, and it is tried again only with its
+job's next change. Re-queued, it would fail every later batch, and every job's answers with it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sarcomm.common.errors import CoordinatorUnavailableError, LeadershipLostError, StoreUnavailableError
+from sarcomm.common.errors import (
+    CoordinatorUnavailableError,
+    LeadershipLostError,
+    StoreLimitError,
+    StoreUnavailableError,
+)
 from sarcomm.coordinator.domain.model import Job
 from sarcomm.coordinator.storage.records import job_record
 from sarcomm.coordinator.storage.store import StateStore, encode_job
@@ -63,6 +74,9 @@ class WriteBehind:
         self._abandoned = False
         # What the last flush cost the loop (building and encoding its records), in seconds.
         self._last_cost = 0.0
+        # Jobs whose latest record the store refused for good (too large), with its message; a
+        # job leaves when a later record of it is written.
+        self._refused: dict[tuple[str, int], str] = {}
 
     def mark(self, job: Job) -> None:
         """Note that ``job``'s record changed; it is written in the next flush."""
@@ -70,7 +84,7 @@ class WriteBehind:
             return
         if self._closed:
             # After close (shutdown) nothing may be lost: write at once.
-            self._store.write_rows([encode_job(job_record(job))])
+            self._write_now([job])
             return
         self._dirty[(job.name, job.generation)] = job
         self._schedule(max(self._delay, min(MAX_FLUSH_DELAY_S, COST_FACTOR * self._last_cost)))
@@ -81,25 +95,27 @@ class WriteBehind:
             self._next = loop.create_future()
             self._timer = loop.call_later(delay, self._flush)
 
-    async def durable(self) -> None:
-        """Return once every change marked so far is in the store.
+    async def durable(self, job: Job | None = None) -> None:
+        """Return once every change marked so far is in the store, ``job``'s included.
 
         Raises:
             CoordinatorUnavailableError: the write failed (the changes stay marked for a retry).
+            StoreLimitError: the store can never take ``job``'s record as it is now.
         """
         waiting = self._next if self._dirty else self._in_flight
-        if waiting is None:
-            return
-        try:
-            # Shielded: a caller that gives up must not cancel the batch for everyone else.
-            await asyncio.shield(waiting)
-        except LeadershipLostError:
-            raise
-        except (OSError, sqlite3.Error, StoreUnavailableError) as error:
-            raise CoordinatorUnavailableError(
-                f"the coordinator could not write {self._where} ({error}); the change is kept and "
-                f"written again in {RETRY_DELAY_S:g} s, retry the call"
-            ) from error
+        if waiting is not None:
+            try:
+                # Shielded: a caller that gives up must not cancel the batch for everyone else.
+                await asyncio.shield(waiting)
+            except LeadershipLostError:
+                raise
+            except (OSError, sqlite3.Error, StoreUnavailableError) as error:
+                raise CoordinatorUnavailableError(
+                    f"the coordinator could not write {self._where} ({error}); the change is kept and "
+                    f"written again in {RETRY_DELAY_S:g} s, retry the call"
+                ) from error
+        if job is not None and (job.name, job.generation) in self._refused:
+            raise StoreLimitError(self._refused[(job.name, job.generation)])
 
     def _flush(self) -> None:
         self._timer = None
@@ -120,6 +136,12 @@ class WriteBehind:
         if self._in_flight is done:
             self._in_flight = None
         error = written.exception()
+        if isinstance(error, StoreLimitError):
+            # Every other record of the batch is written: only the refused ones stay behind.
+            self._note_refused(jobs, error)
+            error = None
+        elif error is None:
+            self._note_refused(jobs, None)
         if error is not None:
             log.error(
                 "writing the state of %d job(s) failed: %s; retrying in %g s", len(jobs), error, RETRY_DELAY_S
@@ -136,6 +158,28 @@ class WriteBehind:
             return
         if not done.done():
             done.set_result(None)
+
+    def _note_refused(self, jobs: list[Job], error: StoreLimitError | None) -> None:
+        """Remember which of ``jobs`` (all written in one batch) the store refused for good."""
+        for job in jobs:
+            key = (job.name, job.generation)
+            if error is None:
+                self._refused.pop(key, None)
+                continue
+            # A refusal that names no job names every job of the batch (a store that cannot tell).
+            message = error.refused.get(key) if error.refused else str(error)
+            if message is None:
+                self._refused.pop(key, None)
+            else:
+                self._refused[key] = message
+                log.error("%s (tried again with the job's next change)", message)
+
+    def _write_now(self, jobs: list[Job]) -> None:
+        """Write ``jobs`` synchronously (after close); a record the store refuses is logged."""
+        try:
+            self._store.write_rows([encode_job(job_record(job)) for job in jobs])
+        except StoreLimitError as error:
+            self._note_refused(jobs, error)
 
     def abandon(self) -> None:
         """Write nothing more: this coordinator stopped leading, and the new leader owns the state
@@ -163,5 +207,5 @@ class WriteBehind:
         self._writer.shutdown(wait=True)
         # Anything a failed batch left marked is written now, synchronously: the last chance.
         if self._dirty:
-            self._store.write_rows([encode_job(job_record(job)) for job in self._dirty.values()])
+            self._write_now(list(self._dirty.values()))
         self._dirty.clear()

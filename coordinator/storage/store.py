@@ -12,9 +12,11 @@ import json
 import logging
 import sqlite3
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from sarcomm.common.errors import StoreLimitError
 from sarcomm.coordinator.storage.state_file import StateLock, open_state
 
 log = logging.getLogger(__name__)
@@ -30,15 +32,49 @@ CREATE TABLE IF NOT EXISTS jobs (
 """
 
 
-#: One job generation as stored: name, generation, state and the JSON record.
-JobRow = tuple[str, int, str, str]
+#: Members per piece of a row (see :class:`JobRow`): a piece of realistic members is ~200 KB of
+#: JSON, ~20 to 35 KB compressed, so a 65,536-member job is 256 pieces.
+MEMBERS_PER_PIECE = 256
+#: SQLite's default SQLITE_MAX_LENGTH: the longest text one row may hold (Python < 3.11 cannot ask).
+SQLITE_MAX_LENGTH = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One job generation as stored: its name, generation and state, and its JSON record in two
+    parts: ``head``, the record without its members, and ``pieces``, the members as JSON arrays of
+    :data:`MEMBERS_PER_PIECE`, in order. SQLite keeps the whole record (:attr:`record_json`); etcd
+    keeps the head and the members in chunks of whole pieces (see :mod:`.etcd_store`), which it
+    can do without parsing the JSON again."""
+
+    name: str
+    generation: int
+    state: str
+    head: str
+    pieces: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, self.generation
+
+    @property
+    def record_json(self) -> str:
+        """The JSON of the whole record, exactly as ``json.dumps(record)`` writes it."""
+        members = ", ".join(piece[1:-1] for piece in self.pieces if piece != "[]")
+        return f'{self.head[:-1]}, "members": [{members}]}}'
 
 
 def encode_job(record: dict[str, Any]) -> JobRow:
     """The row of one job record. Encoding is left to the caller's thread on purpose: JSON encoded
     in the writer thread made the coordinator's resident memory settle ~13 MiB higher (measured
     with benchmarks/soak.py), while SQLite's own work there costs nothing of the kind."""
-    return (record["name"], record["generation"], record["state"], json.dumps(record))
+    members = record["members"]
+    head = json.dumps({k: v for k, v in record.items() if k != "members"})
+    pieces = tuple(
+        json.dumps(members[start : start + MEMBERS_PER_PIECE])
+        for start in range(0, len(members), MEMBERS_PER_PIECE)
+    )
+    return JobRow(record["name"], record["generation"], record["state"], head, pieces)
 
 
 class StateStore(Protocol):
@@ -58,8 +94,15 @@ class StateStore(Protocol):
         ...
 
     def write_rows(self, rows: list[JobRow]) -> None:
-        """Records encoded by :func:`encode_job`, in one transaction: all or none are written;
-        durable when it returns. Called from the writer thread (see :mod:`persistence`)."""
+        """Records encoded by :func:`encode_job`; durable when it returns. Called from the writer
+        thread (see :mod:`persistence`).
+
+        Raises:
+            StoreLimitError: some records can never be stored (too large); every other record was
+                written, and ``error.refused`` names the refused ones.
+            StoreUnavailableError, OSError, sqlite3.Error: nothing may have been written; the same
+                rows may be written again later.
+        """
         ...
 
     def close(self) -> None:
@@ -106,16 +149,37 @@ class SqliteStore:
         return [json.loads(row[0]) for row in rows]
 
     def write_rows(self, rows: list[JobRow]) -> None:
+        # A record longer than SQLite stores in one row would fail the whole transaction, and the
+        # next one, for ever: it is left out, named, and the others are written.
+        limit = self._max_length()
+        kept: list[tuple[str, int, str, str]] = []
+        refused: dict[tuple[str, int], str] = {}
+        for row in rows:
+            record = row.record_json
+            if len(record) > limit:
+                refused[row.key] = (
+                    f"job {row.name!r} generation {row.generation}: its record is {len(record)} bytes, "
+                    f"more than SQLite stores in one row ({limit} bytes); it is not stored"
+                )
+            else:
+                kept.append((row.name, row.generation, row.state, record))
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO jobs (name, generation, state, record) VALUES (?, ?, ?, ?)", rows
+                    "INSERT OR REPLACE INTO jobs (name, generation, state, record) VALUES (?, ?, ?, ?)", kept
                 )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+        if refused:
+            raise StoreLimitError("; ".join(refused.values()), refused=refused)
+
+    def _max_length(self) -> int:
+        getlimit = getattr(self._db, "getlimit", None)  # Python 3.11+
+        which = getattr(sqlite3, "SQLITE_LIMIT_LENGTH", None)
+        return int(getlimit(which)) if getlimit is not None and which is not None else SQLITE_MAX_LENGTH
 
     def last_generations(self) -> dict[str, int]:
         with self._lock:
