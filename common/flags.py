@@ -67,6 +67,8 @@ class Option:
     shown_default: str | None = None
     #: A switch takes no value on the command line (``--json``); its variable is a boolean word.
     is_switch: bool = False
+    #: The text of a flag given without a value (``--watch`` alone); None: a value is required.
+    const: str | None = None
 
     @property
     def dest(self) -> str:
@@ -88,6 +90,11 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
             parser.add_argument(
                 option.flag, dest=option.dest, action="store_const", const="1", help=help_text
             )
+        elif option.const is not None:
+            parser.add_argument(
+                option.flag, dest=option.dest, metavar=option.metavar, nargs="?", const=option.const,
+                help=help_text,
+            )  # fmt: skip
         else:
             parser.add_argument(option.flag, dest=option.dest, metavar=option.metavar, help=help_text)
 

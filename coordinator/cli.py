@@ -13,12 +13,12 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from sarcomm import __version__
 from sarcomm.common.errors import CoordinatorFailedError, InvalidArgumentError, SarcommError
+from sarcomm.common.flags import Option, add_options, integer, nonempty, resolve_all, seconds, switch
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
@@ -34,210 +34,123 @@ from sarcomm.coordinator.storage.etcd_config import (
 log = logging.getLogger("sarcomm.coordinator")
 
 
-def _env_name(flag: str) -> str:
-    return "SARCOMM_" + flag.lstrip("-").replace("-", "_").upper()
+def _leader_ttl(text: str) -> int:
+    """``--leader-ttl``: a whole number of seconds in 1..MAX_LEADER_TTL."""
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= MAX_LEADER_TTL:
+        raise ValueError
+    return int(digits)
 
 
-def _add(
-    parser: argparse.ArgumentParser,
-    env: Mapping[str, str],
-    flag: str,
-    *,
-    default: Any = None,
-    type: Callable[[str], Any] = str,
-    help: str,
-    dest: str | None = None,
-    shown_default: object = None,
-) -> None:
-    """A flag whose default comes from ``SARCOMM_<FLAG>`` when that is set. ``shown_default`` is
-    the default ``--help`` names when it is not ``default`` (a flag that must tell whether it was
-    given defaults to None)."""
-    env_value = env.get(_env_name(flag))
-    parser.add_argument(
-        flag,
-        dest=dest or flag.lstrip("-").replace("-", "_"),
-        type=type,
-        default=env_value if env_value is not None else default,
-        help=f"{help} (env {_env_name(flag)}; default {default if shown_default is None else shown_default})",
-    )
+def _seconds_or_zero(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError
+    return value
 
 
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+_LIMITS = Limits()
+_SECONDS = "a positive number of seconds"
+
+#: The daemon's flags (each also read from SARCOMM_<FLAG>; see sarcomm.common.flags).
+SERVER_OPTIONS: tuple[Option, ...] = (
+    Option("--listen", nonempty, "HOST:PORT", "gRPC address HOST:PORT", default="0.0.0.0:50051"),
+    Option("--http", nonempty, "HOST:PORT", "HTTP address HOST:PORT for /metrics, /sd, /healthz, /v1/jobs",
+           default="0.0.0.0:9400"),
+    Option("--state", Path, "a path", "SQLite file for jobs, members and generations (in memory when not "
+           "given)"),
+    Option("--store", str, "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]", "etcd://HOST:PORT[,HOST:PORT...]"
+           "[/PREFIX]: keep the state in etcd instead of --state, shared by several coordinators (one "
+           "leads, the others stand by); needs sarcomm[etcd]"),
+    Option("--leader-ttl", _leader_ttl, LEADER_TTL_RULE.removeprefix("must be "),
+           f"with --store: whole seconds, 1 to {MAX_LEADER_TTL}, a leader's etcd lease lives unrenewed (how "
+           "long a dead leader holds the jobs before a standby takes over)",
+           shown_default=str(DEFAULT_LEADER_TTL)),
+    Option("--advertise", str, "HOST:PORT", "with --store: HOST:PORT clients reach this coordinator's gRPC "
+           "at", default="", shown_default="--listen, a wildcard host replaced by this host's name"),
+    Option("--etcd-cacert", Path, "a path", "PEM CA bundle that signed etcd's certificate (TLS on)"),
+    Option("--etcd-cert", Path, "a path", "PEM client certificate for etcd's --client-cert-auth"),
+    Option("--etcd-key", Path, "a path", "PEM key for --etcd-cert"),
+    Option("--etcd-user", str, "a user name", "etcd user name (etcd auth), with --etcd-password-file"),
+    Option("--etcd-password-file", Path, "a path", "file holding --etcd-user's password"),
+    Option("--heartbeat-interval", seconds, _SECONDS, "seconds between member reports", default=1.0),
+    Option("--heartbeat-misses", *integer(1), "missed reports after which a member is judged dead",
+           default=3),
+    Option("--stall-threshold", seconds, _SECONDS, "seconds ranks wait in one collective before status "
+           "names the ranks they wait for", default=30.0),
+    Option("--reconnect-grace", _seconds_or_zero, "a number of seconds >= 0", "seconds members restored "
+           "from --state get to reconnect before they are judged", default=10.0),
+    Option("--join-timeout", seconds, _SECONDS, "seconds a join waits for its world to form", default=600.0),
+    Option("--shutdown-grace", _seconds_or_zero, "a number of seconds >= 0", "seconds in-flight calls get "
+           "on SIGTERM/SIGINT", default=5.0),
+    Option("--token-file", Path, "a path", "file holding the shared token clients must send"),
+    Option("--tls-cert", Path, "a path", "PEM certificate for gRPC and HTTP"),
+    Option("--tls-key", Path, "a path", "PEM private key for --tls-cert"),
+    Option("--tls-client-ca", Path, "a path", "PEM CA bundle; clients must present a certificate it signed "
+           "(mutual TLS)"),
+    Option("--max-message-bytes", *integer(1), "limit: largest gRPC request or answer, in bytes",
+           default=_LIMITS.max_message_bytes),
+    Option("--max-world-size", *integer(1), "limit: members per job (the largest world_size of a join)",
+           default=_LIMITS.max_world_size),
+    Option("--max-jobs", *integer(1), "limit: jobs forming or running at once", default=_LIMITS.max_jobs),
+    Option("--max-streams", *integer(1), "limit: Heartbeat, Watch and other streams open at once",
+           default=_LIMITS.max_streams),
+    Option("--max-join-waiters", *integer(1), "limit: Join calls waiting for their world at once",
+           default=_LIMITS.max_join_waiters),
+    Option("--max-ended-jobs", *integer(1), "limit: finished or failed jobs kept in memory for status",
+           default=_LIMITS.max_ended_jobs),
+    Option("--log-level", str.upper, "DEBUG, INFO, WARNING or ERROR", "DEBUG, INFO, WARNING or ERROR",
+           default="INFO"),
+)  # fmt: skip
+
+#: ``status``'s own flags. A client's TLS settings are named as sar-worker names them; the token is
+#: the top-level --token-file (SARCOMM_TOKEN_FILE), the same file the coordinator reads.
+STATUS_OPTIONS: tuple[Option, ...] = (
+    Option("--coord", nonempty, "HOST:PORT or HOST:PORT,HOST:PORT,...", "coordinator gRPC address "
+           "HOST:PORT, or its replicas' as HOST:PORT,HOST:PORT,... (then each one's role is shown too)",
+           default="127.0.0.1:50051"),
+    Option("--job", str, "a job name", "only this job", default=""),
+    Option("--tls-ca", Path, "a path", "PEM CA bundle that signed the coordinator's certificate (turns TLS "
+           "on)", dest_name="client_tls_ca"),
+    Option("--tls-cert", Path, "a path", "this client's PEM certificate, for a coordinator with "
+           "--tls-client-ca", dest_name="client_tls_cert"),
+    Option("--tls-key", Path, "a path", "PEM key for --tls-cert", dest_name="client_tls_key"),
+    Option("--json", switch, "a boolean word (1, true, yes, on or 0, false, no, off)",
+           "print JSON instead of a table", default=False, is_switch=True),
+    Option("--watch", seconds, "a positive number of seconds between refreshes (e.g. --watch 2)",
+           "refresh every SECONDS until interrupted", metavar="SECONDS", const="2",
+           shown_default="no refresh; 2 with --watch alone"),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: every option a plain string, converted by :func:`parse_args`."""
     parser = argparse.ArgumentParser(
         prog="sar-coordinator",
         description="Rendezvous, liveness and discovery for SAR-style distributed PyTorch jobs.",
     )
     parser.add_argument("--version", action="version", version=f"sarcomm {__version__}")
-    _add(parser, env, "--listen", default="0.0.0.0:50051", help="gRPC address HOST:PORT")
-    _add(
-        parser,
-        env,
-        "--http",
-        default="0.0.0.0:9400",
-        help="HTTP address HOST:PORT for /metrics, /sd, /healthz, /v1/jobs",
-    )
-    _add(
-        parser,
-        env,
-        "--state",
-        type=Path,
-        help="SQLite file for jobs, members and generations (in memory when not given)",
-    )
-    _add(
-        parser,
-        env,
-        "--store",
-        help="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]: keep the state in etcd instead of --state, shared "
-        "by several coordinators (one leads, the others stand by); needs sarcomm[etcd]",
-    )
-    _add(
-        parser,
-        env,
-        "--leader-ttl",
-        type=_leader_ttl,
-        shown_default=DEFAULT_LEADER_TTL,
-        help=f"with --store: whole seconds, 1 to {MAX_LEADER_TTL}, a leader's etcd lease lives unrenewed "
-        "(how long a dead leader holds the jobs before a standby takes over)",
-    )
-    _add(
-        parser,
-        env,
-        "--advertise",
-        shown_default="--listen, a wildcard host replaced by this host's name",
-        help="with --store: HOST:PORT clients reach this coordinator's gRPC at",
-    )
-    _add(
-        parser, env, "--etcd-cacert", type=Path, help="PEM CA bundle that signed etcd's certificate (TLS on)"
-    )
-    _add(parser, env, "--etcd-cert", type=Path, help="PEM client certificate for etcd's --client-cert-auth")
-    _add(parser, env, "--etcd-key", type=Path, help="PEM key for --etcd-cert")
-    _add(parser, env, "--etcd-user", help="etcd user name (etcd auth), with --etcd-password-file")
-    _add(parser, env, "--etcd-password-file", type=Path, help="file holding --etcd-user's password")
-    _add(parser, env, "--heartbeat-interval", type=float, default=1.0, help="seconds between member reports")
-    _add(
-        parser,
-        env,
-        "--heartbeat-misses",
-        type=int,
-        default=3,
-        help="missed reports after which a member is judged dead",
-    )
-    _add(
-        parser,
-        env,
-        "--stall-threshold",
-        type=float,
-        default=30.0,
-        help="seconds ranks wait in one collective before status names the ranks they wait for",
-    )
-    _add(
-        parser,
-        env,
-        "--reconnect-grace",
-        type=float,
-        default=10.0,
-        help="seconds members restored from --state get to reconnect before they are judged",
-    )
-    _add(
-        parser,
-        env,
-        "--join-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a join waits for its world to form",
-    )
-    _add(
-        parser,
-        env,
-        "--shutdown-grace",
-        type=float,
-        default=5.0,
-        help="seconds in-flight calls get on SIGTERM/SIGINT",
-    )
-    _add(parser, env, "--token-file", type=Path, help="file holding the shared token clients must send")
-    _add(parser, env, "--tls-cert", type=Path, help="PEM certificate for gRPC and HTTP")
-    _add(parser, env, "--tls-key", type=Path, help="PEM private key for --tls-cert")
-    _add(
-        parser,
-        env,
-        "--tls-client-ca",
-        type=Path,
-        help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)",
-    )
-    limits = Limits()
-    for flag, default, meaning in (
-        ("--max-message-bytes", limits.max_message_bytes, "largest gRPC request or answer, in bytes"),
-        ("--max-world-size", limits.max_world_size, "members per job (the largest world_size of a join)"),
-        ("--max-jobs", limits.max_jobs, "jobs forming or running at once"),
-        ("--max-streams", limits.max_streams, "Heartbeat, Watch and other streams open at once"),
-        ("--max-join-waiters", limits.max_join_waiters, "Join calls waiting for their world at once"),
-        ("--max-ended-jobs", limits.max_ended_jobs, "finished or failed jobs kept in memory for status"),
-    ):
-        _add(parser, env, flag, type=int, default=default, help=f"limit: {meaning}")
-    _add(parser, env, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-
+    add_options(parser, SERVER_OPTIONS)
     commands = parser.add_subparsers(dest="command", metavar="{status}")
     status_parser = commands.add_parser("status", help="show jobs, members, health and progress")
-    _add(
-        status_parser,
-        env,
-        "--coord",
-        default="127.0.0.1:50051",
-        help="coordinator gRPC address HOST:PORT, or its replicas' as HOST:PORT,HOST:PORT,... "
-        "(then each one's role is shown too)",
-    )
-    _add(status_parser, env, "--job", default="", help="only this job")
-    # A client's TLS settings, named as sar-worker names them; the token is the top-level
-    # --token-file (SARCOMM_TOKEN_FILE), the same file the coordinator reads.
-    _add(
-        status_parser,
-        env,
-        "--tls-ca",
-        type=Path,
-        dest="client_tls_ca",
-        help="PEM CA bundle that signed the coordinator's certificate (turns TLS on)",
-    )
-    _add(
-        status_parser,
-        env,
-        "--tls-cert",
-        type=Path,
-        dest="client_tls_cert",
-        help="this client's PEM certificate, for a coordinator with --tls-client-ca",
-    )
-    _add(status_parser, env, "--tls-key", type=Path, dest="client_tls_key", help="PEM key for --tls-cert")
-    status_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status_parser.add_argument(
-        "--watch",
-        type=_positive_seconds,
-        nargs="?",
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until interrupted",
-    )
+    add_options(status_parser, STATUS_OPTIONS)
     return parser
 
 
-def _leader_ttl(text: str) -> int:
-    """argparse type of ``--leader-ttl``: a whole number of seconds in 1..MAX_LEADER_TTL."""
-    digits = text.strip()
-    if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= MAX_LEADER_TTL:
-        raise argparse.ArgumentTypeError(f"{text!r} {LEADER_TTL_RULE}")
-    return int(digits)
+def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> argparse.Namespace:
+    """``argv`` parsed and every option resolved (flag, then ``SARCOMM_<FLAG>`` in ``env``, then
+    the default) and converted.
 
-
-def _positive_seconds(text: str) -> float:
-    """argparse type of ``--watch``: a positive, finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} must be a positive number of seconds between refreshes (e.g. --watch 2)"
-        )
-    return value
+    Raises:
+        SystemExit: from argparse, for ``--help`` and malformed flags (status 0 or 2).
+        InvalidArgumentError: a value against its rule, naming the flag or variable.
+    """
+    args = build_parser().parse_args(argv)
+    options = SERVER_OPTIONS + (STATUS_OPTIONS if args.command == "status" else ())
+    for dest, value in resolve_all(options, args, env).items():
+        setattr(args, dest, value)
+    return args
 
 
 def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
@@ -346,11 +259,13 @@ async def _status(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
-    parser = build_parser(env)
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(argv, env)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    except SarcommError as error:
+        print(f"sar-coordinator: {error}", file=sys.stderr)
+        return 2
     level = str(args.log_level).upper()
     logging.basicConfig(
         level=level if isinstance(logging.getLevelName(level), int) else "INFO",

@@ -6,9 +6,9 @@
     python scripts/gen_flags.py --check  # exit 1, naming the file, when it is not what this writes
 
 Run it after adding or changing a flag; ``tests/test_flag_docs.py`` and ``scripts/check.sh`` fail
-while the page and the parsers disagree. The parsers are built, never run: the coordinator's
-``build_parser`` with an empty environment (so that no ``SARCOMM_*`` variable of this shell leaks
-into the defaults), the worker's ``build_parser`` as it is.
+while the page and the parsers disagree. The parsers are built, never run: each program's
+``build_parser`` (both declare their flags as ``sarcomm.common.flags.Option`` rows, whose help ends
+the same way, and read no variable while building).
 
 Each row's environment variables and default come from the help text each program prints for the
 flag, which ends in ``(env NAME[ or NAME...][; default VALUE])`` or ``(default VALUE)``: the page
@@ -33,7 +33,7 @@ COMMAND = "python scripts/gen_flags.py"
 
 #: Each program and how to build its parser without running it.
 PROGRAMS: tuple[tuple[str, Callable[[], argparse.ArgumentParser]], ...] = (
-    ("sar-coordinator", lambda: coordinator_cli.build_parser({})),
+    ("sar-coordinator", coordinator_cli.build_parser),
     ("sar-worker", worker_cli.build_parser),
 )
 

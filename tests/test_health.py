@@ -749,7 +749,7 @@ def test_the_new_settings_name_field_value_and_rule() -> None:
         CoordinatorConfig(reconnect_grace=-1)
     with pytest.raises(InvalidArgumentError, match=r"^reports\[2\]\.age_seconds -1\.0 must be a finite"):
         validation.age_seconds(-1.0, "reports[2].age_seconds")
-    args = cli.build_parser({"SARCOMM_STALL_THRESHOLD": "12"}).parse_args(["--reconnect-grace", "4"])
+    args = cli.parse_args(["--reconnect-grace", "4"], {"SARCOMM_STALL_THRESHOLD": "12"})
     config = cli.config_from_args(args)
     assert (config.stall_threshold, config.reconnect_grace) == (12.0, 4.0)
 

@@ -238,8 +238,8 @@ def coordinator_problems(container: Container, scratch: Path) -> list[str]:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parsed = coordinator_cli.build_parser(env).parse_args(args)
-    except SystemExit:
+            parsed = coordinator_cli.parse_args(args, env)
+    except (SystemExit, SarcommError):
         return [*problems, f"sar-coordinator refuses its arguments: {stderr.getvalue().strip()}"]
     for field in FILE_SETTINGS:
         path = getattr(parsed, field)
@@ -264,7 +264,7 @@ def _serving_problems(container: Container, config: CoordinatorConfig) -> list[s
     """Ports, probes and annotations against what ``config`` makes the coordinator serve."""
     problems = []
     grpc, http = host_port(config.listen)[1], host_port(config.http)[1]
-    defaults = coordinator_cli.build_parser({}).parse_args([])
+    defaults = coordinator_cli.parse_args([], {})
     if (grpc, http) != (host_port(defaults.listen)[1], host_port(defaults.http)[1]):
         problems.append(f"ports {grpc}, {http} are not the defaults {defaults.listen}, {defaults.http}")
     if container.ports() != {"grpc": grpc, "http": http}:

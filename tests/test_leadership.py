@@ -70,11 +70,11 @@ def test_store_and_state_together_are_refused(tmp_path: Path, capsys: pytest.Cap
     [
         (
             ["--store", "etcd://h:2379", "--leader-ttl", "2.5"],
-            "'2.5' must be a whole number of seconds in 1..3600",
+            "--leader-ttl '2.5' must be a whole number of seconds in 1..3600",
         ),
         (
             ["--store", "etcd://h:2379", "--leader-ttl", "0"],
-            "'0' must be a whole number of seconds in 1..3600",
+            "--leader-ttl '0' must be a whole number of seconds in 1..3600",
         ),
         (["--etcd-user", "root"], "--etcd-user configure(s) the etcd store, but no --store"),
         (["--store", "etcd://h:2379", "--etcd-user", "root"], "--etcd-user and --etcd-password-file"),

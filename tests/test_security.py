@@ -456,8 +456,10 @@ async def test_a_request_that_is_not_its_message_type_is_invalid_argument(
 
 
 def test_limit_flags_and_variables_reach_the_config() -> None:
-    parser = coordinator_cli.build_parser({"SARCOMM_MAX_STREAMS": "7", "SARCOMM_MAX_ENDED_JOBS": "3"})
-    config = coordinator_cli.config_from_args(parser.parse_args(["--max-join-waiters", "9"]))
+    args = coordinator_cli.parse_args(
+        ["--max-join-waiters", "9"], {"SARCOMM_MAX_STREAMS": "7", "SARCOMM_MAX_ENDED_JOBS": "3"}
+    )
+    config = coordinator_cli.config_from_args(args)
     assert (config.limits.max_streams, config.limits.max_ended_jobs, config.limits.max_join_waiters) == (
         7,
         3,
