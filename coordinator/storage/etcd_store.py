@@ -8,18 +8,21 @@ Keys, under the deployment's ``PREFIX``:
   ``{``, zlib never does). A record over 1 MiB of JSON (a world of ~1200 realistic members) keeps
   only its *head* here, the record without its members, naming where they are:
 - ``PREFIX/@members/<name>/<generation>/<write>/<first>``: the members from index ``first`` on,
-  each chunk a zlib-compressed JSON array of at most 256 of them (about 30 KB for realistic
-  members), at most 1 MiB. ``write`` names one write of the record (the fence and a counter of
-  this coordinator), so a write never changes a chunk a reader may still be reading.
+  each chunk a zlib-compressed JSON array of at most 256 of them (20 to 33 KB for realistic
+  members; a piece too large is halved), at most 1 MiB. ``write`` names one write of the record
+  (the fence and a counter of this coordinator), so a write never changes a chunk a reader may
+  still be reading.
 
 Why chunks: etcd takes at most 1.5 MiB per request (``--max-request-bytes``), and each member
 carries 40 bytes that do not compress (its secret's digest, its id): a realistic 32,768-member job
-is 2.5 to 4.2 MB compressed (27 MB of JSON), a 65,536-member one 5 to 8.3 MB
+is 2.5 to 4.2 MB compressed (28 MB of JSON), a 65,536-member one 5.1 to 8.3 MB
 (``benchmarks/record_size.py``). A record is written chunks first, in as many fenced transactions
 as they need, then its head in one more, which also deletes the chunks of earlier writes (and of
 writes cut short); until that transaction the previous head and chunks stand, so a reader never
 sees half a write. A reader takes the heads, then each chunked head's chunks *at the revision it
-read the head at*, which etcd keeps: one consistent record.
+read the head at*, which etcd keeps: one consistent record. Chunks keyed by member ranges at fixed
+places (from 256 k on, a halved piece between) are also what lets a later write rewrite only the
+chunks that changed.
 
 Why ``@``: one deployment must never read (or delete) another's keys. Prefix segments are letters,
 digits, ``.``, ``_`` and ``-`` (see :mod:`etcd_config`), so no deployment's prefix, however nested
