@@ -8,13 +8,17 @@ election's failure path with a real etcd: the coordinator must then stop with on
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from sarcomm.coordinator import cli
 from sarcomm.coordinator.storage import etcd_config
 
 setattr(etcd_config, "MAX_LEADER_TTL", 10**40)  # noqa: B010 (EtcdSettings' own check)
-setattr(cli, "_leader_ttl", int)  # noqa: B010 (the flag's parse-time check)
+# The flag's parse-time check: its Option row converts with int instead.
+cli.SERVER_OPTIONS = tuple(
+    dataclasses.replace(o, convert=int) if o.flag == "--leader-ttl" else o for o in cli.SERVER_OPTIONS
+)
 
 if __name__ == "__main__":
     sys.exit(cli.main())
