@@ -202,7 +202,7 @@ class Replicas:
                 if delay is None:  # the coordinator's answer: the call ends
                     # When the deadline cut a try that followed a standby's refusal, the refusal
                     # says more than the deadline.
-                    cut = attempt.refusal is not None and err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    cut = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                     answer = attempt.refusal if cut and attempt.refusal is not None else err
                     raise await self.explained(self.translate(answer, method, deadline, started)) from err
                 attempt.last = err
