@@ -34,6 +34,8 @@ ETH = InterfaceInfo("eth7", ("10.9.8.7",), InterfaceKind.PHYSICAL, default_route
 
 # Bounds every wait of a test on the coordinator.
 DEADLINE_S = 15.0
+# How a watch tells a failure: as it happens, or as the job's state when the stream opens after it.
+FAILED = (EventKind.MEMBER_FAILED, EventKind.JOB_FAILED)
 
 
 async def within(awaitable: Awaitable[T], seconds: float = DEADLINE_S) -> T:
@@ -318,6 +320,76 @@ async def test_client_waits_for_a_coordinator_that_starts_late(tmp_path: Path) -
         starter.join(30)
         if late.proc is not None:
             late.stop()
+
+
+async def test_a_waiting_join_outlives_restarts_of_its_one_coordinator_and_the_world_forms_once(
+    tmp_path: Path,
+) -> None:
+    # One address is a list of one: a Join waiting there when the coordinator stops (SIGTERM
+    # cancels the calls in flight) or dies (SIGKILL breaks the connection) is sent again, the same
+    # Join, when it is back, until the join deadline, however often that happens.
+    coord = CoordinatorProcess(
+        grpc_port=free_port(), http_port=free_port(), state_path=tmp_path / "state.sqlite",
+        args=["--heartbeat-interval", "0.5", "--shutdown-grace", "0"], log_path=tmp_path / "c.log",
+    )  # fmt: skip
+    coord.start()
+    try:
+        async with CoordinatorClient(coord.grpc_target, timeout=10.0) as c:
+            waiting = asyncio.ensure_future(
+                c.join("restarts", 2, host="a", interfaces=[LO], join_timeout=120.0)
+            )
+            for stop in (coord.kill, coord.stop) * 2:
+                await wait_for_async(
+                    lambda: _has_members(c, "restarts", 1), DEADLINE_S * 2, what="the Join to wait"
+                )
+                assert not waiting.done()
+                await asyncio.to_thread(stop)
+                await asyncio.to_thread(coord.start)
+            other = await within(c.join("restarts", 2, host="b", interfaces=[LO]), DEADLINE_S * 2)
+            first = await within(waiting, DEADLINE_S * 2)
+            assert {first.rank, other.rank} == {0, 1}
+            assert first.generation == other.generation == 1
+            jobs = await within(c.list_jobs("restarts"))
+            assert sorted(m.host for m in jobs[0].members) == ["a", "b"]
+    finally:
+        if coord.proc is not None:
+            coord.stop()
+
+
+async def test_a_watch_of_one_coordinator_reattaches_when_it_restarts_and_tells_a_later_failure(
+    tmp_path: Path,
+) -> None:
+    # One address is a list of one: the stream is opened again when the coordinator is back.
+    coord = CoordinatorProcess(
+        grpc_port=free_port(), http_port=free_port(), state_path=tmp_path / "state.sqlite",
+        args=["--heartbeat-interval", "0.5", "--heartbeat-misses", "600"], log_path=tmp_path / "c.log",
+    )  # fmt: skip
+    coord.start()
+    try:
+        async with CoordinatorClient(coord.grpc_target, timeout=10.0) as c:
+            _, b = await form(c, "rewatched")
+            seen: list[Event] = []
+
+            async def watch() -> None:
+                async for event in c.watch("rewatched", timeout=120.0):
+                    seen.append(event)
+                    if event.kind in FAILED:
+                        return
+
+            watcher = asyncio.ensure_future(watch())
+            await wait_for_async(lambda: seen, DEADLINE_S, what="the watch's first event")
+            await asyncio.to_thread(coord.kill)
+            await asyncio.to_thread(coord.start)
+            await within(c.leave(b.member_id, b.secret, 3, "boom"), DEADLINE_S * 2)
+            await within(watcher, DEADLINE_S * 2)
+        # The world formed once (the state a new stream starts with is not yielded again); the
+        # failure is told as it happens, or as the job's state when the watch re-attached after it.
+        assert [e.kind for e in seen[:-1]] == [EventKind.WORLD_FORMED]
+        assert (seen[-1].kind in FAILED, seen[-1].rank) == (True, b.rank)
+        assert seen[-1].reason.endswith("boom"), seen[-1]
+    finally:
+        if coord.proc is not None:
+            coord.stop()
 
 
 async def test_unreachable_coordinator_is_unavailable_naming_target_and_cause() -> None:

@@ -210,7 +210,7 @@ async def test_a_client_given_standby_then_leader_joins_through_the_hint(
     assert lines == [f"following the leader at {leader.grpc_target} ({standby.target} is a standby)"]
 
 
-async def test_a_single_address_that_is_a_standby_is_followed_to_its_leader(
+async def test_a_single_address_that_is_a_standby_is_followed_to_its_leader_at_its_first_refusal(
     leader: CoordinatorProcess,
 ) -> None:
     async with (
@@ -219,6 +219,8 @@ async def test_a_single_address_that_is_a_standby_is_followed_to_its_leader(
     ):
         assert await _join_one(client, "single-hinted") == 0
         assert client.target == leader.grpc_target
+    # One retry layer, the one that reads the hint: no blind resend of the refusal first.
+    assert standby.calls == {"Join": 1}
 
 
 async def test_a_client_given_a_dead_address_then_the_leader_reaches_it_within_seconds(
@@ -284,8 +286,8 @@ def test_sar_worker_given_replicas_it_cannot_use_names_each_ones_problem_within_
 
 
 async def test_a_single_address_that_is_a_standby_knowing_no_leader_ends_in_not_leader_error() -> None:
-    # One address keeps gRPC's own retries (up to 5 tries of a refusal, ~1.5 s): the deadline
-    # leaves room for the client's own tries after them.
+    # One address is a list of one: a standby that knows no leader is asked again after the
+    # failover backoff until the deadline, and its refusal is the error.
     async with Standby("") as standby, CoordinatorClient(standby.target, timeout=6.0) as client:
         with pytest.raises(NotLeaderError) as caught:
             await client.list_jobs()

@@ -1,44 +1,36 @@
-"""The connection to a coordinator (or to its replicas): the gRPC channels, their deadlines, and
-what a failed call means.
+"""The gRPC channels to a coordinator's addresses, and what a failed call on one of them means.
 
-Robustness comes from gRPC itself rather than from hand-written loops:
+:class:`Channels` makes one channel per address on first use, all alike: TLS or plaintext, the
+bearer token, and these options:
 
-- every call is made with ``wait_for_ready=True`` and a deadline, so a coordinator that is still
-  starting (or restarting) is waited for until the deadline, and never longer;
-- the channel's service config carries a ``retryPolicy`` that retries ``UNAVAILABLE`` answers with
-  exponential backoff and jitter (gRPC's built-in transparent retries);
-- keepalive pings notice a dead connection during long blocking calls such as ``Join``.
+- no retries by gRPC (``grpc.enable_retries`` 0, no retry policy): every call is sent once per
+  try, and :meth:`~sarcomm.common.client.replicas.Replicas.call` alone decides whether to send
+  it again (see :mod:`sarcomm.common.client.replicas` for why that layer and no other);
+- keepalive pings every :data:`_KEEPALIVE_TIME_MS`, so that a coordinator whose host died (no
+  RST: the connection looks up) is left within seconds, not minutes, even under a waiting Join;
+- reconnecting backs off to at most :data:`_MAX_RECONNECT_BACKOFF_MS` (gRPC's default is 120 s),
+  so that a coordinator that starts late or restarts is found within a second.
 
 A failed call becomes the :mod:`sarcomm.common.errors` class its status maps to
-(:meth:`CoordinatorChannel.translate`); when the coordinator was never reached, the address
-is probed by hand (:mod:`sarcomm.common.client.reach`) to say what is wrong with it.
-
-Several addresses (``a:50051,b:50051``) make one channel per replica;
-:class:`~sarcomm.common.client.replicas.ReplicaChannel` fails over between them. gRPC's own retries are
-off for those (they would resend a standby's refusal four times before its hint is seen).
-:class:`~.coordinator_client.CoordinatorClient` makes the calls over this;
-:class:`~sarcomm.common.client.heartbeats.HeartbeatStream` keeps its stream on it.
+(:func:`translate`); an address that cannot be used is probed by hand
+(:mod:`sarcomm.common.client.reach`, :meth:`Channels.probe`) to say what is wrong with it
+(:func:`unreachable_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import grpc.aio
 
-from sarcomm.common.addresses import parse_targets, split_target
-from sarcomm.common.client.failover import Failover
+from sarcomm.common.addresses import split_target
 from sarcomm.common.client.reach import Problem, Unreachable, probe
 from sarcomm.common.errors import (
     LEADER_METADATA_KEY,
     CoordinatorUnavailableError,
-    InvalidArgumentError,
     JoinTimeoutError,
     NotLeaderError,
     SarcommError,
@@ -51,58 +43,38 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 __all__ = [
     "COORDINATOR_SERVICE",
     "STILL_TRYING_EVERY_S",
-    "CoordinatorChannel",
+    "Channels",
     "connection_broke",
     "leader_hint",
+    "translate",
+    "unreachable_error",
 ]
-
-log = logging.getLogger(__name__)
-
 
 #: The gRPC service of the coordinator (also its name in ``grpc.health.v1.Health``).
 COORDINATOR_SERVICE = "sarcomm.v1.Coordinator"
 
-# gRPC retries UNAVAILABLE answers itself, with exponential backoff and jitter; wait_for_ready
-# (set on every call) covers the "nothing listens yet" case, which never produces an answer.
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{"service": COORDINATOR_SERVICE}],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.2s",
-                    "maxBackoff": "5s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
-
-# A server drops a client that pings more often than its min_recv_ping_interval_without_data
-# (5 min by default) while it sends no data, which is exactly what a blocked Join looks like; so
-# the client pings no more often than that. Heartbeat traffic keeps busy connections fresh anyway.
-_KEEPALIVE_TIME_MS = 300_000
-_KEEPALIVE_TIMEOUT_MS = 20_000
-# With replicas, a leader whose host died (no RST: the connection looks up) must be left within
-# seconds, not minutes, for a waiting Join to go on at the new leader: sar-coordinator accepts a
-# ping every 10 s without data (its grpc.http2.min_ping_interval_without_data_ms), so 15 s.
-_REPLICA_KEEPALIVE_TIME_MS = 15_000
-_REPLICA_KEEPALIVE_TIMEOUT_MS = 5_000
-_MAX_RECONNECT_BACKOFF_MS = 2_000
-
-# While a call cannot connect, how often the address is probed by hand, how long a probe may take,
-# and how often a waiting call says it still tries (see CoordinatorChannel._diagnosed).
-_PROBE_EVERY_S = 1.0
-_PROBE_TIMEOUT_S = 3.0
+#: While a call finds no coordinator to answer it, how often it says that it still tries.
 STILL_TRYING_EVERY_S = 15.0
 
-_Response = TypeVar("_Response")
+# sar-coordinator accepts a ping every 10 s without data (its
+# grpc.http2.min_ping_interval_without_data_ms), so 15 s; a dead host is noticed 20 s after its
+# last answer at most, inside members' --reconnect-grace for a replica taking over.
+_KEEPALIVE_TIME_MS = 15_000
+_KEEPALIVE_TIMEOUT_MS = 5_000
+_INITIAL_RECONNECT_BACKOFF_MS = 200
+_MAX_RECONNECT_BACKOFF_MS = 1_000
+_OPTIONS: list[tuple[str, str | int]] = [
+    ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+    ("grpc.primary_user_agent", "sarcomm-worker"),
+    ("grpc.enable_retries", 0),
+]
 
-
-_Self = TypeVar("_Self", bound="CoordinatorChannel")
+# How long a probe of an address may take.
+_PROBE_TIMEOUT_S = 3.0
 
 # grpc core's text for a deadline that the client itself set and that expired.
 _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
@@ -111,101 +83,34 @@ _OWN_DEADLINE_DETAILS = "Deadline Exceeded"
 _CORE_INTERNAL_DETAILS = "Internal error from Core"
 
 
-class CoordinatorChannel:
-    """The channels to a coordinator (one per replica), the call deadline and the error
-    translation; the base of :class:`~.coordinator_client.CoordinatorClient`, whose docstring
-    explains the arguments.
+class Channels:
+    """The channels of one client, one per address, made on first use (see the module).
 
-    ``target`` is the replica calls go to now; ``targets`` the addresses given; ``_failover``
-    the plan that :class:`~sarcomm.common.client.replicas.ReplicaChannel` follows between them.
+    ``token`` is sent as ``authorization: Bearer <token>`` on every call (:attr:`metadata`);
+    ``tls`` makes TLS channels (and lets :meth:`probe` say what TLS problem an address has);
+    ``credentials`` are ready-made channel credentials instead (not diagnosed).
 
     Raises:
-        InvalidArgumentError: for a malformed target (or list), a non-positive timeout, unreadable
-            TLS files, or both ``tls`` and ``credentials``.
+        InvalidArgumentError: unreadable TLS files.
     """
 
     def __init__(
         self,
-        target: str,
         token: str | None = None,
         *,
-        timeout: float = 30.0,
-        credentials: grpc.ChannelCredentials | None = None,
         tls: ClientTls | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        self.targets = parse_targets(target)
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
-        if tls is not None and credentials is not None:
-            raise InvalidArgumentError("give tls= or credentials=, not both.")
-        self.timeout = float(timeout)
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        #: The metadata every call carries (the bearer token, when there is one).
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.tls = tls
         self._credentials = tls.channel_credentials() if tls is not None else credentials
-        self._failover = Failover(self.targets)
-        # Whether one address was given: gRPC's transparent retries and slow keepalive, as before
-        # replicas (see the module's docstring).
-        self._single = len(self.targets) == 1
         self._open = False
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]] = {}
 
-    @property
-    def target(self) -> str:
-        """The replica calls go to now (the address given, for a single one)."""
-        return self._failover.current
-
-    @property
-    def replicated(self) -> bool:
-        """Whether calls fail over between replicas: several addresses were given, or a standby
-        named a leader."""
-        return len(self._failover.targets) > 1
-
-    # -- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self: _Self) -> _Self:
-        self.open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
     def open(self) -> None:
-        """Make the client usable (no I/O: connecting happens on the first call). Needs a running
-        event loop; ``async with`` calls it."""
+        """Allow channels to be made (no I/O). Needs a running event loop."""
         self._open = True
-        self._connection(self.target)
-
-    def _connection(self, target: str) -> tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]:
-        """The channel and stub of one replica, made on first use."""
-        if not self._open:
-            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
-        found = self._channels.get(target)
-        if found is not None:
-            return found
-        # gRPC backs off reconnecting up to 120 s by default; a coordinator that starts late
-        # (or restarts) should be found within seconds, a replica taking over within one.
-        single = self._single  # options a list's channels get differ (see the constants)
-        backoff_ms = _MAX_RECONNECT_BACKOFF_MS if single else 1_000
-        options: list[tuple[str, str | int]] = [
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS if single else _REPLICA_KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS if single else _REPLICA_KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", min(200, backoff_ms)),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms),
-            ("grpc.primary_user_agent", "sarcomm-worker"),
-        ]
-        if single:
-            options += [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
-        else:
-            options += [("grpc.enable_retries", 0)]
-        if self._credentials is None:
-            channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            channel = grpc.aio.secure_channel(target, self._credentials, options=options)
-        found = self._channels[target] = (channel, pb_grpc.CoordinatorStub(channel))
-        return found
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
@@ -214,72 +119,54 @@ class CoordinatorChannel:
         for channel, _ in channels.values():
             await channel.close(None)
 
-    @property
-    def _channel(self) -> grpc.aio.Channel | None:
-        found = self._channels.get(self.target)
-        return found[0] if found is not None else None
+    def get(self, target: str) -> tuple[grpc.aio.Channel, pb_grpc.CoordinatorAsyncStub]:
+        """The channel and stub of ``target``, made on first use.
 
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The metadata every call carries (the bearer token, when there is one)."""
-        return self._metadata
+        Raises:
+            RuntimeError: the client is not open.
+        """
+        if not self._open:
+            raise RuntimeError("CoordinatorClient is not open: use `async with CoordinatorClient(...)`.")
+        found = self._channels.get(target)
+        if found is not None:
+            return found
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
+        else:
+            channel = grpc.aio.secure_channel(target, self._credentials, options=_OPTIONS)
+        found = self._channels[target] = (channel, pb_grpc.CoordinatorStub(channel))
+        return found
 
-    @property
-    def stub(self) -> pb_grpc.CoordinatorAsyncStub:
-        """The raw generated stub of the replica calls go to now (for callers that need a field
-        this class does not expose)."""
-        return self._connection(self.target)[1]
+    def connected(self, target: str) -> bool:
+        """Whether ``target``'s connection is up now (without trying to connect)."""
+        found = self._channels.get(target)
+        return found is not None and found[0].get_state() is grpc.ChannelConnectivity.READY
 
-    # -- error translation -----------------------------------------------------------------------
+    async def connect(self, target: str, budget: float) -> bool:
+        """Whether ``target``'s connection is up, connecting for at most ``budget`` seconds. An
+        address whose last attempt failed counts as down at once: gRPC keeps trying it in the
+        background (every second at most), so it is up on a later try when it is back."""
+        channel = self.get(target)[0]
+        ends = time.monotonic() + budget
+        state = channel.get_state(try_to_connect=True)
+        while state is not grpc.ChannelConnectivity.READY:
+            left = ends - time.monotonic()
+            if left <= 0 or state in (
+                grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                grpc.ChannelConnectivity.SHUTDOWN,
+            ):
+                return False
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                return False
+            state = channel.get_state(try_to_connect=True)
+        return True
 
-    def _connected(self) -> bool:
-        return self._channel is not None and (
-            self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
-        )
-
-    def translate(self, err: grpc.RpcError, method: str, deadline: float, started: float) -> SarcommError:
-        """The sarcomm error for a failed call of ``method`` made with ``deadline`` seconds at
-        monotonic time ``started``."""
-        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
-        details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
-        elapsed = time.monotonic() - started
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
-            details == _OWN_DEADLINE_DETAILS or elapsed >= deadline - 0.05
-        ):
-            if not self._connected():
-                return CoordinatorUnavailableError(
-                    f"The coordinator at {self.target} could not be reached within the {deadline:g} s "
-                    f"deadline of {method}: check the address and that sar-coordinator is running there."
-                )
-            if method == "Join":
-                return JoinTimeoutError(
-                    f"The coordinator at {self.target} did not answer Join within the client deadline "
-                    f"of {deadline:g} s."
-                )
-            return CoordinatorUnavailableError(
-                f"The coordinator at {self.target} did not answer {method} within {deadline:g} s."
-            )
-        leader = leader_hint(err)
-        if code is grpc.StatusCode.UNAVAILABLE and leader is not None:
-            named = f"it names the leader at {leader}" if leader else "it knows no leader yet"
-            return NotLeaderError(
-                f"The coordinator at {self.target} is a standby ({method}): {named}; "
-                f"{details or 'no details'}",
-                leader=leader,
-            )
-        if code is grpc.StatusCode.UNAVAILABLE:
-            return CoordinatorUnavailableError(
-                f"The coordinator at {self.target} is unavailable ({method}): {details or 'no details'}"
-            )
-        return from_rpc_error(err)
-
-    # -- diagnosis of an address that cannot be used -----------------------------------------------
-
-    async def _probe(self, target: str | None = None) -> Unreachable | None:
-        """What is wrong with the address (``target``, default the current one; see
-        :func:`~sarcomm.common.client.reach.probe`), or None: nothing found, a target that is not
-        HOST:PORT, or ready-made credentials."""
-        split = split_target(self.target if target is None else target)
+    async def probe(self, target: str) -> Unreachable | None:
+        """What is wrong with ``target`` (see :func:`~sarcomm.common.client.reach.probe`), or None:
+        nothing found, a target that is not HOST:PORT, or ready-made credentials."""
+        split = split_target(target)
         if split is None or (self._credentials is not None and self.tls is None):
             return None
         host, port = split
@@ -291,76 +178,55 @@ class CoordinatorChannel:
         except (TimeoutError, OSError):
             return None
 
-    def _unreachable_error(self, found: Unreachable) -> SarcommError:
-        if found.problem is Problem.TLS:
-            message = f"TLS with the coordinator at {self.target} failed: {found.message}."
-            if found.rejection is Rejection.PROTOCOL_MISMATCH:
-                return CoordinatorUnavailableError(message)
-            return UnauthenticatedError(message)
+
+def translate(
+    err: grpc.RpcError, method: str, deadline: float, started: float, target: str, connected: bool
+) -> SarcommError:
+    """The sarcomm error for a failed call of ``method`` to ``target``, made with ``deadline``
+    seconds at monotonic time ``started``; ``connected``: whether ``target``'s connection is up."""
+    code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+    details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+    elapsed = time.monotonic() - started
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
+        details == _OWN_DEADLINE_DETAILS or elapsed >= deadline - 0.05
+    ):
+        if not connected:
+            return CoordinatorUnavailableError(
+                f"The coordinator at {target} could not be reached within the {deadline:g} s "
+                f"deadline of {method}: check the address and that sar-coordinator is running there."
+            )
+        if method == "Join":
+            return JoinTimeoutError(
+                f"The coordinator at {target} did not answer Join within the client deadline "
+                f"of {deadline:g} s."
+            )
         return CoordinatorUnavailableError(
-            f"Cannot use the coordinator address {self.target} ({found.problem.value}): {found.message}."
+            f"The coordinator at {target} did not answer {method} within {deadline:g} s."
         )
+    leader = leader_hint(err)
+    if code is grpc.StatusCode.UNAVAILABLE and leader is not None:
+        named = f"it names the leader at {leader}" if leader else "it knows no leader yet"
+        return NotLeaderError(
+            f"The coordinator at {target} is a standby ({method}): {named}; {details or 'no details'}",
+            leader=leader,
+        )
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return CoordinatorUnavailableError(
+            f"The coordinator at {target} is unavailable ({method}): {details or 'no details'}"
+        )
+    return from_rpc_error(err)
 
-    async def _explained(self, error: SarcommError) -> SarcommError:
-        """``error``, or the problem behind it when the coordinator was never reached."""
-        if not isinstance(error, CoordinatorUnavailableError) or self._connected():
-            return error
-        found = await self._probe()
-        if found is None:
-            return error
-        if found.problem is Problem.TLS:
-            return self._unreachable_error(found)
-        return CoordinatorUnavailableError(f"{error} Found: {found.problem.value}: {found.message}.")
 
-    async def _diagnosed(
-        self, call: grpc.aio.UnaryUnaryCall[Any, _Response], method: str, *, fail_fast: bool = False
-    ) -> _Response:
-        """Await ``call``; while the channel cannot connect, find out why and say so.
-
-        A call with ``wait_for_ready`` waits through connection failures until its deadline, which
-        for a join is the join timeout (minutes): right for a coordinator that is not up yet, but
-        the coordinator's HTTP port or a wrong certificate never heals. So while the channel is in
-        TRANSIENT_FAILURE the address is probed (:meth:`_probe`): a lasting problem (not gRPC, TLS)
-        ends the call at once, and so does any problem with ``fail_fast`` (a one-shot command such
-        as ``status``); otherwise the problem is logged at once and then every
-        ``STILL_TRYING_EVERY_S`` seconds while the call keeps waiting.
-        """
-        found: list[Unreachable] = []
-        started = time.monotonic()
-
-        async def watch() -> None:
-            said_at: float | None = None
-            while True:
-                await asyncio.sleep(_PROBE_EVERY_S)
-                channel = self._channel
-                if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                    continue
-                problem = await self._probe()
-                if problem is None:
-                    continue
-                if problem.lasting or fail_fast:
-                    found.append(problem)
-                    call.cancel()
-                    return
-                now = time.monotonic()
-                if said_at is None or now - said_at >= STILL_TRYING_EVERY_S:
-                    said_at = now
-                    left = call.time_remaining()
-                    log.warning(
-                        "%s: cannot reach the coordinator at %s (%s): %s; still trying (%.0f s so far, "
-                        "%s left)", method, self.target, problem.problem.value, problem.message,
-                        now - started, "no deadline" if left is None else f"{left:.0f} s",
-                    )  # fmt: skip
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if found:  # our watcher cancelled the call, not the caller its task
-                raise self._unreachable_error(found[0]) from None
-            raise
-        finally:
-            watcher.cancel()
+def unreachable_error(target: str, found: Unreachable) -> SarcommError:
+    """The error for an address that cannot be used, as a probe ``found`` it."""
+    if found.problem is Problem.TLS:
+        message = f"TLS with the coordinator at {target} failed: {found.message}."
+        if found.rejection is Rejection.PROTOCOL_MISMATCH:
+            return CoordinatorUnavailableError(message)
+        return UnauthenticatedError(message)
+    return CoordinatorUnavailableError(
+        f"Cannot use the coordinator address {target} ({found.problem.value}): {found.message}."
+    )
 
 
 def leader_hint(err: grpc.RpcError) -> str | None:

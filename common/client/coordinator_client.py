@@ -1,9 +1,11 @@
 """Async client of the ``sarcomm.v1.Coordinator`` gRPC service.
 
-One :class:`CoordinatorClient` holds the channel to a coordinator
-(:class:`~sarcomm.common.client.channel.CoordinatorChannel`, which also explains how calls wait, retry and
-fail), or to its replicas (``"a:50051,b:50051"``: :class:`~sarcomm.common.client.replicas.ReplicaChannel`
-follows the leader and fails over). Failed calls raise the
+One :class:`CoordinatorClient` has the coordinator's addresses, one or its replicas
+(``"a:50051,b:50051"``), as one :class:`~sarcomm.common.client.replicas.Replicas` over
+:class:`~sarcomm.common.client.channel.Channels`: every unary call is one
+:meth:`~sarcomm.common.client.replicas.Replicas.call`, the client's one retry layer, which follows
+the leader, sends the call again while nothing answers it, and ends at the call's deadline (the
+module explains the rules and why that layer). Failed calls raise the
 :mod:`sarcomm.common.errors` class their status maps to. The client's own deadline becomes
 :class:`CoordinatorUnavailableError` (never reached the coordinator) or, for ``Join``,
 :class:`JoinTimeoutError`, with a message naming the target and the deadline. The long-lived
@@ -25,18 +27,20 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
 
 import grpc
 import grpc.aio
 
 from sarcomm.common import netinfo
+from sarcomm.common.addresses import parse_targets
+from sarcomm.common.client.channel import Channels
 from sarcomm.common.client.heartbeats import HeartbeatStream
-from sarcomm.common.client.replicas import ReplicaChannel, cancel_call
+from sarcomm.common.client.replicas import ReplicaRole, Replicas, cancel_call
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     InvalidArgumentError,
-    NotLeaderError,
     SarcommError,
 )
 from sarcomm.common.interfaces import InterfaceInfo
@@ -48,19 +52,16 @@ from sarcomm.common.messages import (
     MemberReport,
     interface_to_proto,
 )
+from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["CoordinatorClient"]
 
 log = logging.getLogger(__name__)
 
-#: While the coordinator answers a Join with UNAVAILABLE (it cannot write its state: a full disk),
-#: the same Join is sent again this often, and said so at most this often.
-_STATE_RETRY_S = 2.0
-_STATE_WARN_EVERY_S = 15.0
 
-
-class CoordinatorClient(ReplicaChannel):
+class CoordinatorClient:
     """Async client of a coordinator; use as ``async with CoordinatorClient(target) as c``.
 
     Args:
@@ -86,6 +87,71 @@ class CoordinatorClient(ReplicaChannel):
         InvalidArgumentError: for a malformed target, a non-positive timeout, unreadable TLS
             files, or both ``tls`` and ``credentials``.
     """
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
+        targets = parse_targets(target)
+        if not timeout > 0:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
+        if tls is not None and credentials is not None:
+            raise InvalidArgumentError("give tls= or credentials=, not both.")
+        self.timeout = float(timeout)
+        self.tls = tls
+        self._replicas = Replicas(targets, Channels(token, tls=tls, credentials=credentials))
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The addresses given (one, or the replicas), in order."""
+        return self._replicas.targets
+
+    @property
+    def target(self) -> str:
+        """The replica calls go to now (the address given, for a single one)."""
+        return self._replicas.target
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries (the bearer token, when there is one)."""
+        return self._replicas.metadata
+
+    @property
+    def stub(self) -> pb_grpc.CoordinatorAsyncStub:
+        """The raw generated stub of the replica calls go to now (for callers that need a field
+        this class does not expose)."""
+        return self._replicas.stub_for(self.target)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> CoordinatorClient:
+        self.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def open(self) -> None:
+        """Make the client usable (no I/O: connecting happens on the first call). Needs a running
+        event loop; ``async with`` calls it."""
+        self._replicas.channels.open()
+        self._replicas.channels.get(self.target)
+
+    async def close(self) -> None:
+        """Close the channels; calls in flight are cancelled."""
+        await self._replicas.channels.close()
+
+    async def roles(self, timeout: float) -> list[ReplicaRole]:
+        """Each given replica's role (see :meth:`~sarcomm.common.client.replicas.Replicas.roles`);
+        waits at most ``timeout`` seconds."""
+        return await self._replicas.roles(timeout)
 
     # -- Join ------------------------------------------------------------------------------------
 
@@ -229,7 +295,9 @@ class CoordinatorClient(ReplicaChannel):
         except (ValueError, TypeError) as exc:  # protobuf: int32 overflow, wrong types
             raise InvalidArgumentError(f"A Join field does not fit its protobuf type: {exc}") from exc
 
-        # The same on every try of this join: a retried Join gets the first one's answer.
+        # The same on every try of this join (Replicas.call sends it again while nothing answers
+        # it: a broken connection, a new leader, a coordinator that cannot write its state): the
+        # coordinator answers every try with the first one's members.
         request.join_id = secrets.token_hex(16)
         deadline = self.join_deadline(join_timeout)
         started = time.monotonic()
@@ -238,7 +306,7 @@ class CoordinatorClient(ReplicaChannel):
             job, list(ranks) if ranks is not None else "any", generation,
             self.target, world_size, nproc, deadline,
         )  # fmt: skip
-        resp = await self._join_until_answered(request, deadline, started)
+        resp = await self._replicas.call("Join", lambda stub: stub.Join, request, deadline, started)
         if len(resp.assignments) != nproc:
             raise SarcommError(
                 f"The coordinator at {self.target} answered Join for job {resp.job!r} with "
@@ -293,33 +361,6 @@ class CoordinatorClient(ReplicaChannel):
 
     # -- Heartbeat -------------------------------------------------------------------------------
 
-    async def _join_until_answered(
-        self, request: pb.JoinRequest, deadline: float, started: float
-    ) -> pb.JoinResponse:
-        """Send ``request`` until the coordinator answers it or the deadline passes. The coordinator
-        answers UNAVAILABLE while it cannot write its state (a full disk): the same Join (same
-        ``join_id``) is sent again, at most every :data:`_STATE_RETRY_S` seconds, saying so."""
-        warned = float("-inf")
-        while True:
-            try:
-                return await self._call(
-                    "Join",
-                    lambda stub, timeout, ready: stub.Join(
-                        request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
-                    ),
-                    deadline,
-                    started,
-                )
-            except grpc.aio.AioRpcError as err:
-                error = await self._explained(self.translate(err, "Join", deadline, started))
-                answered = err.code() is grpc.StatusCode.UNAVAILABLE and self._connected()
-                if not answered or deadline - (time.monotonic() - started) < _STATE_RETRY_S:
-                    raise error from err
-                if time.monotonic() - warned >= _STATE_WARN_EVERY_S:
-                    warned = time.monotonic()
-                    log.warning("job=%s: %s; trying again until the join deadline", request.job, error)
-                await asyncio.sleep(_STATE_RETRY_S)
-
     async def heartbeat(self, reports: Sequence[MemberReport]) -> HeartbeatReply:
         """Send one batch of reports over a short-lived stream and return the coordinator's answer.
 
@@ -331,12 +372,13 @@ class CoordinatorClient(ReplicaChannel):
         request = pb.HeartbeatRequest(reports=[r.to_proto() for r in reports], closing=True)
         started = time.monotonic()
         call = self.stub.Heartbeat(
-            iter([request]), timeout=self.timeout, metadata=self._metadata, wait_for_ready=True
+            iter([request]), timeout=self.timeout, metadata=self.metadata, wait_for_ready=True
         )
         try:
             replies = [HeartbeatReply.from_proto(r) async for r in call]
         except grpc.aio.AioRpcError as err:
-            raise await self._explained(self.translate(err, "Heartbeat", self.timeout, started)) from err
+            error = self._replicas.translate(err, "Heartbeat", self.timeout, started)
+            raise await self._replicas.explained(error) from err
         if not replies:
             raise SarcommError(
                 f"The coordinator at {self.target} closed the Heartbeat stream without an answer."
@@ -356,7 +398,7 @@ class CoordinatorClient(ReplicaChannel):
         ``reports()`` is called every ``interval`` seconds and its reports are sent as one batch
         (an empty batch is skipped). See :class:`HeartbeatStream`.
         """
-        return HeartbeatStream(self, reports, interval, stream_timeout=stream_timeout)
+        return HeartbeatStream(self._replicas, reports, interval, stream_timeout=stream_timeout)
 
     # -- Leave, Watch, ListJobs --------------------------------------------------------------------
 
@@ -370,52 +412,43 @@ class CoordinatorClient(ReplicaChannel):
         """
         started = time.monotonic()
         request = pb.LeaveRequest(member_id=member_id, secret=secret, exit_code=exit_code, reason=reason)
-        try:
-            resp = await self._call(
-                "Leave",
-                lambda stub, timeout, ready: stub.Leave(
-                    request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
-                ),
-                self.timeout,
-                started,
-                diagnose=False,
-            )
-        except grpc.aio.AioRpcError as err:
-            raise await self._explained(self.translate(err, "Leave", self.timeout, started)) from err
+        resp = await self._replicas.call("Leave", lambda stub: stub.Leave, request, self.timeout, started)
         return resp.job_state
 
     async def watch(self, job: str, generation: int = 0, *, timeout: float = 3600.0) -> AsyncIterator[Event]:
         """Yield the job's events as they happen (from ``generation``; 0 = the current one).
 
         The stream has a deadline like every call: after ``timeout`` seconds (default one hour)
-        the iteration ends quietly; call again to keep watching. With replicas, a stream that
-        breaks (the leader died), or whose leader this client's other calls found replaced (a
-        hung leader), is opened again at the new leader within the deadline; the job's state
-        that a new stream starts with is not yielded twice.
+        the iteration ends quietly; call again to keep watching. A stream that breaks (the
+        coordinator restarted, the leader died), or whose leader this client's other calls found
+        replaced (a hung leader), is opened again at the leader within the deadline, once its
+        connection is up (:meth:`~sarcomm.common.client.replicas.Replicas.replica`); the job's
+        state that a new stream starts with is not yielded twice.
 
         Raises:
             NotFoundError: unknown job.
-            CoordinatorUnavailableError: the coordinator was not reached before the deadline, or
-                went away (with replicas: no replica led before the deadline).
+            CoordinatorUnavailableError: the stream broke and could not be opened again before the
+                deadline.
         """
+        replicas = self._replicas
         started = time.monotonic()
         seen: set[Event] = set()
         while True:
-            target = await self.replica("Watch")
+            target = await replicas.replica("Watch")
             left = timeout - (time.monotonic() - started)
-            call = self.stub_for(target).Watch(
+            call = replicas.stub_for(target).Watch(
                 pb.WatchRequest(job=job, generation=generation),
                 timeout=max(left, 0.001),
-                metadata=self._metadata,
-                wait_for_ready=not self.replicated,
+                metadata=self.metadata,
+                wait_for_ready=False,
             )
             # Another call following a new leader: this stream goes there too (the old leader may
             # hang with its connection up, and a watch hears nothing for long stretches).
-            moved = asyncio.ensure_future(self.left_behind(target))
+            moved = asyncio.ensure_future(replicas.left_behind(target))
             moved.add_done_callback(functools.partial(cancel_call, call))
             try:
                 async for msg in call:
-                    self.answered(target)
+                    replicas.answered(target)
                     event = Event.from_proto(msg)
                     if event not in seen:
                         seen.add(event)
@@ -426,18 +459,17 @@ class CoordinatorClient(ReplicaChannel):
                     raise
                 log.info("Watch of job %s: re-attaching at the leader %s", job, self.target)
             except grpc.aio.AioRpcError as err:
-                error = self.translate(err, "Watch", timeout, started)
-                ended = (
-                    isinstance(error, CoordinatorUnavailableError)
-                    and not isinstance(error, NotLeaderError)
-                    and self._connected()
-                )
-                if ended and (not self.replicated or err.code() is grpc.StatusCode.DEADLINE_EXCEEDED):
+                error = replicas.translate(err, "Watch", timeout, started)
+                if (
+                    err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    and isinstance(error, CoordinatorUnavailableError)
+                    and replicas.connected()
+                ):
                     return  # our own deadline on an established stream: a normal end
-                delay = self.after_failure(target, err)
+                delay = replicas.after_failure(target, err)
                 left = timeout - (time.monotonic() - started)
                 if delay is None or left <= delay:
-                    raise await self._explained(error) from err
+                    raise await replicas.explained(error) from err
                 await asyncio.sleep(delay)
             finally:
                 moved.cancel()
@@ -451,16 +483,7 @@ class CoordinatorClient(ReplicaChannel):
         """
         started = time.monotonic()
         request = pb.ListJobsRequest(job=job)
-        try:
-            resp = await self._call(
-                "ListJobs",
-                lambda stub, timeout, ready: stub.ListJobs(
-                    request, timeout=timeout, metadata=self._metadata, wait_for_ready=ready
-                ),
-                self.timeout,
-                started,
-                fail_fast=True,
-            )
-        except grpc.aio.AioRpcError as err:
-            raise await self._explained(self.translate(err, "ListJobs", self.timeout, started)) from err
+        resp = await self._replicas.call(
+            "ListJobs", lambda stub: stub.ListJobs, request, self.timeout, started, fail_fast=True
+        )
         return list(resp.jobs)

@@ -1,6 +1,6 @@
 """Which coordinator replica a client calls next, and how long it waits first: the decisions of
-failing over, without gRPC or sleeping (:class:`~sarcomm.common.client.channel.CoordinatorChannel` does
-the I/O around them).
+failing over, without gRPC or sleeping (:class:`~sarcomm.common.client.replicas.Replicas` does the
+I/O around them).
 
 Rules, for a client given the replicas ``targets`` (``--coord a:50051,b:50051,c:50051``):
 
@@ -14,7 +14,10 @@ Rules, for a client given the replicas ``targets`` (``--coord a:50051,b:50051,c:
    with jitter (:data:`BACKOFF_FIRST_S` doubling up to :data:`BACKOFF_MAX_S`, each drawn in
    [half, whole]), so that a thousand clients neither hammer a standby nor move in lockstep.
 5. A success ends the round and resets the backoff; when it comes from another replica than the
-   last one that led, the client says so in one line (:meth:`Failover.succeeded`).
+   last one that led, or from the first one to lead after others failed, the client says so in
+   one line (:meth:`Failover.succeeded`).
+
+One address is a list of one: every failure ends a round, and the backoff spaces the tries.
 
 The plan is shared by every call of one client (the agent's heartbeat stream and its Leave calls
 follow the same leader); a failure reported for a target that is no longer ``current`` (another
@@ -89,8 +92,8 @@ class Failover:
         another replica than before (None on the first contact with the first target, and while
         the leader stays the same)."""
         line = None
-        if target != self._leader and (self._leader is not None or self.why):
-            others = "; ".join(f"{where} is {why}" for where, why in self.why.items() if where != target)
+        others = "; ".join(f"{where} is {why}" for where, why in self.why.items() if where != target)
+        if target != self._leader and (self._leader is not None or others):
             line = f"following the leader at {target}" + (f" ({others})" if others else "")
         self._leader = target
         self.current = target

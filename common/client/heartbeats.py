@@ -14,7 +14,7 @@ import grpc
 import grpc.aio
 
 from sarcomm.common.client.channel import connection_broke
-from sarcomm.common.client.replicas import ReplicaChannel
+from sarcomm.common.client.replicas import Replicas
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
 from sarcomm.v1 import coordinator_pb2 as pb
@@ -40,14 +40,15 @@ class HeartbeatStream:
     Every ``interval`` seconds it sends ``reports()`` as one request; each answer is queued and
     handed out by ``async for reply in stream``. The stream has a deadline (``stream_timeout``,
     default one hour) like every call; when it passes, or when the connection drops
-    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again, waiting for the
-    coordinator like any call (gRPC reconnects with exponential backoff and jitter). With replicas
-    (``a:50051,b:50051``) a broken stream is reopened at once at the next replica, a standby's
-    refusal sends it to the leader it names, a stream whose reports go unanswered for
-    :data:`SILENT_BEATS` intervals (a hung leader: its connection stays up) is given up too, and
-    rounds in which none leads are spaced by the failover backoff
-    (:mod:`sarcomm.common.client.replicas`): a new leader gives members
-    ``--reconnect-grace`` to re-attach, and they do within about a second of its taking over.
+    (``UNAVAILABLE``, e.g. the coordinator restarts), the stream is opened again where
+    :meth:`~sarcomm.common.client.replicas.Replicas.replica` says, once that replica's connection is
+    up: a broken stream is reopened at once at the next replica (with one address, the same one),
+    a standby's refusal sends it to the leader it names, and rounds in which none leads are spaced
+    by the failover backoff (:mod:`sarcomm.common.client.replicas`). With replicas
+    (``a:50051,b:50051``) a stream whose reports go unanswered for :data:`SILENT_BEATS` intervals
+    (a hung leader: its connection stays up) is given up for another replica too: a new leader
+    gives members ``--reconnect-grace`` to re-attach, and they do within about a second of its
+    taking over.
     Ranks keep running meanwhile: collectives never depend on the coordinator being up. Any other failure
     (``UNAUTHENTICATED`` ...), or an exception from ``reports()``, ends the iteration by raising it
     (gRPC statuses as their :mod:`sarcomm.common.errors` class).
@@ -60,7 +61,7 @@ class HeartbeatStream:
 
     def __init__(
         self,
-        client: ReplicaChannel,
+        replicas: Replicas,
         reports: Callable[[], Sequence[MemberReport]],
         interval: float,
         *,
@@ -72,7 +73,7 @@ class HeartbeatStream:
             raise InvalidArgumentError(
                 f"stream_timeout={stream_timeout!r} must be longer than the interval ({interval!r} s)."
             )
-        self._client = client
+        self._replicas = replicas
         self._reports = reports
         self.interval = float(interval)
         # What the caller asked for; the coordinator's answers may make the beats faster (never
@@ -90,7 +91,7 @@ class HeartbeatStream:
         self._was_connected = False
         self.connected = False
         # The replica the current stream goes to; since when a report of it waits for an answer.
-        self._target = client.target
+        self._target = replicas.target
         self._unanswered_since: float | None = None
 
     async def __aenter__(self) -> HeartbeatStream:
@@ -165,14 +166,14 @@ class HeartbeatStream:
         async for resp in call:
             self._unanswered_since = None
             if not self.connected:
-                self._client.answered(self._target)
+                self._replicas.answered(self._target)
             self.connected = True
             reply = HeartbeatReply.from_proto(resp)
             paced = paced_interval(self._configured, reply.heartbeat_interval)
             if paced != self.interval:
                 log.info(
                     "heartbeating every %g s: the coordinator at %s expects reports every %g s",
-                    paced, self._client.target, reply.heartbeat_interval,
+                    paced, self._target, reply.heartbeat_interval,
                 )  # fmt: skip
                 self.interval = paced
                 self._wake.set()  # the next report goes at the new pace, not after the old interval
@@ -181,17 +182,18 @@ class HeartbeatStream:
     async def _one_stream(self) -> float | None:
         """Run one stream until it ends; returns the seconds to wait before opening another one,
         or None when none should be."""
-        client = self._client
-        self._target = target = await client.replica("Heartbeat")
+        replicas = self._replicas
+        self._target = target = await replicas.replica("Heartbeat")
         started = time.monotonic()
-        call = client.stub_for(target).Heartbeat(
-            None, timeout=self.stream_timeout, metadata=client.metadata, wait_for_ready=not client.replicated
+        call = replicas.stub_for(target).Heartbeat(
+            None, timeout=self.stream_timeout, metadata=replicas.metadata, wait_for_ready=False
         )
         self._unanswered_since = None
         reader = asyncio.ensure_future(self._reader(call))
         writer = asyncio.ensure_future(self._writer(call))
         tasks = {reader, writer}
-        watchdog = asyncio.ensure_future(self._silence()) if client.replicated else None
+        # A silent leader is left only for another replica (one address: its keepalive decides).
+        watchdog = asyncio.ensure_future(self._silence()) if replicas.replicated else None
         if watchdog is not None:
             tasks.add(watchdog)
         try:
@@ -204,7 +206,7 @@ class HeartbeatStream:
                 )  # fmt: skip
                 self._was_connected = self.connected
                 self.connected = False
-                return self._pause(client.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
+                return self._pause(replicas.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
             if writer in done and writer.exception() is None:
                 if self._closing.is_set():
                     # Half-closed: let the coordinator end the stream before anything cancels it,
@@ -226,7 +228,7 @@ class HeartbeatStream:
                 code is grpc.StatusCode.DEADLINE_EXCEEDED
                 and time.monotonic() - started >= self.stream_timeout - 0.05
             )
-            failover = None if own_deadline else client.after_failure(target, err)
+            failover = None if own_deadline else replicas.after_failure(target, err)
             # connection_broke: a coordinator killed mid-call can end the stream with grpc core's
             # INTERNAL rather than UNAVAILABLE; that is a broken connection too, not an answer.
             if failover is not None or own_deadline or connection_broke(err):
@@ -238,7 +240,7 @@ class HeartbeatStream:
                 self._was_connected = self.connected
                 self.connected = False
                 return self._pause(failover)
-            self._queue.put_nowait(client.translate(err, "Heartbeat", self.stream_timeout, started))
+            self._queue.put_nowait(replicas.translate(err, "Heartbeat", self.stream_timeout, started))
             return None
         finally:
             for task in tasks:
@@ -265,7 +267,8 @@ class HeartbeatStream:
         a broken stream after one interval. With replicas, the failover's wait (none before the
         first other replica). Otherwise one interval between streams, so that a coordinator that
         answers at once with an error (e.g. while shutting down) is not hammered; waiting for a
-        restart is wait_for_ready's, with gRPC's backoff and jitter."""
+        restart is :meth:`~sarcomm.common.client.replicas.Replicas.replica`'s, with backoff and
+        jitter."""
         quick, self._was_connected = self._was_connected, False
         jitter = random.uniform(0.0, 0.1) * self.interval if quick else 0.0
         if failover is not None:
