@@ -20,6 +20,8 @@ import pytest
 from tests.conftest import CoordinatorProcess
 from tests.helpers import SAR_WORKER, free_port, wait_for
 
+pytestmark = pytest.mark.integration
+
 #: "Within seconds": the probe runs once a second while the channel fails; start-up included.
 SAY_S = 10.0
 #: How often a waiting join repeats itself (channel._STILL_TRYING_EVERY_S), with slack.

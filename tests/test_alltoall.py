@@ -31,6 +31,8 @@ from sarcomm.worker.library import collectives
 from sarcomm.worker.library.collectives import alltoall
 from tests.gloo_group import run_gloo
 
+pytestmark = pytest.mark.integration
+
 WORLD_SIZES = (2, 3, 4)
 #: float32 elements per row in the mixed and rounds cases: one row is 1 KiB.
 ROW = 256

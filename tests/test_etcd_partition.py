@@ -38,6 +38,8 @@ from tests.test_etcd_failover import (
     leader_hint,
 )
 
+pytestmark = [pytest.mark.netns, pytest.mark.etcd]
+
 TTL_S = 2
 ETCD_SIDE, ETCD_NS_SIDE = "10.80.0.1", "10.80.0.2"
 TEST_SIDE, TEST_NS_SIDE = "10.81.0.1", "10.81.0.2"

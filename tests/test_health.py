@@ -645,16 +645,18 @@ def test_a_rank_reported_with_a_growing_age_fails_by_its_own_silence() -> None:
     clock = FakeClock()
     membership = _membership(clock)
     ids = _formed(membership)
-    for step in range(1, 5):  # its agent keeps reporting it, but its own stamp stopped at 1000
-        clock.now = 1000.0 + step
+    start = clock.monotonic()
+    for step in range(1, 5):  # its agent keeps reporting it, but its own stamp stopped at the start
+        clock.advance(0.9 if step > 1 else 1.0)  # to start + step
         for member_id in ids:
             _report(membership, member_id, age=float(step) if member_id == ids[1] else 0.0)
-        clock.now += 0.1
+        clock.advance(0.1)
         failed = membership.sweep()
         if failed:
             break
     assert [m.rank for _, m in failed] == [1]
-    assert clock.now == pytest.approx(1003.1)  # 3 s after its last stamp, not after the agent's last report
+    # 3 s after its last stamp, not after the agent's last report
+    assert clock.monotonic() - start == pytest.approx(3.1)
     assert failed[0][1].reason == "missed heartbeats: silent for 3.1 s"
 
 
@@ -667,10 +669,10 @@ def test_a_broken_stream_fails_its_members_after_the_grace_unless_a_newer_stream
         _report(membership, member_id, stream=old)
     _report(membership, ids[0], stream=new)  # rank 0's reporter already reopened its stream
     membership.stream_lost(old, ids)
-    clock.now += 0.4
+    clock.advance(0.4)
     assert membership.sweep() == []
     _report(membership, ids[2], stream=new)  # rank 2 came back within the grace
-    clock.now += 0.2
+    clock.advance(0.2)
     failed = membership.sweep()
     assert [m.rank for _, m in failed] == [1]
     assert failed[0][1].reason.startswith("connection lost")
@@ -682,13 +684,13 @@ def test_restored_members_get_the_reconnect_grace_then_the_silence_rule(tmp_path
     store = SqliteStore(tmp_path / "state.sqlite")
     ids = _formed(stored_membership(store, clock))
     restored = stored_membership(store, clock, restore_grace=10.0)
-    clock.now += 9.0
+    clock.advance(9.0)
     assert restored.sweep() == []
     _report(restored, ids[0])  # rank 0 reconnected: from now on the usual rule
-    clock.now += 1.5
+    clock.advance(1.5)
     failed = restored.sweep()
     assert sorted(assigned_rank(m) for _, m in failed) == [1, 2]  # judged once the grace was over
-    clock.now += 10.0
+    clock.advance(10.0)
     assert restored.job("j") is not None
 
 
@@ -698,12 +700,13 @@ def test_stall_names_the_ranks_that_have_not_entered_the_collective_the_others_w
     ids = _formed(membership)
     job = membership.job("j")
     assert job is not None
-    _report(membership, ids[0], progress=Progress(8, "all_reduce", True, 1000.0))
-    _report(membership, ids[1], progress=Progress(7, "all_to_all", False, 999.0))
-    _report(membership, ids[2], progress=Progress(8, "all_reduce", True, 1001.0))
-    clock.now = 1029.0
+    start = clock.wall()
+    _report(membership, ids[0], progress=Progress(8, "all_reduce", True, start))
+    _report(membership, ids[1], progress=Progress(7, "all_to_all", False, start - 1.0))
+    _report(membership, ids[2], progress=Progress(8, "all_reduce", True, start + 1.0))
+    clock.advance(29.0)
     assert membership.stall(job) is None  # not waited long enough
-    clock.now = 1031.0
+    clock.advance(2.0)
     stall = membership.stall(job)
     assert stall is not None
     assert (stall.seq, stall.op, stall.waiting, stall.blocking, stall.waited) == (
@@ -712,7 +715,7 @@ def test_stall_names_the_ranks_that_have_not_entered_the_collective_the_others_w
     assert stall.describe() == (
         "2 rank(s) have waited 31.0 s in collective #8 (all_reduce) for rank(s) 1, which have not entered it"
     )
-    _report(membership, ids[1], progress=Progress(8, "all_reduce", True, 1031.0))
+    _report(membership, ids[1], progress=Progress(8, "all_reduce", True, clock.wall()))
     assert membership.stall(job) is None  # everyone is in #8: nobody to name
 
 
@@ -780,7 +783,7 @@ def test_a_failed_jobs_silent_member_is_judged_so_the_job_ends() -> None:
     _secret_free(membership, ids[1])
     membership.leave(ids[0], "", 1, "exited with code 1")  # fails the job
     membership.leave(ids[1], "", 143, "stopped")
-    clock.now += 3.5  # rank 2 never reports again
+    clock.advance(3.5)  # rank 2 never reports again
     failed = membership.sweep()
     assert [m.rank for _, m in failed] == [2]
     job = failed[0][0]

@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import CoordinatorProcess
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 REFUSAL_DEADLINE_S = 30.0
 
 

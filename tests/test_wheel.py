@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import CoordinatorProcess
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB_DEADLINE_S = 120.0
 
