@@ -259,7 +259,7 @@ class EtcdCluster:
         if self.shared:
             raise RuntimeError(
                 f"cannot {what}: this etcd cluster is shared by the module's tests (module_etcd_cluster); "
-                "a test that kills, stops or restarts members takes the etcd_cluster fixture (its own cluster)"
+                "a test that kills, stops or restarts members takes the etcd_cluster fixture, its own cluster"
             )
 
     def kill(self, index: int) -> None:
