@@ -29,6 +29,7 @@ from tests.tiers import (  # noqa: F401
     pytest_collection_modifyitems,
     pytest_runtest_setup,
     pytest_runtest_teardown,
+    real_processes,
 )
 
 
@@ -156,7 +157,7 @@ def state_backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, o
     if request.param == "sqlite":
         return {"state": tmp_path / "state.sqlite"}
     cluster = request.getfixturevalue("module_etcd_cluster")
-    return {"store": EtcdSettings(cluster.url(etcd_prefix(request)), leader_ttl=1)}
+    return {"store": EtcdSettings(cluster.url(request.getfixturevalue("etcd_prefix")), leader_ttl=1)}
 
 
 def store_args(backend: dict[str, object]) -> list[str]:

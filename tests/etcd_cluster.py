@@ -17,7 +17,7 @@ Two pytest fixtures, each skipped, saying so, only when the ``etcd`` binary is a
 
 - :func:`module_etcd_cluster`: one cluster for a whole test module, for the tests that only use
   etcd (the store contract, coordinators on etcd). It refuses to kill, stop or restart a member;
-  each test keeps its keys under a prefix of its own (:func:`etcd_prefix`).
+  each test keeps its keys under a prefix of its own (:func:`etcd_prefix`, a fixture).
 - :func:`etcd_cluster`: a fresh cluster for one test, which may kill members and lose the quorum.
 
 Benchmarks use :func:`running_cluster` too.
@@ -390,8 +390,10 @@ def module_etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Et
 _prefixes = itertools.count(1)
 
 
+@pytest.fixture
 def etcd_prefix(request: pytest.FixtureRequest) -> str:
-    """A key prefix for this test alone on a shared cluster: ``tNNNNN-<test name>``. The numbered
-    head keeps any prefix from being the start of another one."""
+    """A key prefix for this test alone on a shared cluster: ``tNNNNN-<test name>`` (the numbered
+    head keeps any prefix from being the start of another one). Without a leading slash: the
+    ``--store`` URL's path (``cluster.url(etcd_prefix)``); an ``EtcdStore`` takes ``"/" + it``."""
     name = re.sub(r"[^A-Za-z0-9._]", "_", request.node.name)[:100]
     return f"t{next(_prefixes):05d}-{name}"

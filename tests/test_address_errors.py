@@ -42,7 +42,7 @@ def _status(*args: str) -> tuple[int, str, float]:
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]]]:
+def workers(tmp_path: Path, real_processes: None) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]]]:
     started: list[tuple[subprocess.Popen[bytes], Path]] = []
     yield started
     for proc, _ in started:

@@ -31,8 +31,6 @@ from sarcomm.worker.library import collectives
 from sarcomm.worker.library.collectives import alltoall
 from tests.gloo_group import run_gloo
 
-pytestmark = pytest.mark.integration
-
 WORLD_SIZES = (2, 3, 4)
 #: float32 elements per row in the mixed and rounds cases: one row is 1 KiB.
 ROW = 256
@@ -367,7 +365,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
-def world(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Any]]]:
+def world(request: pytest.FixtureRequest, real_processes: None) -> tuple[int, dict[int, dict[str, Any]]]:
     size = int(request.param)
     return size, run_gloo(size, _scenario, deadline_s=150.0)
 

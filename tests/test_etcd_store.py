@@ -21,7 +21,7 @@ from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.records import job_record, load_state
 from sarcomm.coordinator.storage.store import SqliteStore, StateStore, encode_job
 from tests.conftest import STORES
-from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, etcd_prefix, running_cluster
+from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
 from tests.tls_files import make_tls_files
 
@@ -47,7 +47,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateS
         sqlite.close()
         return
     cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
-    prefix = etcd_prefix(request)
+    prefix = request.getfixturevalue("etcd_prefix")
     client = EtcdClient(EtcdSettings(cluster.url(prefix)))
     store = EtcdStore(client, "/" + prefix)
     lead(client, store)
@@ -100,11 +100,10 @@ def test_a_store_writes_many_jobs_in_one_call(any_store: StateStore) -> None:
 
 
 def test_etcd_refuses_a_write_after_the_leader_lease_expired(
-    module_etcd_cluster: EtcdCluster, request: pytest.FixtureRequest
+    module_etcd_cluster: EtcdCluster, etcd_prefix: str
 ) -> None:
-    prefix = etcd_prefix(request)
-    client = EtcdClient(EtcdSettings(module_etcd_cluster.url(prefix)))
-    store = EtcdStore(client, "/" + prefix)
+    client = EtcdClient(EtcdSettings(module_etcd_cluster.url(etcd_prefix)))
+    store = EtcdStore(client, "/" + etcd_prefix)
     fenced: list[bool] = []
     store.on_fenced = lambda: fenced.append(True)
     try:
@@ -118,7 +117,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(
         assert fenced == [True]
         assert time.monotonic() - started < 2
         # And a later leader's key does not let the old fence through either.
-        lead(client, EtcdStore(client, "/" + prefix))
+        lead(client, EtcdStore(client, "/" + etcd_prefix))
         store.fence(1)
         with pytest.raises(LeadershipLostError):
             store.write_rows([encode_job(_formed_job("after"))])

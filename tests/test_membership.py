@@ -32,7 +32,7 @@ from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.records import load_state, write_at_once
 from sarcomm.coordinator.storage.store import SqliteStore, StateStore
 from tests.conftest import STORES
-from tests.etcd_cluster import EtcdCluster, etcd_prefix
+from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, assigned_rank, spec
 from tests.test_etcd_store import lead
 
@@ -269,7 +269,7 @@ def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[
         yield lambda: SqliteStore(tmp_path / "state.sqlite")
         return
     cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
-    prefix = etcd_prefix(request)
+    prefix = request.getfixturevalue("etcd_prefix")
     client = EtcdClient(EtcdSettings(cluster.url(prefix)))
     leases: list[int] = []
 

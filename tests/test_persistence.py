@@ -23,7 +23,7 @@ from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.persistence import WriteBehind
 from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
 from tests.conftest import STORES
-from tests.etcd_cluster import EtcdCluster, etcd_prefix
+from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for_async
 from tests.test_etcd_store import lead
 
@@ -67,7 +67,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CountingSt
         yield CountingStore(SqliteStore(tmp_path / "state.sqlite"))
         return
     cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
-    prefix = etcd_prefix(request)
+    prefix = request.getfixturevalue("etcd_prefix")
     client = EtcdClient(EtcdSettings(cluster.url(prefix)))
     etcd = EtcdStore(client, "/" + prefix)
     lead(client, etcd)

@@ -208,7 +208,9 @@ def scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Any]]]:
+def world_results(
+    request: pytest.FixtureRequest, real_processes: None
+) -> tuple[int, dict[int, dict[str, Any]]]:
     world = int(request.param)
     return world, run_gloo(world, scenario, env={"TEST_SECOND_PORT": str(free_port())})
 

@@ -55,7 +55,7 @@ def ports(state: Path) -> list[str]:
 
 
 @pytest.fixture
-def running(tmp_path: Path) -> Iterator[CoordinatorProcess]:
+def running(tmp_path: Path, real_processes: None) -> Iterator[CoordinatorProcess]:
     coord = coordinator(tmp_path / "state.sqlite", tmp_path)
     coord.start()
     yield coord

@@ -9,9 +9,10 @@
 
 A test's tier is the highest of what it says (a ``pytest.mark.integration`` or ``system`` on the
 test or its module's ``pytestmark``) and what it uses: a tool marker (:data:`SYSTEM_TOOLS`) or a
-fixture that starts etcd (:data:`SYSTEM_FIXTURES`, which also adds the ``etcd`` tool marker) makes
-it ``system``; a fixture that starts a process (:data:`PROCESS_FIXTURES`) makes it
-``integration``. A test marked ``fast`` that uses either is refused at collection.
+fixture that starts a tool (:data:`SYSTEM_FIXTURES`: etcd, Slurm; it adds the tool's marker) makes
+it ``system``; a fixture that starts a process (:data:`PROCESS_FIXTURES`, including any fixture
+that asks for :func:`real_processes`) makes it ``integration``. A test marked ``fast`` that uses
+either is refused at collection.
 
 A fast test that starts a process anyway (``subprocess``, ``asyncio``'s subprocesses,
 ``multiprocessing``, ``os.fork``) fails at that call and again at teardown (in case the code under
@@ -37,9 +38,11 @@ TIERS = (FAST, INTEGRATION, SYSTEM)
 #: Markers that name a tool a test needs; each puts the test in the system tier.
 SYSTEM_TOOLS = frozenset({"docker", "etcd", "netns", "prometheus", "slurm", "soak"})
 #: Fixtures that start a tool, with the tool marker each adds: their tests are in the system tier.
-SYSTEM_FIXTURES = {"etcd_cluster": "etcd", "module_etcd_cluster": "etcd"}
-#: Fixtures that start a process (conftest.py's coordinators): their tests are integration tests.
-PROCESS_FIXTURES = frozenset({"start_coordinator", "coordinator", "module_coordinator"})
+SYSTEM_FIXTURES = {"etcd_cluster": "etcd", "module_etcd_cluster": "etcd", "slurm": "slurm"}
+#: Fixtures that start processes: conftest.py's coordinators, and :func:`real_processes`, which a
+#: fixture of a test module asks for to say that it starts some (a gloo group, agents, a venv).
+#: Their tests are integration tests.
+PROCESS_FIXTURES = frozenset({"start_coordinator", "coordinator", "module_coordinator", "real_processes"})
 
 #: What a fast test is told when it starts a process.
 _ADVICE = (
@@ -50,6 +53,13 @@ _ADVICE = (
 
 class ProcessInFastTest(RuntimeError):
     """Raised when a test of the fast tier starts a process."""
+
+
+@pytest.fixture(scope="session")
+def real_processes() -> None:
+    """Asked for by a fixture that starts processes, to put every test that uses it (directly or
+    through other fixtures) in the integration tier: ``def world(real_processes: None) -> ...``.
+    Does nothing itself."""
 
 
 def _tier_of(item: pytest.Item) -> str:
