@@ -330,6 +330,7 @@ def test_finalize_without_a_job_does_nothing_every_time() -> None:
     assert not sar.is_initialized()
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_sars_comm_names_resolve_through_sar_comm_in_a_fresh_process() -> None:
     names = sorted(sar_keywords.SAR_COMM_NAMES_ELSEWHERE)
     code = (

@@ -15,11 +15,12 @@ that asks for :func:`real_processes`) makes it ``integration``. A test marked ``
 either is refused at collection.
 
 A fast test that starts a process anyway (``subprocess``, ``asyncio``'s subprocesses,
-``multiprocessing``, ``os.fork``) fails at that call and again at teardown (in case the code under
-test swallowed the error), naming what it started and what to do (:func:`pytest_runtest_setup`
-and :func:`pytest_runtest_teardown`; the guard covers the module- and session-scoped fixtures a
-fast test sets up, so run the fast tier on its own, as ``scripts/test-fast.sh`` does, to check
-it). So a new test lands in the fast tier by default and cannot stay there by mistake.
+``multiprocessing``, ``os.fork``) in its setup or its body fails at that call and again at
+teardown (in case the code under test swallowed the error), naming what it started and what to do
+(:func:`pytest_runtest_setup` and :func:`pytest_runtest_teardown`). The guard covers the module-
+and session-scoped fixtures a fast test sets up, so run the fast tier on its own, as
+``scripts/test-fast.sh`` does, to check it. So a new test lands in the fast tier by default and
+cannot stay there by mistake.
 """
 
 from __future__ import annotations
@@ -88,11 +89,15 @@ def _tier_of(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give every collected test its tier marker (before ``-m`` selects on it)."""
+    """Give every collected test its one tier marker (before ``-m`` selects on it): the tier marks
+    said on tests, classes and modules are replaced by the tier each test ends up in, so that a
+    module marked ``integration`` whose test needs etcd has that test in ``system`` only."""
+    tiers = [(item, _tier_of(item)) for item in items]
     for item in items:
-        tier = _tier_of(item)
-        if item.get_closest_marker(tier) is None:
-            item.add_marker(tier)
+        for node in item.listchain():
+            node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
+    for item, tier in tiers:
+        item.add_marker(tier)
 
 
 def _refusing(what: str, started: list[str]) -> Callable[..., Any]:
@@ -127,14 +132,13 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    """Lift the guard after the fast test's teardown; fail the test if it started a process, even
-    one whose error the code under test caught."""
+    """Lift the guard before the teardown (which may end a module's fixtures, a tool's cleanup
+    among them); then fail the test if it started a process, even one whose error the code under
+    test caught."""
     guard = item.stash.get(_GUARD, None)
-    try:
-        result = yield
-    finally:
-        if guard is not None:
-            guard[0].undo()
+    if guard is not None:
+        guard[0].undo()
+    result = yield
     if guard is not None and guard[1]:
         pytest.fail(f"{item.nodeid} started a process ({'; '.join(guard[1])}): {_ADVICE}")
     return result
