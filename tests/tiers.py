@@ -118,7 +118,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     """In a fast test, from its setup on (fixtures of every scope it sets up included), every way
     of starting a process raises :class:`ProcessInFastTest`."""
     if item.get_closest_marker(FAST) is not None:
-        patch, started = pytest.MonkeyPatch(), []
+        patch, started = pytest.MonkeyPatch(), list[str]()
         # Popen covers subprocess.run and friends and asyncio's subprocesses; fork_exec is what
         # multiprocessing's spawn and forkserver call; os.fork what its fork context calls.
         patch.setattr(subprocess.Popen, "_execute_child", _refusing("subprocess.Popen", started))
