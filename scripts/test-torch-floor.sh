@@ -23,4 +23,5 @@ fi
 printf 'torch==%s\nnumpy<2\n' "$FLOOR_TORCH" > "$VENV/constraints.txt"
 python -m pip install --quiet -e ".[dev]" -c "$VENV/constraints.txt"
 python -c "import torch, sarcomm.worker; print('torch', torch.__version__, 'in $VENV')"
-python -m pytest -ra -p no:cacheprovider tests/test_collectives.py tests/test_exit_path.py "$@"
+python -m pytest -ra -p no:cacheprovider tests/test_collectives.py tests/test_comm_startup.py \
+  tests/test_collective_helpers.py tests/test_exit_path.py "$@"

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real ``sar-coordinator`` process on loopback for each test that asks."""
+"""Shared fixtures: a real ``sar-coordinator`` process on loopback for each test that asks, the etcd
+clusters, and the tiers (``tests/tiers.py``: every test is fast, integration or system)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ import pytest
 
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
-# The three-member etcd cluster of the etcd store and failover tests, as a fixture for every file.
-from tests.etcd_cluster import etcd_cluster  # noqa: F401
+# The three-member etcd clusters of the etcd store and failover tests, as fixtures for every file.
+from tests.etcd_cluster import etcd_cluster, etcd_prefix, module_etcd_cluster  # noqa: F401
 from tests.helpers import WaitTimeout, free_port, wait_for
+
+# The tiers: each test's marker, given at collection, and the fast tier's guard.
+from tests.tiers import (  # noqa: F401
+    pytest_collection_modifyitems,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    real_processes,
+)
 
 
 def netns_unavailable() -> str:
@@ -135,15 +144,20 @@ class StartCoordinator(Protocol):
     ) -> CoordinatorProcess: ...
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+#: The two stores, as parameters: the etcd one needs etcd (the ``etcd`` marker: the system tier).
+STORES = ["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)]
+
+
+@pytest.fixture(params=STORES)
 def state_backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
     """Where a coordinator keeps its jobs, once per store: ``{"state": PATH}`` (SQLite) or
-    ``{"store": EtcdSettings}`` on a fresh three-member etcd cluster (skipped without etcd), as
-    keyword arguments of :class:`CoordinatorConfig` (and of ``in_process_coordinator``)."""
+    ``{"store": EtcdSettings}`` under a prefix of the test's own on the module's etcd cluster
+    (skipped without etcd), as keyword arguments of :class:`CoordinatorConfig` (and of
+    ``in_process_coordinator``)."""
     if request.param == "sqlite":
         return {"state": tmp_path / "state.sqlite"}
-    cluster = request.getfixturevalue("etcd_cluster")
-    return {"store": EtcdSettings(cluster.url("backend"), leader_ttl=1)}
+    cluster = request.getfixturevalue("module_etcd_cluster")
+    return {"store": EtcdSettings(cluster.url(request.getfixturevalue("etcd_prefix")), leader_ttl=1)}
 
 
 def store_args(backend: dict[str, object]) -> list[str]:

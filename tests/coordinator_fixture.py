@@ -1,6 +1,6 @@
 """A coordinator in this process, on port 0, with a clock the test moves.
 
-Liveness, stalls and restarts are about time; with :class:`FakeClock` a test says exactly when
+Liveness, stalls and restarts are about time; with :class:`tests.helpers.FakeClock` a test says exactly when
 "now" is, and calls the sweep itself instead of sleeping until a real one comes. Everything else
 is real: the gRPC server and HTTP side on loopback, the client, the state file.
 
@@ -24,27 +24,9 @@ from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain.model import Job, Member
 from sarcomm.coordinator.server import Coordinator
-from tests.helpers import wait_for_async
+from tests.helpers import FakeClock, wait_for_async
 
 LOOPBACK = (InterfaceInfo("lo", ("127.0.0.1",), InterfaceKind.LOOPBACK),)
-
-
-class FakeClock:
-    """A :class:`sarcomm.coordinator.domain.clock.Clock` that moves only when told (:meth:`advance`)."""
-
-    def __init__(self, monotonic: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
-        self.mono = monotonic
-        self.now = wall
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def wall(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.mono += seconds
-        self.now += seconds
 
 
 @dataclass

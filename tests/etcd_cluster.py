@@ -13,17 +13,24 @@ clients on those addresses (e.g. a bridge address that a coordinator in a networ
 reaches); ``enable_v2`` turns on etcd's v2 API (torch elastic's ``etcd`` rendezvous backend speaks
 v2 only); ``extra_args`` are more flags for every member (e.g. ``--max-request-bytes``).
 
-The pytest fixture :func:`etcd_cluster` skips, saying so, only when the ``etcd`` binary is absent.
-Nothing here imports the product, so benchmarks can use it too.
+Two pytest fixtures, each skipped, saying so, only when the ``etcd`` binary is absent:
+
+- :func:`module_etcd_cluster`: one cluster for a whole test module, for the tests that only use
+  etcd (the store contract, coordinators on etcd). It refuses to kill, stop or restart a member;
+  each test keeps its keys under a prefix of its own (:func:`etcd_prefix`, a fixture).
+- :func:`etcd_cluster`: a fresh cluster for one test, which may kill members and lose the quorum.
+
+Benchmarks use :func:`running_cluster` too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -34,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_port
 
 #: Why etcd tests cannot run here, or "" when they can.
 ETCD_MISSING = (
@@ -53,12 +62,6 @@ def _die_with_parent() -> list[str]:
     """
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -95,14 +98,17 @@ class EtcdCluster:
     enable_v2: bool = False
     client_tls: tuple[Path, Path, Path] | None = None
     extra_args: Sequence[str] = ()
+    #: Set on a cluster that several tests share (:func:`module_etcd_cluster`): they may not kill,
+    #: stop or restart its members.
+    shared: bool = False
     members: list[EtcdMember] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.members = [
             EtcdMember(
                 name=f"m{i}",
-                client_port=_free_port(),
-                peer_port=_free_port(),
+                client_port=free_port(),
+                peer_port=free_port(),
                 data_dir=self.root / f"m{i}.etcd",
                 log_path=self.root / f"m{i}.log",
             )
@@ -251,17 +257,27 @@ class EtcdCluster:
         leader = self.leader_index()
         return next(i for i, m in enumerate(self.members) if m.running and i != leader)
 
+    def _refuse_if_shared(self, what: str) -> None:
+        if self.shared:
+            raise RuntimeError(
+                f"cannot {what}: this etcd cluster is shared by the module's tests (module_etcd_cluster); "
+                "a test that kills, stops or restarts members takes the etcd_cluster fixture, its own cluster"
+            )
+
     def kill(self, index: int) -> None:
         """SIGKILL member ``index`` and reap it."""
+        self._refuse_if_shared(f"kill etcd member {index}")
         self._end(self.members[index], signal.SIGKILL)
 
     def stop(self, index: int) -> None:
         """SIGTERM member ``index`` (etcd's orderly stop) and reap it."""
+        self._refuse_if_shared(f"stop etcd member {index}")
         self._end(self.members[index], signal.SIGTERM)
 
     def restart(self, index: int, *, wait: bool = True) -> None:
         """Start member ``index`` again on its data (it rejoins the cluster it was part of); with
         ``wait`` return once it answers healthy (which needs the quorum)."""
+        self._refuse_if_shared(f"restart etcd member {index}")
         member = self.members[index]
         if member.running:
             raise RuntimeError(f"etcd {member.name} is still running; stop or kill it first")
@@ -354,8 +370,35 @@ def running_cluster(
 
 @pytest.fixture
 def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A fresh three-member etcd cluster on loopback for one test; skipped without etcd."""
+    """A fresh three-member etcd cluster on loopback for one test, which may kill its members;
+    skipped without etcd."""
     if ETCD_MISSING:
         pytest.skip(ETCD_MISSING)
     with running_cluster(tmp_path / "etcd") as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def module_etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One three-member etcd cluster shared by a module's tests, which keep their keys under
+    :func:`etcd_prefix` and may not kill, stop or restart its members; skipped without etcd."""
+    if ETCD_MISSING:
+        pytest.skip(ETCD_MISSING)
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), shared=True)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+_prefixes = itertools.count(1)
+
+
+@pytest.fixture
+def etcd_prefix(request: pytest.FixtureRequest) -> str:
+    """A key prefix for this test alone on a shared cluster: ``tNNNNN-<test name>`` (the numbered
+    head keeps any prefix from being the start of another one). Without a leading slash: the
+    ``--store`` URL's path (``cluster.url(etcd_prefix)``); an ``EtcdStore`` takes ``"/" + it``."""
+    name = re.sub(r"[^A-Za-z0-9._]", "_", request.node.name)[:100]
+    return f"t{next(_prefixes):05d}-{name}"

@@ -21,6 +21,8 @@ from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.messages import Assignment, MemberReport
 from tests.helpers import SAR_WORKER, wait_for
 
+#: Bounds every wait of a failover test on a coordinator (a call, an answer, a stream's next event).
+DEADLINE_S = 20.0
 #: Bounds an agent's whole job (start, join, the ranks' collectives, exit).
 AGENT_DEADLINE_S = 120.0
 RANK_SCRIPT = str(Path(__file__).parent / "scripts" / "agent_rank.py")

@@ -5,9 +5,12 @@
   for "nothing happens for N seconds". Each fails naming what it waited for, and never waits
   longer than its timeout: no test waits with a fixed sleep.
 - gRPC streams: :func:`read_message` (the next message, with a deadline).
-- Ports: :func:`free_port` and :func:`free_port_run` (consecutive ports).
+- Ports: :func:`free_port` (the product's own, :func:`sarcomm.common.netinfo.free_port`: one
+  implementation for the tests, the fixtures and the client) and :func:`free_port_run`
+  (consecutive ports).
 - The coordinator's views as plain JSON: :func:`sd_groups`, :func:`wait_for_sd`.
-- Test doubles shared by several files: :class:`FakeClock`, :func:`spec` (a membership Join),
+- Test doubles shared by several files: :class:`FakeClock` (the one clock a test moves by hand),
+  :func:`spec` (a membership Join),
   :func:`nic`, :data:`LO` and :data:`LO_PB`.
 
 Nothing here imports pytest, so the rank scripts under ``tests/scripts`` can use it too.
@@ -28,6 +31,7 @@ from typing import Any, TypeAlias, TypeVar, overload
 import grpc
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.netinfo import free_port as free_port  # re-exported: the one free_port
 from sarcomm.coordinator.domain.membership import JoinSpec, Member, MemberRequest
 from sarcomm.v1 import coordinator_pb2 as pb
 
@@ -191,13 +195,6 @@ async def read_message(
     return message
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def free_port_run(count: int) -> int:
     """A port P such that P..P+count-1 were all free a moment ago (a fixed --metrics-port gives
     local rank i the port P+i: a busy P+1 would leave that rank without an endpoint).
@@ -240,20 +237,26 @@ def wait_for_sd(http_url: str, job: str, world: int, timeout: float = 20.0) -> l
 
 
 class FakeClock:
-    """A monotonic (and wall) clock the test moves by hand: ``clock.now += 10``."""
+    """The coordinator's two clocks (:class:`sarcomm.coordinator.domain.clock.Clock`), moved only
+    by the test: :meth:`advance` moves both by the same seconds.
 
-    def __init__(self) -> None:
-        self.now = 1000.0
+    ``monotonic`` starts at 1000 (any value: a new process's clock starts anywhere) and ``wall``
+    at a plausible Unix time (what users see, and what real clients' stamps are compared with).
+    """
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self, monotonic: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
 
-    # The coordinator's Clock protocol (sarcomm.coordinator.domain.clock): both read the one ``now``.
     def monotonic(self) -> float:
-        return self.now
+        return self._monotonic
 
     def wall(self) -> float:
-        return self.now
+        return self._wall
+
+    def advance(self, seconds: float) -> None:
+        self._monotonic += seconds
+        self._wall += seconds
 
 
 def assigned_rank(member: Member) -> int:

@@ -21,6 +21,8 @@ from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from tests.conftest import CoordinatorProcess
 from tests.helpers import free_port, wait_for
 
+pytestmark = pytest.mark.integration
+
 #: "Within seconds": the probe runs once a second while the channel fails; start-up included.
 SAY_S = 10.0
 #: How often a waiting join repeats itself (channel._STILL_TRYING_EVERY_S), with slack.
@@ -43,7 +45,7 @@ def _status(*args: str) -> tuple[int, str, float]:
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]]]:
+def workers(tmp_path: Path, real_processes: None) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]]]:
     started: list[tuple[subprocess.Popen[bytes], Path]] = []
     yield started
     for proc, _ in started:

@@ -1,4 +1,5 @@
-"""The agent's decisions (sarcomm.worker.agent.decisions.decide), without processes or a coordinator."""
+"""The agent's decisions (sarcomm.worker.agent.decisions.decide) and its small pure rules (exit
+codes, a rank's liveness age, the heartbeat pace), without processes or a coordinator."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import signal
 from collections.abc import Sequence
 
 from sarcomm.common.constants import EventKind
-from sarcomm.common.messages import Event
+from sarcomm.common.messages import Event, paced_interval
 from sarcomm.worker.agent.decisions import (
     EXIT_PEER_FAILED,
     EXIT_SPAWN_FAILED,
@@ -35,6 +36,8 @@ from sarcomm.worker.agent.decisions import (
     decide,
     describe_exit,
     exit_code_of,
+    liveness_age,
+    process_runs,
 )
 
 LABEL = "job=j ranks=[2, 3] generation=4"
@@ -77,6 +80,7 @@ def test_exit_code_of_is_the_code_or_128_plus_the_signal() -> None:
     assert exit_code_of(0) == 0
     assert exit_code_of(3) == 3
     assert exit_code_of(-signal.SIGKILL) == 137
+    assert exit_code_of(-signal.SIGTERM) == 143
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(-200) == "killed by signal 200 (signal 200)"
@@ -250,3 +254,21 @@ def test_decide_logs_a_broken_stream_and_keeps_the_ranks_running() -> None:
         state,
         [Log(logging.ERROR, f"{LABEL}: heartbeats stopped: the coordinator is gone; ranks keep running")],
     )
+
+
+# -- small pure rules --------------------------------------------------------------------------
+
+
+def test_liveness_age_takes_the_newest_sign_of_life() -> None:
+    assert liveness_age(10.0, None, 7.0) == 3.0
+    assert liveness_age(10.0, 9.0, 7.0) == 1.0
+    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future vouches for an exiting rank
+    assert [process_runs(s) for s in ("R", "S", "D", "T", "t", "Z", None)] == [
+        True, True, True, False, False, False, False,
+    ]  # fmt: skip
+
+
+def test_paced_interval_takes_the_shorter_of_ours_and_the_coordinators() -> None:
+    assert paced_interval(2.0, 0.5) == 0.5
+    assert paced_interval(0.25, 1.0) == 0.25
+    assert paced_interval(1.0, 0.0) == 1.0  # an older coordinator does not say

@@ -365,7 +365,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
-def world(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Any]]]:
+def world(request: pytest.FixtureRequest, real_processes: None) -> tuple[int, dict[int, dict[str, Any]]]:
     size = int(request.param)
     return size, run_gloo(size, _scenario, deadline_s=150.0)
 

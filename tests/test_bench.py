@@ -235,6 +235,7 @@ def _cases_and_rows(rank: int, world: int) -> dict[str, Any]:
     return {"checked": checked, "rows": rows}
 
 
+@pytest.mark.integration  # a gloo group of processes
 def test_cases_check_every_op_and_measure_the_same_rows_on_every_rank() -> None:
     results = run_gloo(WORLD, _cases_and_rows)
     for op in bench.OPS:

@@ -298,6 +298,7 @@ async def test_watch_yields_world_formed_then_member_failed(client: CoordinatorC
 # -- reaching the coordinator ------------------------------------------------------------------
 
 
+@pytest.mark.integration  # the coordinator starts as a process
 async def test_client_waits_for_a_coordinator_that_starts_late(tmp_path: Path) -> None:
     late = CoordinatorProcess(
         grpc_port=free_port(),

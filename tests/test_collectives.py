@@ -1,11 +1,9 @@
-"""sarcomm's collectives, start-up and metrics.
+"""sarcomm's collectives, start-up and metrics in real gloo groups.
 
-The multi-process tests run one scenario (every collective, its edge cases and its metrics) in real
-gloo groups of 2, 3 and 4 processes on loopback, once per world size, and check the values each
-rank saw. The single-process tests pin the pure decisions of start-up (backend, device, routing,
-timeout, interfaces) and the metrics plumbing. No GPU is needed: where a test is about nccl, NCCL
-and CUDA are mocked (a fake probe, a sentinel side group), because the test machines have no GPU.
-No test asserts a timing.
+One scenario (every collective, its edge cases and its metrics) runs in real gloo groups of 2, 3
+and 4 processes on loopback, once per world size, started through a coordinator; the tests check
+the values each rank saw. No test asserts a timing. Without processes: the start-up decisions in
+tests/test_comm_startup.py, the helpers and the metrics plumbing in tests/test_collective_helpers.py.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -21,15 +18,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from prometheus_client import generate_latest
 
-from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, PeerFailedError
-from sarcomm.worker import launch_env
-from sarcomm.worker.library import backends, collectives, comm, metrics, sar_compat
-from sarcomm.worker.library.backends import BackendProbe
-from sarcomm.worker.library.collectives import model_sync, timing, torch_ops
+from sarcomm.common.errors import InvalidArgumentError, PeerFailedError
+from sarcomm.worker.library import collectives, comm, metrics, sar_compat
+from sarcomm.worker.library.collectives import torch_ops
 from tests.conftest import CoordinatorProcess
 from tests.gloo_group import run_gloo
 from tests.helpers import wait_for_sd
@@ -567,123 +559,6 @@ def test_every_ranks_metrics_count_its_ops_and_sd_lists_every_rank(
         assert mine["targets"] == [f"127.0.0.1:{r['metrics_port']}"]
 
 
-# -- single process: start-up decisions (NCCL and CUDA mocked: no GPU here) ----------------------------
-
-
-def probe(**overrides: Any) -> BackendProbe:
-    values: dict[str, Any] = {
-        "cuda_available": False,
-        "cuda_device_count": 0,
-        "gloo": True,
-        "nccl": True,
-        "mpi": False,
-        "ucc": False,
-        "ccl": False,
-    }
-    values.update(overrides)
-    return BackendProbe(**values)
-
-
-def test_choose_backend_auto_is_gloo_without_cuda_and_nccl_with_it() -> None:
-    assert backends.choose_backend("auto", probe()) == "gloo"
-    assert backends.choose_backend("auto", probe(cuda_available=True, cuda_device_count=2)) == "nccl"
-    assert backends.choose_backend("auto", probe(cuda_available=True, cuda_device_count=0)) == "gloo"
-
-
-def test_choose_backend_names_why_and_what_is_available_if_unavailable() -> None:
-    with pytest.raises(InvalidArgumentError) as info:
-        backends.choose_backend("nccl", probe())
-    assert str(info.value) == (
-        "backend 'nccl' is not available: torch.cuda.is_available() is False; available: gloo."
-    )
-    with pytest.raises(
-        InvalidArgumentError, match=r"^backend 'mpi' is not available: dist\.is_mpi_available\(\) is False"
-    ):
-        backends.choose_backend("mpi", probe())
-    with pytest.raises(
-        InvalidArgumentError,
-        match=r"^backend 'ccl' is not available: the oneccl_bindings_for_pytorch package is not installed; "
-        r"available: gloo, mpi\.$",
-    ):
-        backends.choose_backend("ccl", probe(mpi=True))
-    with pytest.raises(
-        InvalidArgumentError, match=r"^backend 'tcp' is not one of auto, gloo, nccl, ccl, mpi, ucc\.$"
-    ):
-        backends.choose_backend("tcp", probe())
-
-
-def test_choose_comm_device_is_the_local_gpu_for_nccl_and_cpu_otherwise() -> None:
-    gpus = probe(cuda_available=True, cuda_device_count=2)
-    assert backends.choose_comm_device("nccl", None, 1, gpus) == torch.device("cuda", 1)
-    assert backends.choose_comm_device("gloo", None, 1, gpus) == torch.device("cpu")
-    assert backends.choose_comm_device("nccl", "cuda:0", 1, gpus) == torch.device("cuda", 0)
-    with pytest.raises(InvalidArgumentError, match=r"^LOCAL_RANK 2 has no CUDA device: this host shows 2;"):
-        backends.choose_comm_device("nccl", None, 2, gpus)
-    with pytest.raises(InvalidArgumentError, match=r"^comm_device 'gpu0' is not a torch device"):
-        backends.choose_comm_device("gloo", "gpu0", 0, gpus)
-
-
-def test_only_nccl_gets_a_cpu_side_group_and_only_cpu_tensors_use_it() -> None:
-    assert backends.needs_cpu_side_group("nccl")
-    assert not any(backends.needs_cpu_side_group(name) for name in ("gloo", "mpi", "ucc", "ccl"))
-    assert backends.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=True)
-    assert not backends.uses_cpu_side_group(tensor_is_cpu=False, has_side_group=True)
-    assert not backends.uses_cpu_side_group(tensor_is_cpu=True, has_side_group=False)
-
-
-def test_adopted_backend_reads_torch_mixed_backend_names() -> None:
-    gpus = probe(cuda_available=True, cuda_device_count=1)
-    assert backends.adopted_backend("gloo", None, probe()) == ("gloo", True)
-    assert backends.adopted_backend("nccl", None, gpus) == ("nccl", False)
-    assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, gpus) == ("nccl", True)
-    assert backends.adopted_backend("cpu:gloo,cuda:nccl", None, probe()) == ("gloo", True)
-
-
-@pytest.mark.parametrize(
-    ("variable", "read", "default"),
-    [
-        ("SAR_COLLECTIVE_TIMEOUT", launch_env.collective_timeout_setting, 300),
-        ("SAR_EXIT_TIMEOUT", launch_env.exit_timeout_setting, 30),
-    ],
-)
-def test_timeouts_have_their_default_and_read_their_variable(
-    variable: str, read: Callable[[dict[str, str]], float], default: int
-) -> None:
-    assert read({}) == default
-    assert read({variable: "12.5"}) == 12.5
-    for bad in ("abc", "0", "-3", "inf", "nan"):
-        with pytest.raises(
-            InvalidArgumentError,
-            match=rf"^{variable}='{bad}' is not a valid timeout: it must be a number of seconds "
-            r"greater than 0\.$",
-        ):
-            read({variable: bad})
-
-
-def test_socket_environment_fills_only_interface_variables_the_user_left_unset() -> None:
-    assert launch_env.socket_environment({}) == {}
-    env = {"SAR_SOCKET_NAME": "ib0", "NCCL_SOCKET_IFNAME": "eth7"}
-    assert launch_env.socket_environment(env) == {
-        "GLOO_SOCKET_IFNAME": "ib0",
-        "TP_SOCKET_IFNAME": "ib0",
-        "CCL_SOCKET_IFNAME": "ib0",
-    }
-
-
-def test_initialize_comms_needs_a_port_when_none_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    with pytest.raises(
-        InvalidArgumentError, match=r"^master_port_number is None and MASTER_PORT is not set: "
-    ):
-        comm.initialize_comms(0, 2, "127.0.0.1", "gloo")
-    monkeypatch.setenv("MASTER_PORT", "port")
-    with pytest.raises(
-        InvalidArgumentError, match=r"^MASTER_PORT='port' is not an integer port in 1\.\.65535\.$"
-    ):
-        comm.initialize_comms(0, 2, "127.0.0.1", "gloo")
-    assert not dist.is_initialized()
-
-
 def _adopt_a_group_with_a_bad_master_port(rank: int, world_size: int) -> str:
     # As if another library had made the group: initialize_comms takes its port from MASTER_PORT.
     comm.STATE.master_port = 0
@@ -700,199 +575,3 @@ def test_initialize_comms_names_a_bad_master_port_of_a_group_it_adopts() -> None
     assert run_gloo(1, _adopt_a_group_with_a_bad_master_port) == {
         0: "MASTER_PORT='port' is not an integer port in 1..65535."
     }
-
-
-def test_initialize_comms_rejects_bad_arguments_before_touching_the_network(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    with pytest.raises(
-        InvalidArgumentError, match=r"^rank=2 must be an integer in 0\.\.world_size-1 \(world_size=2\)\.$"
-    ):
-        comm.initialize_comms(2, 2, "127.0.0.1", "gloo", master_port_number=1234)
-    with pytest.raises(InvalidArgumentError, match=r"^backend 'nccl' is not available: "):
-        comm.initialize_comms(0, 2, "127.0.0.1", "nccl", master_port_number=1234)
-    with pytest.raises(InvalidArgumentError, match=r"^master_port_number=70000 is not an integer port"):
-        comm.initialize_comms(0, 2, "127.0.0.1", "gloo", master_port_number=70000)
-    monkeypatch.setenv("SAR_COLLECTIVE_TIMEOUT", "soon")
-    with pytest.raises(InvalidArgumentError, match=r"^SAR_COLLECTIVE_TIMEOUT='soon' is not a valid timeout"):
-        comm.initialize_comms(0, 2, "127.0.0.1", "gloo", master_port_number=1234)
-    assert not dist.is_initialized()
-
-
-def test_getters_and_collectives_refuse_before_initialize_comms() -> None:
-    assert not comm.is_initialized()
-    with pytest.raises(FailedPreconditionError, match=r"^sarcomm communication is not initialised"):
-        comm.rank()
-    with pytest.raises(FailedPreconditionError, match=r"^all_reduce needs initialised communication"):
-        collectives.all_reduce(torch.zeros(1))
-    with pytest.raises(FailedPreconditionError, match=r"^all_to_all needs initialised communication"):
-        collectives.all_to_all([torch.zeros(1)], [torch.zeros(1)])
-
-
-@pytest.fixture
-def fake_nccl_job(monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[tuple[Any, ...]]]:
-    """comm.STATE as an nccl job with a CPU side group would have it; dist.all_reduce recorded.
-
-    NCCL is mocked because there is no GPU: the side group is a sentinel object and
-    torch.distributed's all_reduce is replaced by a function that records its arguments.
-    """
-    side_group = object()
-    calls: list[tuple[Any, ...]] = []
-    state = comm.STATE
-    for name, value in {
-        "initialized": True,
-        "ready": True,
-        "rank": 0,
-        "world_size": 2,
-        "backend": "nccl",
-        "comm_device": torch.device("cuda", 0),
-        "cpu_group": side_group,
-        "cpu_backend": "gloo",
-        "stats": {op: metrics.collective_stats(op, "nccl") for op in comm.OPS},
-        "cpu_stats": {op: metrics.collective_stats(op, "gloo") for op in comm.OPS},
-    }.items():
-        monkeypatch.setattr(state, name, value)
-
-    def fake_all_reduce(
-        tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False
-    ) -> None:
-        calls.append((tensor.device.type, group))
-
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    return side_group, calls
-
-
-def test_nccl_job_routes_cpu_tensors_through_the_gloo_side_group(
-    fake_nccl_job: tuple[object, list[tuple[Any, ...]]],
-) -> None:
-    side_group, calls = fake_nccl_job
-    cpu_before = metrics.collective_stats("all_reduce", "gloo").snapshot().count
-    collectives.all_reduce(torch.zeros(2))
-    collectives.all_reduce(torch.zeros(2, device="meta"))  # stands in for a CUDA tensor
-    assert calls == [("cpu", side_group), ("meta", None)]
-    assert metrics.collective_stats("all_reduce", "gloo").snapshot().count == cpu_before + 1
-    group, stats = timing.route("broadcast", None, torch.zeros(1))
-    assert (group, stats.backend) == (side_group, "gloo")
-    explicit = object()
-    group, stats = timing.route("broadcast", explicit, torch.zeros(1))  # type: ignore[arg-type]
-    assert (group, stats.backend) == (explicit, "nccl")
-
-
-# -- single process: helpers and metrics -----------------------------------------------------------
-
-
-@settings(max_examples=50, deadline=None)
-@given(
-    sizes=st.lists(
-        st.tuples(st.integers(0, 40), st.sampled_from([torch.float32, torch.float64])), max_size=20
-    ),
-    cap=st.integers(1, 200),
-)
-def test_buckets_keep_order_per_dtype_and_stay_under_the_cap(
-    sizes: list[tuple[int, torch.dtype]], cap: int
-) -> None:
-    tensors = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
-    buckets = model_sync._buckets(tensors, cap)
-    flat = [t for bucket in buckets for t in bucket]
-    assert sorted(map(id, flat)) == sorted(map(id, tensors))
-    for bucket in buckets:
-        assert len({t.dtype for t in bucket}) == 1
-        assert len(bucket) == 1 or sum(t.nbytes for t in bucket) <= cap
-    for dtype in (torch.float32, torch.float64):
-        in_buckets = [id(t) for t in flat if t.dtype == dtype]
-        assert in_buckets == [id(t) for t in tensors if t.dtype == dtype]
-
-
-def test_fallback_reduction_applies_each_op() -> None:
-    parts = [torch.tensor([1, 6]), torch.tensor([4, 3]), torch.tensor([2, 5])]
-    expected = {
-        dist.ReduceOp.SUM: [7, 14],
-        dist.ReduceOp.PRODUCT: [8, 90],
-        dist.ReduceOp.MIN: [1, 3],
-        dist.ReduceOp.MAX: [4, 6],
-        dist.ReduceOp.BAND: [0, 0],
-        dist.ReduceOp.BOR: [7, 7],
-        dist.ReduceOp.BXOR: [7, 0],
-    }
-    for op, values in expected.items():
-        assert torch_ops._reduce_local(parts, op, 3).tolist() == values
-    assert torch_ops._reduce_local(
-        [torch.tensor([1.0]), torch.tensor([2.0])], dist.ReduceOp.AVG, 2
-    ).tolist() == [1.5]
-
-
-def test_configure_all_to_all_validates_and_keeps_unset_fields() -> None:
-    before = collectives.all_to_all_config()
-    try:
-        collectives.configure_all_to_all(small_message_bytes=1024)
-        collectives.configure_all_to_all(check_sizes=True)
-        assert collectives.all_to_all_config() == collectives.AllToAllConfig(1024, True)
-        with pytest.raises(InvalidArgumentError, match=r"^small_message_bytes=-1 must be at least 0"):
-            collectives.configure_all_to_all(small_message_bytes=-1)
-    finally:
-        collectives.configure_all_to_all(
-            small_message_bytes=before.small_message_bytes, check_sizes=before.check_sizes
-        )
-
-
-def test_bucket_index_follows_the_le_rule() -> None:
-    for i, bound in enumerate(metrics._BOUNDS_NS):
-        assert metrics.bucket_index(bound - 1) == i
-        assert metrics.bucket_index(bound) == i
-        assert metrics.bucket_index(bound + 1) == i + 1
-    assert metrics.bucket_index(-5) == 0
-
-
-def test_histogram_counts_a_duration_equal_to_a_bound_in_that_bucket() -> None:
-    stats = metrics.CollectiveStats("test_op", "test_backend")
-    stats.observe(time.perf_counter_ns() - 10**12, 5)  # 1000 s ago: +Inf
-    snap = stats.snapshot()
-    assert (snap.count, snap.bytes_sent, snap.bucket_counts[-1]) == (1, 5, 1)
-    assert metrics._BOUNDS_NS[0] == 10_000
-    assert metrics._LE_LABELS[:3] == ("1e-05", "2e-05", "5e-05")
-    assert metrics._LE_LABELS[-2:] == (
-        "60.0",
-        "+Inf",
-    )
-
-
-def test_exposition_has_cumulative_buckets_and_one_worker_info_series() -> None:
-    stats = metrics.collective_stats("unit_test_op", "gloo")
-    stats.observe(time.perf_counter_ns(), 3)
-    stats.error()
-    metrics.set_worker_info(job="a", rank=1, world_size=2, backend="gloo", generation="1")
-    metrics.set_worker_info(job="gnn", rank=3, world_size=8, backend="gloo", generation="2")
-    text = generate_latest(metrics.REGISTRY).decode()
-    assert 'sar_collective_duration_seconds_bucket{backend="gloo",le="+Inf",op="unit_test_op"} 1.0' in text
-    assert 'sar_collective_duration_seconds_count{backend="gloo",op="unit_test_op"} 1.0' in text
-    assert 'sar_collective_bytes_total{backend="gloo",op="unit_test_op"} 3.0' in text
-    assert 'sar_collective_errors_total{backend="gloo",op="unit_test_op"} 1.0' in text
-    info = [line for line in text.splitlines() if line.startswith("sar_worker_info{")]
-    assert info == ['sar_worker_info{backend="gloo",generation="2",job="gnn",rank="3",world_size="8"} 1.0']
-    buckets = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("sar_collective_duration_seconds_bucket") and 'op="unit_test_op"' in line
-    ]
-    assert buckets == sorted(buckets)
-    assert len(buckets) == len(metrics.DURATION_BUCKETS_SECONDS) + 1
-    last = metrics.last_collective()
-    assert last is not None
-    assert last.op == "unit_test_op"
-
-
-def test_start_metrics_server_binds_a_free_port_and_refuses_a_second() -> None:
-    host, port = metrics.start_metrics_server(0, host="127.0.0.1")
-    try:
-        assert host == "127.0.0.1"
-        assert port > 0
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            assert b"sar_collective_duration_seconds" in response.read()
-        with pytest.raises(
-            InvalidArgumentError, match=rf"^a metrics server is already running on 127\.0\.0\.1:{port};"
-        ):
-            metrics.start_metrics_server(0, host="127.0.0.1")
-    finally:
-        metrics.stop_metrics_server()
-    with pytest.raises(InvalidArgumentError, match=r"^port must be an integer in 0\.\.65535"):
-        metrics.start_metrics_server(70000)

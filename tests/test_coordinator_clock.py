@@ -20,7 +20,8 @@ from sarcomm.common.messages import Assignment, Event, MemberReport, Progress
 from sarcomm.coordinator.domain.model import MemberState
 from sarcomm.coordinator.status import render
 from sarcomm.v1 import coordinator_pb2 as pb
-from tests.coordinator_fixture import LOOPBACK, FakeClock, InProcessCoordinator, in_process_coordinator
+from tests.coordinator_fixture import LOOPBACK, InProcessCoordinator, in_process_coordinator
+from tests.helpers import FakeClock
 
 #: Bounds each wait for something the coordinator does at once (an event on a stream).
 WAIT_S = 10.0

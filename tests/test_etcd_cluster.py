@@ -10,6 +10,8 @@ import pytest
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import wait_for
 
+pytestmark = pytest.mark.etcd
+
 
 def test_the_cluster_forms_keeps_data_through_one_kill_and_regains_a_lost_quorum(
     etcd_cluster: EtcdCluster,

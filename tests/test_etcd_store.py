@@ -1,5 +1,6 @@
 """The state stores against one contract (SQLite and etcd pass the same tests), etcd's fencing,
-and the ``--store`` settings' validation. etcd tests run a real three-member cluster."""
+and the ``--store`` settings' validation. etcd tests run a real three-member cluster: one for the
+module, a test's own where it kills members or turns on auth or TLS."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from sarcomm.coordinator.storage.etcd_config import EtcdSettings, parse_store_ur
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.records import job_record, load_state
 from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore, encode_job
+from tests.conftest import STORES
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
 from tests.helpers import FakeClock, spec, wait_for
 from tests.tls_files import make_tls_files
@@ -44,16 +46,17 @@ def lead(client: EtcdClient, store: EtcdStore, ttl: int = 60) -> int:
     return lease
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=STORES)
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
     if request.param == "sqlite":
         sqlite = SqliteStore(tmp_path / "state.sqlite")
         yield sqlite
         sqlite.close()
         return
-    cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
-    client = EtcdClient(EtcdSettings(cluster.url("conformance")))
-    store = EtcdStore(client, "/conformance")
+    cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
+    prefix = request.getfixturevalue("etcd_prefix")
+    client = EtcdClient(EtcdSettings(cluster.url(prefix)))
+    store = EtcdStore(client, "/" + prefix)
     lead(client, store)
     yield store
     store.close()
@@ -103,9 +106,11 @@ def test_a_store_writes_many_jobs_in_one_call(any_store: StateStore) -> None:
     assert len(any_store.load_jobs()) == 250
 
 
-def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdCluster) -> None:
-    client = EtcdClient(EtcdSettings(etcd_cluster.url("fence")))
-    store = EtcdStore(client, "/fence")
+def test_etcd_refuses_a_write_after_the_leader_lease_expired(
+    module_etcd_cluster: EtcdCluster, etcd_prefix: str
+) -> None:
+    client = EtcdClient(EtcdSettings(module_etcd_cluster.url(etcd_prefix)))
+    store = EtcdStore(client, "/" + etcd_prefix)
     fenced: list[bool] = []
     store.on_fenced = lambda: fenced.append(True)
     try:
@@ -119,7 +124,7 @@ def test_etcd_refuses_a_write_after_the_leader_lease_expired(etcd_cluster: EtcdC
         assert fenced == [True]
         assert time.monotonic() - started < 2
         # And a later leader's key does not let the old fence through either.
-        lead(client, EtcdStore(client, "/fence"))
+        lead(client, EtcdStore(client, "/" + etcd_prefix))
         store.fence(1)
         with pytest.raises(LeadershipLostError):
             store.write_rows([encode_job(_formed_job("after"))])
@@ -219,6 +224,7 @@ def test_etcd_auth_is_used_and_a_wrong_password_is_named(etcd_cluster: EtcdClust
         etcd_cluster.etcdctl("--user", "root:s3cret", "auth", "disable")
 
 
+@pytest.mark.etcd
 def test_etcd_over_mutual_tls_with_the_coordinators_client_certificate(tmp_path: Path) -> None:
     if ETCD_MISSING:
         pytest.skip(ETCD_MISSING)

@@ -29,6 +29,8 @@ import torch
 
 from tests.helpers import free_port, wait_for
 
+pytestmark = pytest.mark.integration
+
 RANK_SCRIPT = Path(__file__).parent / "scripts" / "exit_rank.py"
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4

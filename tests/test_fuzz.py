@@ -245,7 +245,9 @@ def _victims_state_of(membership: Membership, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+def fuzz_coordinator(
+    tmp_path_factory: pytest.TempPathFactory, real_processes: None
+) -> Iterator[CoordinatorProcess]:
     # Long liveness: the victims never report. A short join timeout: random valid joins of worlds
     # that never form give up quickly instead of holding the test.
     directory = tmp_path_factory.mktemp("fuzz")

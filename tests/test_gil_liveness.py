@@ -28,7 +28,7 @@ DEADLINE_S = HOLD_S + 120.0
 
 
 @pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
+def procs(real_processes: None) -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
     for proc in started:

@@ -22,8 +22,8 @@ from sarcomm.coordinator.domain.model import JobState
 from sarcomm.coordinator.domain.rejoin import JoinIdentity
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.coordinator_fixture import FakeClock, InProcessCoordinator, in_process_coordinator
-from tests.helpers import LO_PB, spec, wait_for_async
+from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
+from tests.helpers import LO_PB, FakeClock, spec, wait_for_async
 
 #: Bounds each wait for something the coordinator does at once.
 WAIT_S = 10.0

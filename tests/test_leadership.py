@@ -1,6 +1,6 @@
 """The election's pure decisions (who leads, until when a lease is surely alive) and the
 ``sar-coordinator`` flags of the etcd store. No etcd needed: the I/O is tested on a real cluster
-in test_etcd_failover.py and test_etcd_partition.py."""
+in test_ha_etcd.py and test_ha_etcd_partition.py."""
 
 from __future__ import annotations
 

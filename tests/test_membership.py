@@ -31,6 +31,7 @@ from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.records import load_state, write_at_once
 from sarcomm.coordinator.storage.store import SqliteStore, StateStore
+from tests.conftest import STORES
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, assigned_rank, spec
 from tests.test_etcd_store import lead
@@ -246,13 +247,13 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
     membership: Membership, clock: FakeClock, events: list[JobEvent]
 ) -> None:
     a, b = form(membership, spec("a", None, None), spec("b", None, None))
-    clock.now += 2.0
+    clock.advance(2.0)
     for ticket in (a, b):
         for member, secret in zip(ticket.members, ticket.secrets, strict=True):
             if member.rank != 3:
                 membership.heartbeat(member.member_id, secret, None, "")
     assert membership.sweep() == []
-    clock.now += 1.5  # rank 3 silent for 3.5 s > 3 s; the others for 1.5 s
+    clock.advance(1.5)  # rank 3 silent for 3.5 s > 3 s; the others for 1.5 s
     failed = membership.sweep()
     assert [(m.rank, m.host) for _, m in failed] == [(3, "b")]
     assert re.fullmatch(r"missed heartbeats: silent for 3\.5 s", failed[0][1].reason)
@@ -260,21 +261,22 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
     assert [e.kind for e in events][-2:] == [EventKind.MEMBER_FAILED, EventKind.JOB_FAILED]
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=STORES)
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], StateStore]]:
     """Opens the same state again, as the next coordinator would: the SQLite file, or the etcd
     prefix with the leader key taken afresh (the previous holder's lease revoked)."""
     if request.param == "sqlite":
         yield lambda: SqliteStore(tmp_path / "state.sqlite")
         return
-    cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
-    client = EtcdClient(EtcdSettings(cluster.url("membership")))
+    cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
+    prefix = request.getfixturevalue("etcd_prefix")
+    client = EtcdClient(EtcdSettings(cluster.url(prefix)))
     leases: list[int] = []
 
     def open_etcd() -> StateStore:
         for lease in leases:
             client.revoke(lease)
-        store = EtcdStore(client, "/membership")
+        store = EtcdStore(client, "/" + prefix)
         leases[:] = [lead(client, store)]
         return store
 

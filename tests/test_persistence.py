@@ -24,6 +24,7 @@ from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.persistence import WriteBehind
 from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
+from tests.conftest import STORES
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for_async
 from tests.test_etcd_store import lead
@@ -72,14 +73,15 @@ def stored(store: CountingStore) -> dict[str, dict[str, Any]]:
     return {record["name"]: record for record in store.inner.load_jobs()}
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=STORES)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CountingStore]:
     if request.param == "sqlite":
         yield CountingStore(SqliteStore(tmp_path / "state.sqlite"))
         return
-    cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
-    client = EtcdClient(EtcdSettings(cluster.url("persistence")))
-    etcd = EtcdStore(client, "/persistence")
+    cluster: EtcdCluster = request.getfixturevalue("module_etcd_cluster")
+    prefix = request.getfixturevalue("etcd_prefix")
+    client = EtcdClient(EtcdSettings(cluster.url(prefix)))
+    etcd = EtcdStore(client, "/" + prefix)
     lead(client, etcd)
     yield CountingStore(etcd)
     client.close()
@@ -152,7 +154,7 @@ async def test_close_writes_what_is_still_marked_and_later_marks_write_at_once(s
     membership.join(spec("a", job="j", world_size=1))
     await writes.close()
     assert store.batches == [["j#1:1"]]
-    clock.now += 10  # the member goes silent: the sweep fails it after close, written at once
+    clock.advance(10)  # the member goes silent: the sweep fails it after close, written at once
     assert membership.sweep()
     assert stored(store)["j"]["state"] == "FAILED"
 

@@ -29,7 +29,7 @@ START_S = 60.0
 
 
 @pytest.fixture
-def agents() -> Iterator[list[subprocess.Popen[bytes]]]:
+def agents(real_processes: None) -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for proc in started:

@@ -208,7 +208,9 @@ def scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Any]]]:
+def world_results(
+    request: pytest.FixtureRequest, real_processes: None
+) -> tuple[int, dict[int, dict[str, Any]]]:
     world = int(request.param)
     return world, run_gloo(world, scenario, env={"TEST_SECOND_PORT": str(free_port())})
 
@@ -328,6 +330,7 @@ def test_finalize_without_a_job_does_nothing_every_time() -> None:
     assert not sar.is_initialized()
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_sars_comm_names_resolve_through_sar_comm_in_a_fresh_process() -> None:
     names = sorted(sar_keywords.SAR_COMM_NAMES_ELSEWHERE)
     code = (

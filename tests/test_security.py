@@ -351,6 +351,7 @@ async def test_mutual_tls_admits_signed_clients_only_on_grpc_http_and_sar_worker
     assert "must be given together" in missing_key.stderr
 
 
+@pytest.mark.integration  # sar-coordinator processes
 def test_unusable_tls_files_stop_the_coordinator_with_the_file_named(
     tls_files: TlsFiles, tmp_path: Path
 ) -> None:

@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import CoordinatorProcess
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 REFUSAL_DEADLINE_S = 30.0
 
 
@@ -53,7 +55,7 @@ def ports(state: Path) -> list[str]:
 
 
 @pytest.fixture
-def running(tmp_path: Path) -> Iterator[CoordinatorProcess]:
+def running(tmp_path: Path, real_processes: None) -> Iterator[CoordinatorProcess]:
     coord = coordinator(tmp_path / "state.sqlite", tmp_path)
     coord.start()
     yield coord

@@ -50,6 +50,7 @@ def verify(*units: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.integration  # systemd-analyze
 @needs_systemd_analyze
 def test_the_coordinator_unit_and_an_agent_instance_verify_without_a_warning(tmp_path: Path) -> None:
     coordinator = installed(UNITS / "sar-coordinator.service", tmp_path)
@@ -60,6 +61,7 @@ def test_the_coordinator_unit_and_an_agent_instance_verify_without_a_warning(tmp
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+@pytest.mark.integration  # systemd-analyze
 @needs_systemd_analyze
 def test_verify_catches_a_unit_systemd_would_ignore_a_line_of(tmp_path: Path) -> None:
     # The check above means something: a misspelt key is reported.
@@ -77,6 +79,7 @@ def test_the_coordinator_unit_is_notify_typed_and_stops_within_its_grace() -> No
     assert "\nTimeoutStopSec=30\n" in text
 
 
+@pytest.mark.integration  # a sar-coordinator process
 def test_the_coordinator_notifies_ready_once_it_serves_and_stopping_on_sigterm(tmp_path: Path) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     path = tmp_path / "notify.sock"

@@ -28,6 +28,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.integration  # each command as a process
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_every_command_refuses_a_bad_token_file_naming_it(tmp_path: Path, case: str) -> None:
     content, rule = BAD[case]

@@ -157,7 +157,7 @@ def test_a_single_host_world_with_an_addressless_loopback_uses_its_routable_inte
 def test_ended_jobs_beyond_max_ended_jobs_are_forgotten_oldest_first(clock: FakeClock) -> None:
     membership = Membership(liveness_timeout=3.0, max_ended_jobs=2, clock=clock)
     for name in ("one", "two", "three"):
-        clock.now += 10
+        clock.advance(10)
         finished(membership, name)
     assert [j.name for j in membership.jobs()] == ["three", "two"]
     # Forgotten in memory only: the name's next generation continues the numbering.

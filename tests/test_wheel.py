@@ -14,12 +14,14 @@ import pytest
 from tests.conftest import CoordinatorProcess
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB_DEADLINE_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory, real_processes: None) -> Path:
     """A fresh venv with the wheel of this checkout installed; returns its bin folder."""
     directory = tmp_path_factory.mktemp("wheel")
     built = subprocess.run(

@@ -25,18 +25,20 @@ from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, netns_unavailable
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster, running_cluster
-from tests.helpers import LO_PB, free_port, wait_for
-from tests.test_etcd_failover import (
+from tests.etcd_replicas import (
     SERVICE,
     LeadershipRecorder,
-    _health,
-    _jobs,
-    _join,
-    _leader,
-    _leader_history,
-    _role,
+    health,
+    jobs,
+    join,
     leader_hint,
+    leader_history,
+    leader_of,
+    role,
 )
+from tests.helpers import LO_PB, free_port, wait_for
+
+pytestmark = [pytest.mark.netns, pytest.mark.etcd]
 
 TTL_S = 2
 ETCD_SIDE, ETCD_NS_SIDE = "10.80.0.1", "10.80.0.2"
@@ -124,11 +126,11 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
     try:
         cut_off.start()
         # Only once the first leads, so that the one in the namespace is the leader.
-        wait_for(lambda: _role(cut_off) == "leader", 15, what="the namespaced coordinator to lead")
+        wait_for(lambda: role(cut_off) == "leader", 15, what="the namespaced coordinator to lead")
         other.start()
         recorder = LeadershipRecorder([cut_off, other])
-        assert _role(other) == "standby"
-        before = _join(cut_off.grpc_target, "before").assignments[0]
+        assert role(other) == "standby"
+        before = join(cut_off.grpc_target, "before").assignments[0]
         # Its member's heartbeat stream, open on the leader through the cut.
         stream = HeartbeatStream(cut_off.grpc_target, before)
         # A world of 2 forming on the leader: one member waits in its Join.
@@ -144,12 +146,12 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
             ),
             timeout=30,
         )
-        wait_for(lambda: "forming" in _jobs(cut_off), 10, what="the first member to be waiting")
+        wait_for(lambda: "forming" in jobs(cut_off), 10, what="the first member to be waiting")
 
         cut = time.monotonic()
         _ip("link", "set", etcd_link, "down")
         wait_for(
-            lambda: _health(cut_off.grpc_target, SERVICE) == "NOT_SERVING",
+            lambda: health(cut_off.grpc_target, SERVICE) == "NOT_SERVING",
             TTL_S + 2,
             what="the cut-off leader to stop serving",
             interval=0.02,
@@ -170,14 +172,14 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
         assert leader_hint(ended) == ""
         assert "stands by and no leader is known" in str(ended.details())
         with pytest.raises(grpc.RpcError) as refused:
-            _join(cut_off.grpc_target, "during")
+            join(cut_off.grpc_target, "during")
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
-        leader = _leader([cut_off, other], timeout=TTL_S + 5)
+        leader = leader_of([cut_off, other], timeout=TTL_S + 5)
         assert leader is other
         took = time.monotonic() - cut
         print(f"the other coordinator leads {took:.2f} s after the cut")
-        assert set(_jobs(other)) >= {"before"}
+        assert set(jobs(other)) >= {"before"}
         # The forming world forms once there: both members join the new leader.
         first = _join_pair(other.grpc_target)
         assert [a.generation for a in first] == [1, 1]
@@ -194,7 +196,7 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
             what="the healed coordinator to stand by naming the leader",
         )
         with pytest.raises(grpc.RpcError) as hinted:
-            _join(cut_off.grpc_target, "after")
+            join(cut_off.grpc_target, "after")
         assert leader_hint(hinted.value) == other.grpc_target
     finally:
         if recorder is not None:
@@ -204,7 +206,7 @@ def test_a_leader_cut_off_from_etcd_stops_leading_within_the_ttl_and_the_other_t
                 coord.stop()
     assert recorder.both == []
     # etcd's own record: the key was created twice (each creation one lease), in order.
-    history = _leader_history(cluster, "/part/leader")
+    history = leader_history(cluster, "/part/leader")
     creates = list(dict.fromkeys(rev for kind, rev, _ in history if kind == "PUT"))
     assert len(creates) == 2, history
     assert creates == sorted(creates)

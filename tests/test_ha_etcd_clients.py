@@ -1,14 +1,15 @@
-"""The failing-over client against real replicas: ``sar-coordinator --store etcd://...`` twice on
-a real three-member etcd cluster (tests/etcd_cluster.py), one leading, one standing by.
+"""Clients and SAR-style ranks following a real take-over: ``sar-coordinator --store etcd://...``
+twice under one prefix of the module's three-member etcd cluster (tests/etcd_cluster.py), one
+leading, one standing by.
 
-What tests/test_failover.py checks with a stand-in standby and a coordinator moved by hand, here
-with the real thing: joins through the standby's hint, heartbeat and watch streams re-attaching
-to the new leader when the leader is SIGKILLed or hangs (SIGSTOP: its lease runs out, its
-connection stays up), no member failed, a Join waiting at the dying leader resent to the new
-one (the world forms once), ``status`` with both addresses, and a ``sar-worker`` job
-running through a take-over to FINISHED with correct values, and ``coord_ip_init`` given the list.
-Skipped, saying so, only without the
-etcd binary.
+Heartbeat and watch streams re-attach to the new leader when the leader is SIGKILLed or hangs
+(SIGSTOP: its lease runs out, its connection stays up) and no member is failed; a Join waiting at a
+hung leader goes to the new one once the heartbeats do (the world forms once); ``coord_ip_init``
+given the list registers through the standby's hint and hands the ranks the whole list.
+
+Elsewhere: the client's side with a stand-in standby (tests/test_failover_client.py), the election
+and take-over themselves (tests/test_ha_etcd.py), ``sar-worker`` agents and gloo ranks through a
+take-over, a Join resent included (tests/test_ha_etcd_e2e.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, MemberReport
 from tests.conftest import CoordinatorProcess
 from tests.etcd_cluster import EtcdCluster
-from tests.failover_job import AGENT_DEADLINE_S, agent_job, answering
-from tests.helpers import LO, free_port, stays_false, stays_false_async, wait_for, wait_for_async
+from tests.etcd_replicas import named_leader, role
+from tests.failover_job import AGENT_DEADLINE_S, DEADLINE_S, answering
+from tests.helpers import LO, free_port, stays_false_async, wait_for, wait_for_async
 
 #: The leader's lease: a standby takes over within this after the leader stops renewing it.
 TTL_S = 2
@@ -41,20 +43,19 @@ GRACE_S = 5.0
 #: two cores here are shared, and etcd's first elections are slow under load).
 ELECTION_S = 30.0
 LIVENESS_S = 0.5 * 3
-DEADLINE_S = 20.0
 _FAILED = ("missed heartbeats", "connection lost")
 
 
 @pytest.fixture
 def replicas(
-    etcd_cluster: EtcdCluster, tmp_path: Path
+    module_etcd_cluster: EtcdCluster, etcd_prefix: str, tmp_path: Path
 ) -> Iterator[tuple[CoordinatorProcess, CoordinatorProcess]]:
     """(leader, standby): two coordinators on one etcd prefix, once one leads and the other
     names it."""
     coords = [
         CoordinatorProcess(
             grpc_port=free_port(), http_port=free_port(), state_path=None,
-            args=["--store", etcd_cluster.url("clients"), "--leader-ttl", str(TTL_S),
+            args=["--store", module_etcd_cluster.url(etcd_prefix), "--leader-ttl", str(TTL_S),
                   "--heartbeat-interval", "0.5", "--heartbeat-misses", "3",
                   "--reconnect-grace", str(GRACE_S), "--shutdown-grace", "1", "--join-timeout", "60"],
             log_path=tmp_path / f"coordinator{i}.log",
@@ -65,14 +66,14 @@ def replicas(
         for coord in coords:
             coord.start()
         leading = wait_for(
-            lambda: [c for c in coords if _role(c) == "leader"] or None,
+            lambda: [c for c in coords if role(c) == "leader"] or None,
             ELECTION_S,
             what="one coordinator to lead",
         )
         leader = leading[0]
         standby = next(c for c in coords if c is not leader)
         wait_for(
-            lambda: _named_leader(standby) == leader.grpc_target,
+            lambda: named_leader(standby) == leader.grpc_target,
             ELECTION_S,
             what="the standby to know the leader",
         )
@@ -84,38 +85,8 @@ def replicas(
                 coord.stop()
 
 
-def _role(coord: CoordinatorProcess) -> str:
-    try:
-        return str(dict(coord.get_json("/healthz"))["role"])  # type: ignore[call-overload]
-    except OSError:
-        return "down"
-
-
-def _named_leader(coord: CoordinatorProcess) -> str:
-    """The leader ``coord``'s /healthz names ("" when it cannot be asked now)."""
-    try:
-        return str(dict(coord.get_json("/healthz")).get("leader", ""))  # type: ignore[call-overload]
-    except OSError:
-        return ""
-
-
 def _failed_anyone(coord: CoordinatorProcess) -> bool:
     return any(text in coord.log() for text in _FAILED)
-
-
-async def test_a_client_given_the_standby_first_joins_at_the_leader_through_its_hint(
-    replicas: tuple[CoordinatorProcess, CoordinatorProcess], caplog: pytest.LogCaptureFixture
-) -> None:
-    leader, standby = replicas
-    caplog.set_level(logging.WARNING, logger="sarcomm.common.client.replicas")
-    async with CoordinatorClient(f"{standby.grpc_target},{leader.grpc_target}", timeout=10.0) as client:
-        member = await asyncio.wait_for(client.join("etcd-hint", 1, host="h", interfaces=[LO]), DEADLINE_S)
-        assert client.target == leader.grpc_target
-        assert (
-            await asyncio.wait_for(client.leave(member.member_id, member.secret, 0), DEADLINE_S) == "FINISHED"
-        )
-    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.common.client.replicas"]
-    assert lines == [f"following the leader at {leader.grpc_target} ({standby.grpc_target} is a standby)"]
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
@@ -183,47 +154,6 @@ async def test_heartbeats_and_watch_follow_the_new_leader_and_no_member_fails(
     assert [e.kind for e in events] == [EventKind.WORLD_FORMED, EventKind.JOB_FINISHED]
 
 
-async def test_status_with_both_addresses_names_the_leader_and_the_standby(
-    replicas: tuple[CoordinatorProcess, CoordinatorProcess],
-) -> None:
-    leader, standby = replicas
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sarcomm.coordinator.cli", "status", "--json",
-        "--coord", f"{standby.grpc_target},{leader.grpc_target}",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    view = json.loads(out)
-    assert view["coordinators"] == [
-        {"address": standby.grpc_target, "role": "standby", "reason": ""},
-        {"address": leader.grpc_target, "role": "leader", "reason": ""},
-    ]
-
-
-def test_a_sar_worker_job_runs_through_a_take_over_and_finishes(
-    replicas: tuple[CoordinatorProcess, CoordinatorProcess], tmp_path: Path
-) -> None:
-    leader, standby = replicas
-    with agent_job(f"{leader.grpc_target},{standby.grpc_target}", "etcd-agent", tmp_path) as running:
-        leader.kill()
-        wait_for(
-            lambda: f"following the leader at {standby.grpc_target}" in running.log_text(),
-            TTL_S + GRACE_S,
-            what=lambda: f"the agent following the new leader; agent:\n{running.log_text()}",
-        )
-        stays_false(
-            lambda: running.agent.poll() is not None or _failed_anyone(standby),
-            GRACE_S + LIVENESS_S + 1.0,
-            what=lambda: f"the agent exiting or the new leader failing a member:\n{standby.log()}",
-        )
-        running.finish()
-    running.check_ranks()
-    job = {j["job"]: j for j in standby.get_json("/v1/jobs")["jobs"]}["etcd-agent"]  # type: ignore[index]
-    assert (job["state"], job["generation"]) == ("FINISHED", 1)
-    assert {m["state"] for m in job["members"]} == {"LEFT"}
-
-
 def test_coord_ip_init_with_the_list_registers_at_the_leader_and_exports_the_whole_list(
     replicas: tuple[CoordinatorProcess, CoordinatorProcess], tmp_path: Path
 ) -> None:
@@ -259,32 +189,6 @@ def test_coord_ip_init_with_the_list_registers_at_the_leader_and_exports_the_who
     job = {j["job"]: j for j in leader.get_json("/v1/jobs")["jobs"]}["etcd-sar"]  # type: ignore[index]
     assert job["state"] == "FINISHED"
     assert {m["state"] for m in job["members"]} == {"LEFT"}
-
-
-async def test_a_join_waiting_when_the_leader_dies_is_resent_to_the_new_one_and_the_world_forms_once(
-    replicas: tuple[CoordinatorProcess, CoordinatorProcess],
-) -> None:
-    leader, standby = replicas
-    targets = f"{leader.grpc_target},{standby.grpc_target}"
-    async with (
-        CoordinatorClient(targets, timeout=10.0) as first,
-        CoordinatorClient(targets, timeout=10.0) as second,
-    ):
-        waiting = asyncio.ensure_future(first.join("etcd-forming", 2, host="a", interfaces=[LO]))
-        await wait_for_async(
-            lambda: _members(leader, "etcd-forming") == 1, DEADLINE_S, what="the first member to be joined"
-        )
-        assert leader.proc is not None
-        leader.proc.kill()
-        leader.proc.wait(10)
-        # The Join in flight goes on at the new leader (same join_id: the same member).
-        other = await asyncio.wait_for(second.join("etcd-forming", 2, host="b", interfaces=[LO]), DEADLINE_S)
-        mine = await asyncio.wait_for(waiting, DEADLINE_S)
-    assert (mine.generation, other.generation) == (1, 1)
-    assert sorted([mine.rank, other.rank]) == [0, 1]
-    assert mine.member_id != other.member_id
-    job = {j["job"]: j for j in standby.get_json("/v1/jobs")["jobs"]}["etcd-forming"]  # type: ignore[index]
-    assert (job["state"], job["generation"], len(job["members"])) == ("RUNNING", 1, 2)
 
 
 def _members(coord: CoordinatorProcess, job: str) -> int:

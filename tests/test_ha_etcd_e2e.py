@@ -1,14 +1,14 @@
-"""Failover end to end: a real three-member etcd cluster (``tests/etcd_cluster.py``), two real
-``sar-coordinator`` replicas sharing it (``--store etcd://...``), real ``sar-worker`` agents given
-both addresses, and real gloo ranks (``scripts/health_rank.py``: an all_reduce loop that checks
-every result).
+"""Failover end to end: a real three-member etcd cluster (``tests/etcd_cluster.py``: the module's,
+a prefix per test), two real ``sar-coordinator`` replicas sharing it (``--store etcd://...``), real
+``sar-worker`` agents given both addresses, and real gloo ranks (``scripts/health_rank.py``: an
+all_reduce loop that checks every result).
 
 - The leader SIGKILLed mid-job at world 4: the standby leads within TTL + 1 s, the ranks keep
   training through it, every member re-attaches to the new leader, the job finishes FINISHED with
   correct values and no member is failed.
 - After a failover, a rank SIGKILL is detected and every rank told, as on one coordinator.
-- A world forming across a failover (two of four members joined before the kill) forms once: one
-  generation, distinct ranks.
+- A world forming across a failover (two of four members joined before the kill, their Joins
+  resent to the new leader) forms once: one generation, distinct ranks.
 
 Take-over times (SIGKILL to the standby's ``sarcomm.v1.Coordinator`` health SERVING) and re-attach
 times (to every member's first report to the new leader) are printed (``pytest -s``). Skipped, saying
@@ -114,8 +114,9 @@ class Replicas:
 
 
 @pytest.fixture
-def replicas(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[Replicas]:
-    """Two coordinators sharing the cluster under one prefix; the first started leads."""
+def replicas(module_etcd_cluster: EtcdCluster, etcd_prefix: str, tmp_path: Path) -> Iterator[Replicas]:
+    """Two coordinators sharing the module's cluster under this test's prefix; the first started
+    leads."""
     coords = []
     try:
         for n in range(2):
@@ -127,7 +128,7 @@ def replicas(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[Replicas]:
                 log_path=tmp_path / f"coordinator{n}.log",
             )
             coord.args = [
-                "--store", etcd_cluster.url("ha"), "--leader-ttl", str(LEADER_TTL_S),
+                "--store", module_etcd_cluster.url(etcd_prefix), "--leader-ttl", str(LEADER_TTL_S),
                 "--advertise", coord.grpc_target, "--heartbeat-interval", str(INTERVAL_S),
                 "--heartbeat-misses", str(MISSES), "--join-timeout", "90", "--shutdown-grace", "1",
             ]  # fmt: skip

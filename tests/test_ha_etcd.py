@@ -1,45 +1,56 @@
-"""Coordinators sharing an etcd store: one leads, the others stand by and take over.
+"""Coordinators sharing an etcd store: the election, the standby's refusals naming the leader,
+take-over within the TTL (SIGKILL, SIGTERM, a paused leader), etcd losing a member or its quorum,
+and an etcd that cannot be reached.
 
-Real ``sar-coordinator`` processes on a real three-member etcd cluster (tests/etcd_cluster.py);
-jobs are driven with raw gRPC calls so that every answer, status and trailing metadata is seen as
-a client sees it.
+Real ``sar-coordinator`` processes on a real three-member etcd cluster (tests/etcd_cluster.py): the
+module's, under a prefix of each test's own, or a test's own where it kills etcd members. Jobs are
+driven with raw gRPC calls (tests/etcd_replicas.py) so that every answer, status and trailing
+metadata is seen as a client sees it. How clients and agents follow a take-over:
+tests/test_ha_etcd_clients.py and tests/test_ha_etcd_e2e.py.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sarcomm.common.errors import LEADER_METADATA_KEY
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
 from tests.etcd_cluster import EtcdCluster
-from tests.helpers import LO_PB, free_port, sd_groups, wait_for
+from tests.etcd_replicas import (
+    SERVICE,
+    LeadershipRecorder,
+    call,
+    health,
+    jobs,
+    join,
+    leader_hint,
+    leader_history,
+    leader_of,
+    role,
+)
+from tests.helpers import free_port, sd_groups, wait_for
 
 TTL_S = 2
-SERVICE = "sarcomm.v1.Coordinator"
 
 
-def _start(cluster: EtcdCluster, tmp_path: Path, index: int, prefix: str) -> CoordinatorProcess:
+def _start(url: str, tmp_path: Path, index: int) -> CoordinatorProcess:
     coord = CoordinatorProcess(
         grpc_port=free_port(),
         http_port=free_port(),
         state_path=None,
         args=[
             "--store",
-            cluster.url(prefix),
+            url,
             "--leader-ttl",
             str(TTL_S),
             "--heartbeat-interval",
@@ -55,64 +66,32 @@ def _start(cluster: EtcdCluster, tmp_path: Path, index: int, prefix: str) -> Coo
     return coord
 
 
-@pytest.fixture
-def pair(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[list[CoordinatorProcess]]:
+@contextlib.contextmanager
+def _pair(url: str, tmp_path: Path) -> Iterator[list[CoordinatorProcess]]:
     coords: list[CoordinatorProcess] = []
     try:
         for i in range(2):
-            coords.append(_start(etcd_cluster, tmp_path, i, "ha"))
+            coords.append(_start(url, tmp_path, i))
         yield coords
     finally:
         for coord in coords:
             coord.stop()
 
 
-def _role(coord: CoordinatorProcess) -> str:
-    try:
-        return str(dict(coord.get_json("/healthz"))["role"])  # type: ignore[call-overload]
-    except OSError:
-        return "down"
+@pytest.fixture
+def pair(
+    module_etcd_cluster: EtcdCluster, etcd_prefix: str, tmp_path: Path
+) -> Iterator[list[CoordinatorProcess]]:
+    """Two coordinators under this test's prefix of the module's etcd cluster."""
+    with _pair(module_etcd_cluster.url(etcd_prefix), tmp_path) as coords:
+        yield coords
 
 
-def _leader(coords: list[CoordinatorProcess], timeout: float = 15) -> CoordinatorProcess:
-    def one() -> CoordinatorProcess | None:
-        leading = [c for c in coords if c.proc is not None and c.proc.poll() is None and _role(c) == "leader"]
-        return leading[0] if len(leading) == 1 else None
-
-    return wait_for(one, timeout, what="exactly one coordinator to lead")
-
-
-def _call(target: str, method: str, request: object, timeout: float = 10) -> object:
-    channel = grpc.insecure_channel(target)
-    try:
-        stub = pb_grpc.CoordinatorStub(channel)
-        return getattr(stub, method)(request, timeout=timeout)
-    finally:
-        channel.close()
-
-
-def _join(target: str, job: str) -> pb.JoinResponse:
-    request = pb.JoinRequest(
-        job=job, world_size=1, host="h", interfaces=[LO_PB], store_port=29500, members=[pb.MemberSpec()]
-    )
-    answer = _call(target, "Join", request)
-    assert isinstance(answer, pb.JoinResponse)
-    return answer
-
-
-def _health(target: str, service: str) -> str:
-    channel = grpc.insecure_channel(target)
-    try:
-        answer = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
-    finally:
-        channel.close()
-
-
-def _jobs(coord: CoordinatorProcess) -> dict[str, object]:
-    return {str(j["job"]): j for j in coord.get_json("/v1/jobs")["jobs"]}  # type: ignore[index]
+@pytest.fixture
+def pair_on_own_etcd(etcd_cluster: EtcdCluster, tmp_path: Path) -> Iterator[list[CoordinatorProcess]]:
+    """Two coordinators on an etcd cluster of this test's own, whose members it may kill."""
+    with _pair(etcd_cluster.url("ha"), tmp_path) as coords:
+        yield coords
 
 
 def _metric(coord: CoordinatorProcess, name: str) -> float:
@@ -120,15 +99,6 @@ def _metric(coord: CoordinatorProcess, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in {coord.http_url}/metrics")
-
-
-def leader_hint(error: grpc.RpcError) -> str:
-    """The leader's address in an UNAVAILABLE answer's trailing metadata (as clients read it)."""
-    call = cast(grpc.Call, error)
-    for key, value in call.trailing_metadata() or ():
-        if key == LEADER_METADATA_KEY:
-            return str(value)
-    raise AssertionError(f"no {LEADER_METADATA_KEY} in the trailing metadata of {error!r}")
 
 
 class Reporter:
@@ -169,67 +139,16 @@ class Reporter:
         self._thread.join(5)
 
 
-class LeadershipRecorder:
-    """Both coordinators' /healthz polled through the test: never two leaders at one moment."""
-
-    def __init__(self, coords: list[CoordinatorProcess]) -> None:
-        self._coords = coords
-        self.both: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if sum(_role(c) == "leader" for c in self._coords) > 1:
-                self.both.append(time.monotonic())
-            self._stop.wait(0.05)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-def _leader_history(cluster: EtcdCluster, key: str) -> list[tuple[str, int, int]]:
-    """Every change of the leader key from etcd's history: (PUT or DELETE, create revision, lease)."""
-    proc = subprocess.Popen(
-        ["etcdctl", "--endpoints", ",".join(m.endpoint for m in cluster.members if m.running),
-         "watch", key, "--rev", "1", "-w", "json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
-        text=True,
-    )  # fmt: skip
-    events: list[tuple[str, int, int]] = []
-    try:
-        assert proc.stdout is not None
-        # The history arrives at once: read until the current revision's event is there.
-        current = int(cluster.get_json(key)["header"]["revision"])  # type: ignore[index]
-        for line in proc.stdout:
-            answer = json.loads(line)
-            for event in answer.get("Events", []):
-                kv = event["kv"]
-                events.append(
-                    (event.get("type", "PUT"), int(kv.get("create_revision", 0)), int(kv.get("lease", 0)))
-                )
-            if int(answer["Header"]["revision"]) >= current or not answer.get("Events"):
-                break
-    finally:
-        proc.kill()
-        proc.wait(5)
-    return events
-
-
 def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_after_a_sigkill(
-    pair: list[CoordinatorProcess], etcd_cluster: EtcdCluster
+    pair: list[CoordinatorProcess], module_etcd_cluster: EtcdCluster, etcd_prefix: str
 ) -> None:
     recorder = LeadershipRecorder(pair)
-    leader = _leader(pair)
+    leader = leader_of(pair)
     standby = next(c for c in pair if c is not leader)
     # A standby names the leader from its next round on (a quarter second at most).
     naming = {"status": "SERVING", "role": "standby", "leader": leader.grpc_target}
     wait_for(lambda: standby.get_json("/healthz") == naming, 5, what="the standby to name the leader")
-    joined = _join(leader.grpc_target, "ha1")
+    joined = join(leader.grpc_target, "ha1")
     assert joined.generation == 1
     reporter = Reporter([leader.grpc_target, standby.grpc_target], joined.assignments[0], "127.0.0.1:9999")
     # /sd on the standby, read from etcd: Prometheus can be pointed at every replica.
@@ -241,36 +160,36 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
 
     # The standby: every Coordinator RPC UNAVAILABLE with the leader's address in the trailers.
     with pytest.raises(grpc.RpcError) as refused:
-        _call(standby.grpc_target, "ListJobs", pb.ListJobsRequest())
+        call(standby.grpc_target, "ListJobs", pb.ListJobsRequest())
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     assert f"the leader is {leader.grpc_target}" in str(refused.value.details())
     assert leader_hint(refused.value) == leader.grpc_target
-    assert _health(standby.grpc_target, SERVICE) == "NOT_SERVING"
-    assert _health(standby.grpc_target, "") == "SERVING"
-    assert _health(leader.grpc_target, SERVICE) == "SERVING"
+    assert health(standby.grpc_target, SERVICE) == "NOT_SERVING"
+    assert health(standby.grpc_target, "") == "SERVING"
+    assert health(leader.grpc_target, SERVICE) == "SERVING"
     assert _metric(standby, "sar_coordinator_leader") == 0
     assert _metric(leader, "sar_coordinator_leader") == 1
     # /v1/jobs on the standby: read from etcd.
-    assert _jobs(standby)["ha1"]["state"] == "RUNNING"  # type: ignore[index]
+    assert jobs(standby)["ha1"]["state"] == "RUNNING"  # type: ignore[index]
 
     killed = time.monotonic()
     leader.kill()
-    wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over", interval=0.02)
+    wait_for(lambda: role(standby) == "leader", TTL_S + 5, what="the standby to take over", interval=0.02)
     took = time.monotonic() - killed
     print(f"take-over after a SIGKILL of the leader: {took:.2f} s (leader TTL {TTL_S} s)")
     assert took <= TTL_S + 1
-    assert _health(standby.grpc_target, SERVICE) == "SERVING"
+    assert health(standby.grpc_target, SERVICE) == "SERVING"
     reported = reporter.answered
     wait_for(lambda: reporter.answered > reported, 5, what="the member to report to the new leader")
-    assert _jobs(standby)["ha1"]["state"] == "RUNNING"  # type: ignore[index]
+    assert jobs(standby)["ha1"]["state"] == "RUNNING"  # type: ignore[index]
     assert _metric(standby, "sar_coordinator_leader_changes_total") == 1
     # The new leader serves: the next generation of another job forms there.
-    assert _join(standby.grpc_target, "ha2").generation == 1
+    assert join(standby.grpc_target, "ha2").generation == 1
     recorder.close()
     reporter.close()
     assert recorder.both == []
 
-    history = _leader_history(etcd_cluster, "/ha/leader")
+    history = leader_history(module_etcd_cluster, f"/{etcd_prefix}/leader")
     puts = [(rev, lease) for kind, rev, lease in history if kind == "PUT"]
     creates = list(dict.fromkeys(rev for rev, _ in puts))
     assert len(creates) == 2, history
@@ -280,22 +199,24 @@ def test_one_leads_the_standby_refuses_naming_it_and_takes_over_within_the_ttl_a
 
 
 def test_one_etcd_member_killed_changes_nothing(
-    pair: list[CoordinatorProcess], etcd_cluster: EtcdCluster
+    pair_on_own_etcd: list[CoordinatorProcess], etcd_cluster: EtcdCluster
 ) -> None:
-    leader = _leader(pair)
-    _join(leader.grpc_target, "one")
+    pair = pair_on_own_etcd
+    leader = leader_of(pair)
+    join(leader.grpc_target, "one")
     etcd_cluster.kill(etcd_cluster.follower_index())
-    assert _join(leader.grpc_target, "two").generation == 1
-    assert _leader(pair) is leader
+    assert join(leader.grpc_target, "two").generation == 1
+    assert leader_of(pair) is leader
     assert _metric(leader, "sar_coordinator_leader_changes_total") == 0
-    assert set(_jobs(leader)) == {"one", "two"}
+    assert set(jobs(leader)) == {"one", "two"}
 
 
 def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
-    pair: list[CoordinatorProcess], etcd_cluster: EtcdCluster
+    pair_on_own_etcd: list[CoordinatorProcess], etcd_cluster: EtcdCluster
 ) -> None:
-    leader = _leader(pair)
-    reporter = Reporter([c.grpc_target for c in pair], _join(leader.grpc_target, "kept").assignments[0])
+    pair = pair_on_own_etcd
+    leader = leader_of(pair)
+    reporter = Reporter([c.grpc_target for c in pair], join(leader.grpc_target, "kept").assignments[0])
     stopped = etcd_cluster.lose_quorum()
     # Within the TTL nobody leads (no lease can be renewed), and nobody names a leader it cannot
     # see any more; calls are refused naming etcd.
@@ -308,7 +229,7 @@ def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
     )
     for coord in pair:
         with pytest.raises(grpc.RpcError) as refused:
-            _join(coord.grpc_target, "during")
+            join(coord.grpc_target, "during")
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "etcd at" in str(refused.value.details())
         assert "quorum" in str(refused.value.details())
@@ -318,30 +239,31 @@ def test_quorum_lost_refuses_changes_naming_etcd_and_recovers_with_no_job_lost(
     assert unreadable.value.code == 503
     assert "etcd at" in unreadable.value.read().decode()
     etcd_cluster.regain_quorum(stopped)
-    back = _leader(pair, timeout=30)
+    back = leader_of(pair, timeout=30)
     # Its member reported to the new leader within the reconnect grace: nothing was lost or failed.
     reported = reporter.answered
     wait_for(lambda: reporter.answered > reported, 5, what="the member to report to the leader again")
     reporter.close()
-    kept = _jobs(back)["kept"]
+    kept = jobs(back)["kept"]
     assert kept["state"] == "RUNNING", kept  # type: ignore[index]
     assert kept["generation"] == 1  # type: ignore[index]
-    assert _join(back.grpc_target, "after").generation == 1
+    assert join(back.grpc_target, "after").generation == 1
 
 
 def test_a_leader_stopped_in_order_hands_over_at_once(pair: list[CoordinatorProcess]) -> None:
-    leader = _leader(pair)
+    leader = leader_of(pair)
     standby = next(c for c in pair if c is not leader)
-    _join(leader.grpc_target, "orderly")
+    join(leader.grpc_target, "orderly")
     stopped = time.monotonic()
     assert leader.stop(signal.SIGTERM) == 0
-    wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over", interval=0.02)
+    wait_for(lambda: role(standby) == "leader", TTL_S + 5, what="the standby to take over", interval=0.02)
     took = time.monotonic() - stopped
     print(f"take-over after SIGTERM of the leader: {took:.2f} s")
     assert took < TTL_S
-    assert _jobs(standby)["orderly"]["state"] == "RUNNING"  # type: ignore[index]
+    assert jobs(standby)["orderly"]["state"] == "RUNNING"  # type: ignore[index]
 
 
+@pytest.mark.integration  # no etcd: nothing answers at the address it is given
 def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etcd(tmp_path: Path) -> None:
     coord = CoordinatorProcess(
         grpc_port=free_port(),
@@ -353,9 +275,9 @@ def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etc
     coord.start()
     try:
         assert coord.get_json("/healthz") == {"status": "SERVING", "role": "standby", "leader": ""}
-        assert _health(coord.grpc_target, SERVICE) == "NOT_SERVING"
+        assert health(coord.grpc_target, SERVICE) == "NOT_SERVING"
         with pytest.raises(grpc.RpcError) as refused:
-            _join(coord.grpc_target, "nowhere")
+            join(coord.grpc_target, "nowhere")
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "etcd at 127.0.0.1:" in str(refused.value.details())
         assert leader_hint(refused.value) == ""
@@ -364,13 +286,13 @@ def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etc
 
 
 def test_a_leader_paused_past_its_ttl_stands_by_when_it_resumes(pair: list[CoordinatorProcess]) -> None:
-    leader = _leader(pair)
+    leader = leader_of(pair)
     standby = next(c for c in pair if c is not leader)
     assert leader.proc is not None
-    joined = _join(leader.grpc_target, "paused")
+    joined = join(leader.grpc_target, "paused")
     leader.proc.send_signal(signal.SIGSTOP)
     try:
-        wait_for(lambda: _role(standby) == "leader", TTL_S + 5, what="the standby to take over")
+        wait_for(lambda: role(standby) == "leader", TTL_S + 5, what="the standby to take over")
         # Calls the paused leader took meanwhile wait in its socket; it must not answer them as leader.
         channel = grpc.insecure_channel(leader.grpc_target)
         pending = pb_grpc.CoordinatorStub(channel).ListJobs.future(pb.ListJobsRequest(), timeout=10)
@@ -389,4 +311,4 @@ def test_a_leader_paused_past_its_ttl_stands_by_when_it_resumes(pair: list[Coord
         10,
         what="the resumed coordinator to stand by naming the new leader",
     )
-    assert _jobs(standby)["paused"]["generation"] == joined.generation  # type: ignore[index]
+    assert jobs(standby)["paused"]["generation"] == joined.generation  # type: ignore[index]
