@@ -323,6 +323,7 @@ async def test_client_waits_for_a_coordinator_that_starts_late(tmp_path: Path) -
             late.stop()
 
 
+@pytest.mark.integration  # a real coordinator, killed and restarted
 async def test_a_waiting_join_outlives_restarts_of_its_one_coordinator_and_the_world_forms_once(
     tmp_path: Path,
 ) -> None:
@@ -357,6 +358,7 @@ async def test_a_waiting_join_outlives_restarts_of_its_one_coordinator_and_the_w
             coord.stop()
 
 
+@pytest.mark.integration  # a real coordinator, killed and restarted
 async def test_a_watch_of_one_coordinator_reattaches_when_it_restarts_and_tells_a_later_failure(
     tmp_path: Path,
 ) -> None:

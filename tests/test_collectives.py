@@ -570,6 +570,7 @@ def _adopt_a_group_with_a_bad_master_port(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.integration  # a gloo rank in a process of its own
 def test_initialize_comms_names_a_bad_master_port_of_a_group_it_adopts() -> None:
     # It raised a bare ValueError (int('port')) there, unlike the same variable for a new group.
     assert run_gloo(1, _adopt_a_group_with_a_bad_master_port) == {

@@ -32,13 +32,14 @@ READERS_ALLOWED: dict[str, str] = {
         "the one reader of the rank side: the launchers' variables and every SAR_*/SARCOMM_* setting "
         "a rank reads, and process_environ(), the library's only access to os.environ"
     ),
-    "coordinator/cli.py": (
-        "the coordinator's flags, each of which also reads SARCOMM_<FLAG> (DESIGN.md); one "
-        "flag-and-variable mechanism for both CLIs is a change of its own (issue 20)"
+    "common/flags.py": (
+        "the one flag-and-variable mechanism of both programs: every flag also reads SARCOMM_<FLAG> "
+        "(DESIGN.md), from the mapping the program's main passes in"
     ),
+    "coordinator/cli.py": "its main passes os.environ to the flag mechanism (common/flags.py)",
     "worker/agent/cli.py": (
-        "sar-worker's flags and their SARCOMM_<FLAG> variables (Slurm's through launch_env.slurm_task); "
-        "the same change of its own as coordinator/cli.py"
+        "its main passes os.environ to the flag mechanism (common/flags.py); Slurm's variables, "
+        "read through launch_env.slurm_task, decide whether a flag's fallback is asked for"
     ),
     "coordinator/systemd.py": (
         "NOTIFY_SOCKET is systemd's, not a sarcomm setting: the service manager sets it for this one "

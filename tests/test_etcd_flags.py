@@ -15,6 +15,9 @@ import pytest
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import free_port
 
+# Every test runs sar-coordinator as a process (those on etcd are system tests by their fixture).
+pytestmark = pytest.mark.integration
+
 SCRIPTS = Path(__file__).parent / "scripts"
 #: How long a coordinator that refuses its flags, or whose election fails, may take to exit.
 EXIT_WITHIN_S = 60.0
