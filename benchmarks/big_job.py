@@ -282,9 +282,11 @@ def _profile(coordinator: Coordinator, args: argparse.Namespace, name: str, seco
         return None
     args.profile.mkdir(parents=True, exist_ok=True)
     duration = ["--duration", str(int(seconds))] if seconds else []
+    # (py-spy reads native stacks only with the process stopped at each sample)
+    duration += ["--native"] if args.profile_native else ["--nonblocking"]
     return subprocess.Popen(
         ["py-spy", "record", "--pid", str(coordinator.proc.pid), "--rate", "200", "--format", "raw",
-         "--nonblocking", *duration, "--output", str(args.profile / f"{name}.raw")],
+         *duration, "--output", str(args.profile / f"{name}.raw")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -322,7 +324,7 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
             profiler.wait(60)
         span = time.monotonic() - window[0]
         processed = _sample(metrics, "sar_coordinator_heartbeats_total") - beats0
-        failed = _sample(metrics, "sar_coordinator_member_failures_total")
+        failed = _sample(metrics, 'sar_coordinator_members{state="FAILED"}')
         endpoints = {
             path: round(max(_timed_get(f"{coordinator.http}{path}") for _ in range(3)), 3)
             for path in ("/metrics", "/sd", f"/v1/jobs?job={job}")
@@ -394,6 +396,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--after", type=float, default=4.0, help="seconds of beats after the window")
     p.add_argument("--no-fail", dest="fail", action="store_false", help="skip the failure fan-out")
     p.add_argument("--profile", type=Path, default=None, help="py-spy samples of each coordinator here")
+    p.add_argument("--profile-native", action="store_true", help="py-spy --native (C and Cython frames)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs here")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)

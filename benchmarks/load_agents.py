@@ -219,9 +219,13 @@ class Agents:
         )
         member = answer.assignments[0]
         sent = time.monotonic()
-        await leave(
-            pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=1), timeout=60
-        )
+        try:
+            await leave(
+                pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=1), timeout=60
+            )
+        except grpc.aio.AioRpcError as error:  # e.g. the member was failed for silence already
+            self.errors.append(f"Leave: {error.code().name}: {error.details()}"[:200])
+            return 0.0
         return sent
 
 

@@ -21,6 +21,7 @@ from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.persistence import WriteBehind
+from sarcomm.coordinator.storage.records import JobEncoder, job_record
 from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, wait_for_async
@@ -91,6 +92,37 @@ async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it
     assert {m["state"] for m in record["members"]} == {"LEFT"}
     await writes.close()
     store.close()
+
+
+def test_job_encoder_writes_exactly_the_full_encoding_as_members_change() -> None:
+    """The encoder re-encodes only changed members; its text must be json.dumps(job_record(job))
+    at every step: forming, formed, reports (metrics endpoint, heartbeat times), leaves, failures."""
+    clock = FakeClock()
+    membership = Membership(liveness_timeout=3.0, clock=clock)
+    encoder = JobEncoder()
+    tickets = [membership.join(spec(f"h{i}", None, None, job="j", world_size=6)) for i in range(2)]
+    job = tickets[0].job
+
+    def same() -> None:
+        name, generation, state, text = encoder.encode(job)
+        assert (name, generation, state) == (job.name, job.generation, job.state.value)
+        assert text == json.dumps(job_record(job))
+
+    same()
+    tickets.append(membership.join(spec("h2", None, None, job="j", world_size=6)))
+    same()  # formed: every member got a rank, an interface and an address
+    members = [(m.member_id, s) for t in tickets for m, s in zip(t.members, t.secrets, strict=True)]
+    for i, (member_id, secret) in enumerate(members):
+        clock.now += 0.25
+        membership.heartbeat(member_id, secret, None, f"127.0.0.1:{9000 + i}" if i % 2 else "")
+        same()
+    membership.leave(*members[0], 0)
+    same()
+    membership.leave(*members[1], 3, "exited with code 3")  # fails the job and the rest of it
+    same()
+    clock.now += 10
+    membership.sweep()
+    same()
 
 
 async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingStore) -> None:
