@@ -25,6 +25,7 @@ from sarcomm.common.interfaces import parse_peer
 from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.api.events import EventHub, FormedWaiters
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
+from sarcomm.coordinator.api.reports import StreamReports
 from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
@@ -41,6 +42,8 @@ _END_OF_STREAM = object()
 _CANCEL_GRACE_S = 0.25
 # Answers a Heartbeat stream may hold that its client has not read yet.
 OUTBOX_CREDIT = 64
+# Events whose Heartbeat answers are kept for the next streams they reach.
+EVENT_ANSWERS = 64
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -70,6 +73,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._tickets: dict[str, dict[str, Ticket]] = {}
         # Dropped when the generation ends: they hold the job and its members' secrets.
         membership.add_listener(self._forget_ended)
+        # The answer to a report that brings no news (shared: nothing changes it once built).
+        self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
+        self._event_answers: dict[JobEvent, pb.HeartbeatResponse] = {}
 
     def _forget_ended(self, event: JobEvent) -> None:
         if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
@@ -171,11 +177,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # growing the outbox without bound. The end-of-stream mark needs no credit.
         credit = asyncio.Semaphore(OUTBOX_CREDIT)
         events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
-        watched: set[str] = set()
         # This stream's identity and the members it reported: if it breaks (cancelled, connection
         # gone) instead of ending in order, those members' reporter most likely died.
-        stream = object()
-        reported: set[str] = set()
+        state = StreamReports()
         broken = True
         closing = False  # the reporter said it ends the stream in order
 
@@ -185,7 +189,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 async for request in request_iterator:
                     closing = closing or request.closing
                     await credit.acquire()
-                    outbox.put_nowait(self._handle_reports(request, watched, events, stream, reported))
+                    outbox.put_nowait(self._handle_reports(request, state, events))
             finally:
                 outbox.put_nowait(_END_OF_STREAM)
 
@@ -193,12 +197,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while True:
                 event = await events.get()
                 await credit.acquire()
-                outbox.put_nowait(
-                    pb.HeartbeatResponse(
-                        events=[event_message(event)],
-                        heartbeat_interval_seconds=self._config.heartbeat_interval,
-                    )
-                )
+                outbox.put_nowait(self._event_answer(event))
 
         reader = asyncio.create_task(read_reports())
         forwarder = asyncio.create_task(forward_events())
@@ -223,22 +222,36 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             reader.cancel()
             forwarder.cancel()
-            for job in watched:
+            for job in state.watched:
                 self._events.unsubscribe(job, events)
-            if broken and reported:
-                self._membership.stream_lost(stream, reported)
-            elif reported:
-                self._membership.stream_closed(stream, reported)
+            if broken and state.reported:
+                self._membership.stream_lost(state.token, state.reported)
+            elif state.reported:
+                self._membership.stream_closed(state.token, state.reported)
+
+    def _event_answer(self, event: JobEvent) -> pb.HeartbeatResponse:
+        """The answer that pushes ``event`` to a reporter: built once for every stream it reaches
+        (a failure in a 4096-agent job reaches 4096 streams at once)."""
+        answer = self._event_answers.get(event)
+        if answer is None:
+            if len(self._event_answers) >= EVENT_ANSWERS:
+                self._event_answers.clear()
+            answer = self._event_answers[event] = pb.HeartbeatResponse(
+                events=[event_message(event)], heartbeat_interval_seconds=self._config.heartbeat_interval
+            )
+        return answer
 
     def _handle_reports(
-        self,
-        request: pb.HeartbeatRequest,
-        watched: set[str],
-        events: asyncio.Queue[JobEvent],
-        stream: object,
-        reported: set[str],
+        self, request: pb.HeartbeatRequest, state: StreamReports, events: asyncio.Queue[JobEvent]
     ) -> pb.HeartbeatResponse | SarcommError:
+        taken = state.take(request, self._membership.current)
+        if taken is not None:
+            # Every report repeats one accepted before (see reports.StreamReports): nothing to check.
+            self._membership.beats(taken, state.token)
+            self._metrics.heartbeats.inc(len(taken))
+            return self._ack
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+        watched, reported = state.watched, state.reported
         try:
             # A request is taken whole or not at all: every field of every report is checked, and
             # every known member's secret, before the first report is recorded.
@@ -272,9 +285,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 known.append(report_fields)
             for member_id, secret, progress, address, age in known:
                 job, _ = self._membership.heartbeat(
-                    member_id, secret, progress, address, age=age, stream=stream
+                    member_id, secret, progress, address, age=age, stream=state.token
                 )
                 reported.add(member_id)
+                found = self._membership.current(member_id)
+                if found is not None:
+                    state.accepted(member_id, secret, found)
                 self._metrics.heartbeats.inc()
                 if job.name not in watched:
                     watched.add(job.name)

@@ -229,7 +229,7 @@ def watch_generation(value: int) -> int:
 def progress(message: pb.Progress, field: str) -> Progress:
     if message.seq < 0:
         raise invalid(f"{field}.seq", message.seq, "must be >= 0")
-    if len(message.op) > MAX_OP_CHARS or not _OP_NAME.fullmatch(message.op):
+    if not valid_op(message.op):
         raise invalid(
             f"{field}.op",
             message.op,
@@ -238,6 +238,17 @@ def progress(message: pb.Progress, field: str) -> Progress:
     if not math.isfinite(message.since):
         raise invalid(f"{field}.since", message.since, "must be a finite Unix time")
     return Progress(message.seq, message.op, message.in_collective, message.since)
+
+
+def valid_op(op: str) -> bool:
+    """Whether ``op`` is a collective's name as a progress report may carry it."""
+    return len(op) <= MAX_OP_CHARS and _valid_op_name(op)
+
+
+# Cached (names of at most MAX_OP_CHARS only): every report of a rank names its op, from a handful.
+@functools.lru_cache(maxsize=256)
+def _valid_op_name(op: str) -> bool:
+    return _OP_NAME.fullmatch(op) is not None
 
 
 def age_seconds(value: float, field: str) -> float:
