@@ -239,6 +239,7 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
          ) -> dict[str, Any]:  # fmt: skip
     """Start every Join at one instant; the coordinator's and the clients' view of the formation."""
     cpu0 = coordinator.cpu()
+    gc0 = _sample(coordinator.metrics(), "sar_coordinator_gc_pause_seconds_sum")
     start = time.monotonic() + 0.5
     group.tell_all({"join": start})
     answers = group.answer_all("joined")
@@ -254,6 +255,8 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
         "coordinator_view_s": round(view, 3),
         "last_answer_s": round(max(times) - start, 3) if times and min(times) > 0 else None,
         "coordinator_cpu_s": round(cpu, 3),
+        # Python's garbage collections in that time (the coordinator's gc_pause metric).
+        "coordinator_gc_s": round(_sample(metrics, "sar_coordinator_gc_pause_seconds_sum") - gc0, 3),
         "join_errors": len(errors),
         "join_error_examples": errors[:3],
     }

@@ -157,10 +157,9 @@ def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[Interface
                     "must be an IPv4 or IPv6 address without prefix length (an IPv6 zone must be an "
                     f"interface name), at most {MAX_ADDRESS_CHARS} characters",
                 )
-        try:
-            kind = InterfaceKind(iface.kind)
-        except ValueError:
-            raise invalid(f"{field}.kind", iface.kind, "must be a known InterfaceKind") from None
+        kind = InterfaceKind.lookup(iface.kind)
+        if kind is None:
+            raise invalid(f"{field}.kind", iface.kind, "must be a known InterfaceKind")
         result.append(InterfaceInfo(iface.name, tuple(iface.addresses), kind, iface.default_route))
     return tuple(result)
 
