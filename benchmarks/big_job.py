@@ -314,6 +314,7 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         window = (began + args.warmup, began + args.warmup + args.duration)
         until = window[1] + args.after
         group.tell_all({"beat": {"until": until, "window": window}})
+        starting = _profile(coordinator, args, f"beatstart-{code.name.split()[0]}", args.warmup - 1)
         group.answer_all("beating")
         time.sleep(max(0.0, window[0] - time.monotonic()))
         profiler = _profile(coordinator, args, f"beat-{code.name.split()[0]}", args.duration)
@@ -323,8 +324,9 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
             time.sleep(min(1.0, max(0.0, window[1] - time.monotonic())))
             rss = max(rss, coordinator.rss_mib())
         cpu1, metrics = coordinator.cpu(), coordinator.metrics()
-        if profiler is not None:
-            profiler.wait(60)
+        for running in (starting, profiler):
+            if running is not None:
+                running.wait(60)
         span = time.monotonic() - window[0]
         processed = _sample(metrics, "sar_coordinator_heartbeats_total") - beats0
         failed = _sample(metrics, 'sar_coordinator_members{state="FAILED"}')

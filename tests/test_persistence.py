@@ -24,7 +24,7 @@ from sarcomm.coordinator.storage.persistence import WriteBehind
 from sarcomm.coordinator.storage.records import JobEncoder, job_record
 from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
 from tests.etcd_cluster import EtcdCluster
-from tests.helpers import FakeClock, spec, wait_for_async
+from tests.helpers import FakeClock, spec, stays_false_async, wait_for_async
 from tests.test_etcd_store import lead
 
 
@@ -123,6 +123,26 @@ def test_job_encoder_writes_exactly_the_full_encoding_as_members_change() -> Non
     clock.now += 10
     membership.sweep()
     same()
+
+
+async def test_a_change_nobody_waits_for_gathers_longer_and_an_answer_brings_its_flush_forward(
+    store: CountingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sarcomm.coordinator.storage.persistence.MAX_UNANSWERED_DELAY_S", 60.0)
+    writes = WriteBehind(store)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
+    ticket = membership.join(spec("a", job="j", world_size=1))
+    await writes.durable()
+    # As after a flush of a big job: the next one is paced by what that one cost.
+    writes._last_cost = 10.0
+    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "127.0.0.1:9100")
+    await stays_false_async(lambda: len(store.batches) > 1, 0.5, what="the endpoint's paced write")
+    # A Leave's answer waits for it now: written at the pace answers get (0.1 s at most).
+    membership.leave(ticket.members[0].member_id, ticket.secrets[0], 0)
+    await asyncio.wait_for(writes.durable(), 5)
+    assert len(store.batches) == 2
+    assert stored(store)["j"]["members"][0]["metrics_address"] == "127.0.0.1:9100"
+    await writes.close()
 
 
 async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingStore) -> None:

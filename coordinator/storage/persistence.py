@@ -11,8 +11,9 @@ writes them all in one SQLite transaction while the loop goes on serving.
 Durability is kept where an answer depends on it: a Join or Leave handler awaits :meth:`durable`
 before it answers, so nothing a client was told is lost with a SIGKILL (the write is in the OS, as
 with the synchronous store). Changes nobody is answered about (a metrics endpoint, a verdict of
-the liveness sweep) are written within the same few milliseconds without anyone waiting; after a
-crash a verdict not yet written is reached again by the same rule.
+the liveness sweep) are written without anyone waiting, within milliseconds for a small job and at
+most :data:`MAX_UNANSWERED_DELAY_S` for one whose record is costly to encode; after a crash a
+verdict not yet written is reached again by the same rule.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ FLUSH_DELAY_S = 0.002
 #: every ~50 ms instead of one batch every 2 ms that each re-encodes the same job.
 COST_FACTOR = 2.0
 MAX_FLUSH_DELAY_S = 0.1
+#: The same pacing for changes no answer waits for (a rank's metrics endpoint, a verdict of the
+#: liveness sweep), which may gather longer: a 32,768-member job's first reports (each names its
+#: endpoint) came over seconds, and a flush every 0.1 s that each took ~0.1 s held half the loop
+#: while 4096 new streams waited for their first answers. An answer that then waits (Join, Leave)
+#: brings the flush forward to MAX_FLUSH_DELAY_S's pace.
+MAX_UNANSWERED_DELAY_S = 1.0
 #: Jobs whose encoders are kept between flushes at most (see records.JobEncoder).
 MAX_ENCODERS = 256
 #: After a failed write (disk full, I/O error), how long until the marked jobs are tried again.
@@ -63,6 +70,8 @@ class WriteBehind:
         self._next: asyncio.Future[None] | None = None
         self._in_flight: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Whether the flush scheduled is paced for changes nobody waits for (see mark).
+        self._unanswered = False
         self._closed = False
         # Set when this coordinator stopped leading: nothing more is written, by this object.
         self._abandoned = False
@@ -78,13 +87,22 @@ class WriteBehind:
             self._store.write_rows([encode_job(job_record(job))])
             return
         self._dirty[(job.name, job.generation)] = job
-        self._schedule(max(self._delay, min(MAX_FLUSH_DELAY_S, COST_FACTOR * self._last_cost)))
+        self._schedule(self._paced(MAX_UNANSWERED_DELAY_S), unanswered=True)
 
-    def _schedule(self, delay: float) -> None:
+    def _paced(self, longest: float) -> float:
+        return max(self._delay, min(longest, COST_FACTOR * self._last_cost))
+
+    def _schedule(self, delay: float, unanswered: bool = False) -> None:
+        loop = asyncio.get_running_loop()
         if self._timer is None:
-            loop = asyncio.get_running_loop()
             self._next = loop.create_future()
-            self._timer = loop.call_later(delay, self._flush)
+        elif self._unanswered and not unanswered and loop.time() + delay < self._timer.when():
+            # An answer waits for the changes now: the flush comes at the pace answers get.
+            self._timer.cancel()
+        else:
+            return
+        self._unanswered = unanswered
+        self._timer = loop.call_later(delay, self._flush)
 
     async def durable(self) -> None:
         """Return once every change marked so far is in the store.
@@ -95,6 +113,8 @@ class WriteBehind:
         waiting = self._next if self._dirty else self._in_flight
         if waiting is None:
             return
+        if self._dirty and self._timer is not None:
+            self._schedule(self._paced(MAX_FLUSH_DELAY_S))
         try:
             # Shielded: a caller that gives up must not cancel the batch for everyone else.
             await asyncio.shield(waiting)
