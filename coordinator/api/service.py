@@ -76,6 +76,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # The answer to a report that brings no news (shared: nothing changes it once built).
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
         self._event_answers: dict[JobEvent, pb.HeartbeatResponse] = {}
+        self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
 
     def _forget_ended(self, event: JobEvent) -> None:
         if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
@@ -305,9 +306,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _failure_event(self, job_name: str) -> pb.JobEvent:
         job = self._membership.job(job_name)
         assert job is not None
+        # Made once per failed generation (and time it shows): every stream of a failed 4096-agent
+        # job that subscribes afterwards is told, and finding the member is O(members).
+        key = (job.name, job.generation, job.ended or job.formed)
+        cached = self._failure_events.get(key)
+        if cached is not None:
+            return cached
+        if len(self._failure_events) >= EVENT_ANSWERS:
+            self._failure_events.clear()
         # The member whose failure failed the job, not a peer that its agent stopped afterwards.
         failed = job.failed_member()
-        return pb.JobEvent(
+        event = self._failure_events[key] = pb.JobEvent(
             kind=pb.JobEvent.JOB_FAILED,
             job=job.name,
             generation=job.generation,
@@ -317,6 +326,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             time=job.ended or job.formed,
             failure=failure_message(failed.failure if failed else None),
         )
+        return event
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
