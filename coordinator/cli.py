@@ -199,6 +199,20 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     _add(status_parser, env, "--tls-key", type=Path, dest="client_tls_key", help="PEM key for --tls-cert")
     status_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing = status_parser.add_mutually_exclusive_group()
+    listing.add_argument(
+        "--all",
+        action="store_true",
+        help=f"list every member (a job of more than {status.SUMMARY_MEMBERS} is summarised: members "
+        "counted by state, the failed ones and the ranks others wait for listed)",
+    )
+    listing.add_argument(
+        "--members",
+        type=_ranks,
+        default=(),
+        metavar="RANKS",
+        help="list these ranks, e.g. 0-15,100",
+    )
     status_parser.add_argument(
         "--watch",
         type=_positive_seconds,
@@ -218,6 +232,14 @@ def _whole_seconds(text: str) -> int:
             f"{text!r} must be a whole number of seconds >= 1 (etcd leases count whole seconds), e.g. 5"
         )
     return int(text)
+
+
+def _ranks(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse type of ``status --members``: ranks and ranges, ``0-15,100``."""
+    try:
+        return status.parse_ranks(text)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -320,7 +342,8 @@ async def _status(args: argparse.Namespace) -> None:
     token = read_token_file(args.token_file) if args.token_file else None
     tls = _client_tls(args)
     while True:
-        roles, response = await status.fetch_status(args.coord, args.job, token=token, tls=tls)
+        view = status.MemberView(every=args.all, ranks=args.members)
+        roles, response = await status.fetch_status(args.coord, args.job, token=token, tls=tls, view=view)
         if args.json:
             text = status.render_json(response, roles)
         else:

@@ -363,11 +363,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListJobsResponse:
+        selection = validation.member_selection(request)
         if request.job:
             name = validation.job_name(request.job)
             job = self._membership.job(name)
-            return jobs_message([job] if job else [], self._membership.stall)
-        return jobs_message(self._membership.jobs(), self._membership.stall)
+            return jobs_message([job] if job else [], self._membership.stall, selection)
+        return jobs_message(self._membership.jobs(), self._membership.stall, selection)
 
 
 def _rank(rank: int | None) -> int:

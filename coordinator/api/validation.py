@@ -16,8 +16,9 @@ from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
 from sarcomm.common.messages import Progress
+from sarcomm.coordinator.api.views import MemberSelection
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.domain.model import JoinSpec, MemberRequest
+from sarcomm.coordinator.domain.model import JoinSpec, MemberRequest, MemberState
 from sarcomm.v1 import coordinator_pb2 as pb
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -217,6 +218,20 @@ def secret(value: str, field: str = "secret") -> str:
 def report_count(count: int) -> None:
     if count > MAX_REPORTS:
         raise invalid("reports", f"<{count} entries>", f"must hold at most {MAX_REPORTS} reports")
+
+
+def member_selection(request: pb.ListJobsRequest) -> MemberSelection:
+    """The members a ``ListJobsRequest`` asks to list."""
+    if request.member_limit < 0:
+        raise invalid("member_limit", request.member_limit, "must be >= 0 (0 = every member)")
+    if request.member_offset < 0:
+        raise invalid("member_offset", request.member_offset, "must be >= 0")
+    states = frozenset(request.member_states)
+    known = [s.value for s in MemberState]
+    for i, state in enumerate(request.member_states):
+        if state not in known:
+            raise invalid(f"member_states[{i}]", state, f"must be one of {', '.join(known)}")
+    return MemberSelection(request.member_limit, request.member_offset, states)
 
 
 def watch_generation(value: int) -> int:

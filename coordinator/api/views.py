@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
@@ -77,9 +79,10 @@ def _generation_record(record: dict[str, Any]) -> pb.GenerationRecord:
     )
 
 
-def job_status(job: Job, stall: Stall | None = None, members: bool = True) -> pb.JobStatus:
+def job_status(job: Job, stall: Stall | None = None, members: Sequence[Member] | None = None) -> pb.JobStatus:
     """``job`` as a message; ``stall`` is the membership's :meth:`~Membership.stall` of it;
-    ``members`` False leaves them out."""
+    ``members`` the ones to list (default: every one, in rank order)."""
+    counts = Counter(m.state.value for m in job.members)
     return pb.JobStatus(
         job=job.name,
         generation=job.generation,
@@ -91,22 +94,47 @@ def job_status(job: Job, stall: Stall | None = None, members: bool = True) -> pb
         created=job.created,
         formed=job.formed,
         ended=job.ended,
-        members=[member_status(m) for m in job.ranked_members()] if members else [],
+        members=[member_status(m) for m in (job.ranked_members() if members is None else members)],
         reason=job.reason,
         stall=stall_message(stall) if stall is not None else None,
         history=[_generation_record(r) for r in job.history],
         max_restarts=job.max_restarts,
+        member_counts=counts,
     )
 
 
+@dataclass(frozen=True)
+class MemberSelection:
+    """Which members a ``ListJobs`` answer lists (see ``ListJobsRequest``): ``limit`` (0: no
+    limit) from the ``offset``-th on, in rank order, of those in ``states`` (empty: any)."""
+
+    limit: int = 0
+    offset: int = 0
+    states: frozenset[str] = frozenset()
+
+    def of(self, job: Job) -> list[Member] | None:
+        """The members of ``job`` to list; None: every one (no selection)."""
+        if not (self.limit or self.offset or self.states):
+            return None
+        ranked = job.ranked_members()
+        if self.states:
+            ranked = [m for m in ranked if m.state.value in self.states]
+        return ranked[self.offset : self.offset + self.limit] if self.limit else ranked[self.offset :]
+
+
 def jobs_message(
-    jobs: list[Job], stall_of: Callable[[Job], Stall | None] | None = None
+    jobs: list[Job],
+    stall_of: Callable[[Job], Stall | None] | None = None,
+    selection: MemberSelection = MemberSelection(),
 ) -> pb.ListJobsResponse:
-    """``jobs`` as the ``ListJobsResponse``; ``stall_of`` is the membership's ``stall``.
+    """``jobs`` as the ``ListJobsResponse``; ``stall_of`` is the membership's ``stall``;
+    ``selection`` which members are listed.
 
     Reads the live jobs: call it on the event loop. The message is a copy, safe to use anywhere.
     """
-    return pb.ListJobsResponse(jobs=[job_status(j, stall_of(j) if stall_of else None) for j in jobs])
+    return pb.ListJobsResponse(
+        jobs=[job_status(j, stall_of(j) if stall_of else None, selection.of(j)) for j in jobs]
+    )
 
 
 #: Members converted between two turns of the event loop (~2 ms of work; see jobs_json).
@@ -164,7 +192,7 @@ async def jobs_json(
     """
     documents: list[str] = []
     for job in jobs:
-        status = job_status(job, stall_of(job), members=False)
+        status = job_status(job, stall_of(job), members=())
         head = _as_dict(status)
         if "stall" in head:
             head["stall"]["seq"] = int(head["stall"]["seq"])
