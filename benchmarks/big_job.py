@@ -60,6 +60,7 @@ from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 
 LOOPBACK = "127.0.0.1"
 AGENT = Path(__file__).resolve().parent / "load_agents.py"
+FLOOR = Path(__file__).resolve().parent / "grpc_floor.py"
 #: Targets of the big-job issue on the 2-core machine.
 TARGET_AGENTS_S = 1.0
 TARGET_SINGLES_S = 4.0
@@ -73,10 +74,13 @@ TARGET_ENDPOINT_S = 1.0
 
 @dataclass(frozen=True)
 class Code:
-    """Which coordinator runs: this tree's (``path`` None) or a link tree of another commit."""
+    """Which coordinator runs: this tree's (``path`` None) or a link tree of another commit; or,
+    with ``floor``, ``grpc_floor.py``: gRPC with nothing decided (the least any coordinator on
+    this stack can cost)."""
 
     name: str
     path: Path | None
+    floor: bool = False
 
 
 def baseline_tree(ref: str, work: Path) -> Path:
@@ -123,8 +127,9 @@ class Coordinator:
             ["--store", store] if store else ["--state", str(work / f"state-{time.monotonic_ns()}.sqlite")]
         )
         self.log = (work / f"coordinator-{code.name}.log").open("ab")
+        program = [str(FLOOR)] if code.floor else ["-m", "sarcomm.coordinator.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sarcomm.coordinator.cli", "--listen", f"{LOOPBACK}:{self.grpc_port}",
+            [sys.executable, *program, "--listen", f"{LOOPBACK}:{self.grpc_port}",
              "--http", f"{LOOPBACK}:{self.http_port}", *state, "--heartbeat-interval", str(interval),
              "--heartbeat-misses", str(misses), "--join-timeout", "300", "--max-world-size", "65536",
              "--log-level", "WARNING", "--shutdown-grace", "1"],
@@ -158,6 +163,9 @@ class Coordinator:
     def cpu(self) -> float:
         times = self.ps.cpu_times()
         return float(times.user + times.system)
+
+    def user_cpu(self) -> float:
+        return float(self.ps.cpu_times().user)
 
     def rss_mib(self) -> float:
         return float(self.ps.memory_info().rss) / 2**20
@@ -214,6 +222,15 @@ class Clients:
     def tell_all(self, command: dict[str, Any]) -> None:
         for p in range(len(self.procs)):
             self.ask(p, command)
+
+    def cpu(self) -> float:
+        """CPU seconds of every load process so far."""
+        total = 0.0
+        for proc in self.procs:
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(proc.pid).cpu_times()
+                total += times.user + times.system
+        return total
 
     def close(self) -> None:
         for proc in self.procs:
@@ -300,8 +317,10 @@ def _timed_get(url: str) -> float:
     return time.monotonic() - began
 
 
-def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | None) -> dict[str, Any]:
-    agents, members = args.beat_agents, 8
+def run_beats(
+    code: Code, args: argparse.Namespace, work: Path, store: str | None, agents: int
+) -> dict[str, Any]:
+    members = 8
     job = "beat"
     with (
         Coordinator(code, work, store, args.interval, args.misses) as coordinator,
@@ -319,11 +338,13 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         time.sleep(max(0.0, window[0] - time.monotonic()))
         profiler = _profile(coordinator, args, f"beat-{code.name.split()[0]}", args.duration)
         cpu0, beats0 = coordinator.cpu(), _sample(coordinator.metrics(), "sar_coordinator_heartbeats_total")
+        user0, clients0 = coordinator.user_cpu(), group.cpu()
         rss = coordinator.rss_mib()
         while time.monotonic() < window[1]:
             time.sleep(min(1.0, max(0.0, window[1] - time.monotonic())))
             rss = max(rss, coordinator.rss_mib())
         cpu1, metrics = coordinator.cpu(), coordinator.metrics()
+        user1, clients1 = coordinator.user_cpu(), group.cpu()
         for running in (starting, profiler):
             if running is not None:
                 running.wait(60)
@@ -333,9 +354,10 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         endpoints = {
             path: round(max(_timed_get(f"{coordinator.http}{path}") for _ in range(3)), 3)
             for path in ("/metrics", "/sd", f"/v1/jobs?job={job}")
+            if not code.floor
         }
         failed_at = 0.0
-        if args.fail:
+        if args.fail and not code.floor and not failed:
             group.ask(0, {"fail": True})
             failed_at = group.answer(0, "failed_at")["failed_at"]
             time.sleep(max(2.0, until - time.monotonic()))
@@ -357,6 +379,11 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         # What the offered rate would cost at that price: the target is a quarter of one core.
         "core_share_at_offered": round(cpu_per_report * written, 3) if cpu_per_report else None,
         "coordinator_cpu_share": round((cpu1 - cpu0) / span, 3),
+        # Its user time alone: on loopback the kernel's delivery to the receiving client is charged
+        # to the sender's system time (sendmsg), which a NIC would not do.
+        "coordinator_user_us_per_report": round(1e6 * (user1 - user0) / processed, 2) if processed else None,
+        # The load generator's own CPU (all its processes), as a share of one core.
+        "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
         "members_failed_in_window": int(failed),
         "probe_ack_p50_ms": round(1000 * statistics.median(probe), 2) if probe else None,
@@ -385,13 +412,14 @@ def _sizes(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-ref", default="", help="also run this commit's coordinator, turn about")
+    p.add_argument("--floor", action="store_true", help="also run grpc_floor.py, turn about")
     p.add_argument("--phases", default="agents,singles,beat", help="which of agents, singles, beat")
     p.add_argument("--stores", default="sqlite", help="sqlite, etcd or both (comma-separated)")
     p.add_argument("--agents", type=_sizes, default=[512, 1024, 2048, 4096], help="agents of 8 (formation)")
     p.add_argument("--singles", type=_sizes, default=[4096, 8192, 16384, 32768], help="single members")
     p.add_argument("--single-channels", type=int, default=64, help="connections per client process (singles)")
     p.add_argument("--repeats", type=int, default=3, help="formation rounds per size and code (median kept)")
-    p.add_argument("--beat-agents", type=int, default=4096, help="agents of 8 heartbeating")
+    p.add_argument("--beat-agents", type=_sizes, default=[1024, 2048, 4096], help="agents of 8 heartbeating")
     p.add_argument("--procs", type=int, default=4, help="load client processes (besides the probe)")
     p.add_argument("--probes", type=int, default=32, help="agents of the probe process")
     p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
@@ -416,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="big-job-")))
         work.mkdir(parents=True, exist_ok=True)
         codes = [Code("current", None)]
+        if args.floor:
+            codes.append(Code("grpc-floor", None, floor=True))
         if args.baseline_ref:
             codes.append(Code(f"baseline {args.baseline_ref}", baseline_tree(args.baseline_ref, work)))
         etcd_url: dict[str, str | None] = {"sqlite": None}
@@ -448,9 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append({"phase": "singles", **_median_round(rounds)})
                         print(json.dumps(runs[-1]), flush=True)
             if "beat" in phases:
-                for code in codes:
-                    runs.append({"phase": "beat", **run_beats(code, args, work, store_for(store, "b"))})
-                    print(json.dumps(runs[-1]), flush=True)
+                for agents in args.beat_agents:
+                    for code in codes:
+                        result = run_beats(code, args, work, store_for(store, "b"), agents)
+                        runs.append({"phase": "beat", **result})
+                        print(json.dumps(runs[-1]), flush=True)
     doc = {
         "benchmark": "big_job",
         "command": "python benchmarks/big_job.py " + " ".join(argv if argv is not None else sys.argv[1:]),
