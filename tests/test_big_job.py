@@ -1,13 +1,16 @@
 """What one coordinator does faster for a big job must be what it did before: reports taken the
 short way (api.reports) change members and answer exactly as the full checks do, and ``/v1/jobs``
-made from the members is protobuf's JSON of the status message."""
+made from the members is protobuf's JSON of the status message. And what let a big job's members
+fail for silence must not: time the coordinator itself was not listening is excused."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import math
+import signal
 
+import grpc
 from google.protobuf import json_format
 
 from sarcomm.common.constants import FailureReason
@@ -22,7 +25,9 @@ from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain.membership import Membership, Ticket
 from sarcomm.coordinator.domain.model import Member
 from sarcomm.v1 import coordinator_pb2 as pb
-from tests.helpers import FakeClock, spec
+from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import StartCoordinator
+from tests.helpers import LO_PB, FakeClock, spec
 
 
 def _service(clock: FakeClock) -> tuple[Membership, CoordinatorService, list[str]]:
@@ -170,3 +175,65 @@ def test_member_view_is_protobufs_json_of_the_member_status() -> None:
     for member in (forming, running, failed, left, odd):
         assert member_view(member) == _member_json_via_message(member)
     assert failed.failure is FailureReason.KILLED
+
+
+def test_a_late_sweep_excuses_the_time_the_coordinator_was_not_listening() -> None:
+    clock = FakeClock()
+    membership = Membership(liveness_timeout=3.0, clock=clock)
+    ticket = membership.join(spec("h", job="j", world_size=1))
+    membership.answered(ticket)
+    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "")
+    clock.now += 5.0  # 5 s without a sweep: the coordinator was held up for 4.75 of them
+    assert membership.sweep(excused=4.75) == []
+    clock.now += 2.5  # silent 2.75 s of the time it listened
+    assert membership.sweep() == []
+    clock.now += 0.5  # 3.25 s
+    assert [m.member_id for _, m in membership.sweep()] == [ticket.members[0].member_id]
+
+
+async def test_a_coordinator_stopped_after_answering_fails_no_member_whose_first_reports_wait_for_it(
+    start_coordinator: StartCoordinator,
+) -> None:
+    """SIGSTOP the coordinator for three liveness timeouts right after it answered a Join, while the
+    members start reporting: once it runs again, its overdue sweep comes before the reports queued
+    meanwhile; that time is its own, not its members' silence (before, both failed for missed
+    heartbeats)."""
+    coord = start_coordinator("--heartbeat-interval", "0.25", "--heartbeat-misses", "4")
+    async with grpc.aio.insecure_channel(coord.grpc_target) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        joined = await stub.Join(
+            pb.JoinRequest(job="paused", world_size=2, host="h", interfaces=[LO_PB], store_port=29500,
+                           members=[pb.MemberSpec(local_rank=0), pb.MemberSpec(local_rank=1)]),
+            timeout=10,
+        )  # fmt: skip
+        request = pb.HeartbeatRequest(
+            reports=[pb.MemberReport(member_id=a.member_id, secret=a.secret) for a in joined.assignments]
+        )
+        call = stub.Heartbeat(timeout=60, wait_for_ready=True)
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            while not stop.is_set():
+                await call.write(request)
+                await asyncio.sleep(0.1)
+            await call.write(pb.HeartbeatRequest(closing=True))
+            await call.done_writing()
+
+        async def drain() -> None:
+            async for _ in call:
+                pass
+
+        # Held up right after the answer: the first reports wait in its queues (as 4096 agents'
+        # first reports wait behind their 4096 new streams).
+        assert coord.proc is not None
+        coord.proc.send_signal(signal.SIGSTOP)
+        try:
+            tasks = [asyncio.ensure_future(beat()), asyncio.ensure_future(drain())]
+            await asyncio.sleep(3.0)
+        finally:
+            coord.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(2.0)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    (job,) = coord.get_json("/v1/jobs?job=paused")["jobs"]  # type: ignore[index]
+    assert (job["state"], [m["state"] for m in job["members"]]) == ("RUNNING", ["RUNNING", "RUNNING"]), job

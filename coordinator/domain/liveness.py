@@ -100,6 +100,20 @@ def note_report(
         member.progress = progress
 
 
+def excuse(member: Member, seconds: float) -> None:
+    """Stop ``member``'s clocks for ``seconds`` the coordinator was not listening.
+
+    Reports that arrived while the coordinator's loop was held up (a burst of thousands of new
+    streams, a machine whose CPUs are taken by others) wait unread in its queues: silence measured
+    over that time is the coordinator's, not the member's. Every time its judgement reads moves on
+    by ``seconds`` together, so nothing but the silence it judges changes."""
+    member.last_seen += seconds
+    if member.last_report:
+        member.last_report += seconds
+    if member.lost_at is not None:
+        member.lost_at += seconds
+
+
 def describe_exit(exit_code: int) -> str:
     """The text of an exit the member did not describe itself."""
     return f"exited with code {exit_code}"

@@ -414,11 +414,17 @@ class Membership:
             if found is not None and found[1].stream is stream:
                 found[1].stream = None
 
-    def sweep(self) -> list[tuple[Job, Member]]:
+    def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
         """Fail every running member silent for longer than the liveness timeout, or whose stream
-        broke ``lost_grace`` ago without a report since; log stalls (once each)."""
+        broke ``lost_grace`` ago without a report since; log stalls (once each).
+
+        ``excused``: seconds the coordinator itself was not listening since the last sweep (its
+        loop or process held up: see :func:`liveness.excuse`); they do not count as silence."""
         now = self._clock.monotonic()
         failed: list[tuple[Job, Member]] = []
+        if excused > 0:
+            for _, member in self._members.values():
+                liveness.excuse(member, excused)
         # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
         # four times an interval, and comparing every rank's progress is the costly part of them).
         check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
