@@ -42,6 +42,11 @@ def _leader_ttl(text: str) -> int:
     return int(digits)
 
 
+def _ranks(text: str) -> tuple[tuple[int, int], ...]:
+    """``status --members``: ranks and ranges, ``0-15,100`` (its errors name the part at fault)."""
+    return status.parse_ranks(text)
+
+
 def _seconds_or_zero(text: str) -> float:
     """A finite number of seconds >= 0."""
     value = float(text)
@@ -116,6 +121,11 @@ STATUS_OPTIONS: tuple[Option, ...] = (
     Option("--tls-cert", Path, "a path", "this client's PEM certificate, for a coordinator with "
            "--tls-client-ca", dest_name="client_tls_cert"),
     Option("--tls-key", Path, "a path", "PEM key for --tls-cert", dest_name="client_tls_key"),
+    Option("--all", switch, "a boolean word (1, true, yes, on or 0, false, no, off)",
+           f"list every member (a job of more than {status.SUMMARY_MEMBERS} is summarised: members counted "
+           "by state, the failed ones and the ranks others wait for listed)", default=False, is_switch=True),
+    Option("--members", _ranks, "ranks and ranges, e.g. 0-15,100", "list these ranks, e.g. 0-15,100",
+           default=(), metavar="RANKS"),
     Option("--json", switch, "a boolean word (1, true, yes, on or 0, false, no, off)",
            "print JSON instead of a table", default=False, is_switch=True),
     Option("--watch", seconds, "a positive number of seconds between refreshes (e.g. --watch 2)",
@@ -150,6 +160,8 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> argparse.N
     options = SERVER_OPTIONS + (STATUS_OPTIONS if args.command == "status" else ())
     for dest, value in resolve_all(options, args, env).items():
         setattr(args, dest, value)
+    if args.command == "status" and args.all and args.members:
+        raise InvalidArgumentError("status --all and --members RANKS ask for different lists: give one")
     return args
 
 
@@ -243,7 +255,8 @@ async def _status(args: argparse.Namespace) -> None:
     token = read_token_file(args.token_file) if args.token_file else None
     tls = _client_tls(args)
     while True:
-        roles, response = await status.fetch_status(args.coord, args.job, token=token, tls=tls)
+        view = status.MemberView(every=args.all, ranks=args.members)
+        roles, response = await status.fetch_status(args.coord, args.job, token=token, tls=tls, view=view)
         if args.json:
             text = status.render_json(response, roles)
         else:

@@ -1,7 +1,10 @@
 """``sar-coordinator status``: jobs, members, health and each rank's last collective, as a table.
 
 Given the replicas of a coordinator (``--coord a:50051,b:50051``), it first shows each one's role
-(leader, standby, or down with the reason), then the leader's jobs.
+(leader, standby, or down with the reason), then the leader's jobs. A job of more than
+:data:`SUMMARY_MEMBERS` members is summarised (its members counted by state, the failed ones and
+the ranks the others wait for listed) instead of 32,768 rows; ``--all`` lists every member and
+``--members 0-15,100`` the ranks given, a page of members per call.
 """
 
 from __future__ import annotations
@@ -9,14 +12,49 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from google.protobuf import json_format
 
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.replicas import ReplicaRole
-from sarcomm.common.errors import CoordinatorUnavailableError
+from sarcomm.common.errors import CoordinatorUnavailableError, InvalidArgumentError
 from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
+
+#: Jobs of more members than this are summarised: members counted by state, the failed ones and
+#: the ranks others wait for listed (``--all`` lists every member, ``--members`` some ranks).
+SUMMARY_MEMBERS = 64
+#: Members per ListJobs call when listing many (a 32,768-member job does not fit one answer).
+PAGE_MEMBERS = 4096
+#: Ranks others wait for listed at most in a summary (the stall line names them all).
+BLOCKING_LISTED = 16
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """Which members ``status`` lists: a summary of big jobs (the default), ``every`` member,
+    or the members of ``ranks`` (inclusive ranges)."""
+
+    every: bool = False
+    ranks: tuple[tuple[int, int], ...] = ()
+
+
+def parse_ranks(text: str) -> tuple[tuple[int, int], ...]:
+    """``0-7,100`` as ((0, 7), (100, 100)).
+
+    Raises:
+        InvalidArgumentError: a part is not N or N-M with 0 <= N <= M.
+    """
+    ranges = []
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not (low.isdigit() and (high.isdigit() if dash else True)) or (dash and int(high) < int(low)):
+            raise InvalidArgumentError(
+                f"{part.strip()!r} must be a rank N or a range N-M with N <= M, e.g. --members 0-7,100"
+            )
+        ranges.append((int(low), int(high) if dash else int(low)))
+    return tuple(ranges)
 
 
 async def fetch_jobs(
@@ -26,8 +64,10 @@ async def fetch_jobs(
     *,
     token: str | None = None,
     tls: ClientTls | None = None,
+    view: MemberView = MemberView(every=True),
 ) -> pb.ListJobsResponse:
-    """The coordinator's view of ``job`` (all jobs when empty); waits up to ``timeout`` seconds.
+    """The coordinator's view of ``job`` (all jobs when empty), the members chosen by ``view``
+    (default: every one); waits up to ``timeout`` seconds per call.
 
     ``token`` is sent as ``authorization: Bearer <token>``; ``tls`` makes the channel TLS.
 
@@ -36,7 +76,7 @@ async def fetch_jobs(
             failure named by side, a coordinator not reached within ``timeout`` ...).
     """
     async with CoordinatorClient(target, token, timeout=timeout, tls=tls) as client:
-        return pb.ListJobsResponse(jobs=await client.list_jobs(job))
+        return await _jobs(client, job, view)
 
 
 async def fetch_status(
@@ -46,9 +86,10 @@ async def fetch_status(
     *,
     token: str | None = None,
     tls: ClientTls | None = None,
+    view: MemberView = MemberView(),
 ) -> tuple[list[ReplicaRole], pb.ListJobsResponse]:
     """Each replica's role (none for a single address) and the leader's view of ``job``, as
-    :func:`fetch_jobs`; waits up to ``timeout`` seconds.
+    :func:`fetch_jobs` (default: big jobs summarised); waits up to ``timeout`` seconds.
 
     Raises:
         CoordinatorUnavailableError: no replica leads (the message names each one's role).
@@ -56,13 +97,65 @@ async def fetch_status(
     """
     async with CoordinatorClient(target, token, timeout=timeout, tls=tls) as client:
         if len(client.targets) == 1:
-            return [], pb.ListJobsResponse(jobs=await client.list_jobs(job))
+            return [], await _jobs(client, job, view)
         roles = await client.roles(timeout)
         if not any(r.role == "leader" for r in roles):
             raise CoordinatorUnavailableError(
                 f"No coordinator of {', '.join(client.targets)} leads: {_describe_roles(roles)}."
             )
-        return roles, pb.ListJobsResponse(jobs=await client.list_jobs(job))
+        return roles, await _jobs(client, job, view)
+
+
+async def _jobs(client: CoordinatorClient, job: str, view: MemberView) -> pb.ListJobsResponse:
+    """The jobs with the members ``view`` asks for, a page of members per call."""
+    first = await client.list_jobs(job, member_limit=PAGE_MEMBERS if view.every else SUMMARY_MEMBERS)
+    for status in first:
+        total = sum(status.member_counts.values())
+        if len(status.members) >= total and not view.ranks:
+            continue  # all there (or a coordinator that does not count: it lists every member)
+        if view.every:
+            members = await _members(client, status.job, len(status.members), total)
+        elif view.ranks:
+            # In a formed world rank R is the R-th member in rank order.
+            members = []
+            for low, high in view.ranks:
+                members += await _members(client, status.job, low, high + 1)
+            members = [m for m in members if any(low <= m.rank <= high for low, high in view.ranks)]
+        else:
+            members = await _notable(client, status)
+        keep = list(status.members)[: len(status.members) if view.every else 0]
+        del status.members[:]
+        status.members.extend(sorted({m.member_id: m for m in [*keep, *members]}.values(), key=_rank_order))
+    return pb.ListJobsResponse(jobs=first)
+
+
+async def _members(client: CoordinatorClient, job: str, start: int, end: int) -> list[pb.MemberStatus]:
+    """Members ``start`` to ``end`` (exclusive) of ``job`` in rank order, a page per call."""
+    members: list[pb.MemberStatus] = []
+    at = start
+    while at < end:
+        page = await client.list_jobs(job, member_limit=min(PAGE_MEMBERS, end - at), member_offset=at)
+        listed = list(page[0].members) if page and page[0].job == job else []
+        members += listed
+        if not listed:
+            break
+        at += len(listed)
+    return members
+
+
+async def _notable(client: CoordinatorClient, status: pb.JobStatus) -> list[pb.MemberStatus]:
+    """The members a summary lists: the failed ones (the first SUMMARY_MEMBERS), then the ranks
+    the others wait for (the first BLOCKING_LISTED; in a running world rank R is the R-th)."""
+    failed = await client.list_jobs(status.job, member_limit=SUMMARY_MEMBERS, member_states=["FAILED"])
+    members = list(failed[0].members) if failed else []
+    if status.HasField("stall"):
+        for rank in list(status.stall.blocking_ranks)[:BLOCKING_LISTED]:
+            members += [m for m in await _members(client, status.job, rank, rank + 1) if m.rank == rank]
+    return members
+
+
+def _rank_order(member: pb.MemberStatus) -> tuple[bool, int]:
+    return (member.rank < 0, member.rank)
 
 
 def _describe_roles(roles: Sequence[ReplicaRole]) -> str:
@@ -114,6 +207,16 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
         for record in job.history:
             why = f": {record.reason}" if record.reason else ""
             lines.append(f"  generation {record.generation} {record.state}{why}")
+        total = sum(job.member_counts.values())
+        if len(job.members) < total:
+            counts = ", ".join(f"{job.member_counts[s]} {s}" for s in _STATES if job.member_counts.get(s))
+            lines.append(
+                f"  members: {counts}; {len(job.members)} of {total} listed (the failed ones and the ranks "
+                "others wait for; --all lists every member, --members 0-15,100 the ranks given)"
+            )
+            if not job.members:
+                lines.append("")
+                continue
         rows = [["RANK", "HOST", "INTERFACE", "ADDRESS", "STATE", "EXIT", "HEARTBEAT", "LAST COLLECTIVE"]]
         for m in job.members:
             progress = m.progress
@@ -139,6 +242,10 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
         lines.extend("  " + line for line in _table(rows))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+#: Member states in the order a summary counts them.
+_STATES = ("JOINING", "RUNNING", "LEFT", "FAILED")
 
 
 def _describe_stall(stall: pb.Stall) -> str:

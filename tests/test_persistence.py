@@ -23,10 +23,11 @@ from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.coordinator.storage.persistence import WriteBehind
-from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore
+from sarcomm.coordinator.storage.records import JobEncoder, job_record
+from sarcomm.coordinator.storage.store import JobRow, SqliteStore, StateStore, encode_job
 from tests.conftest import STORES
 from tests.etcd_cluster import EtcdCluster
-from tests.helpers import FakeClock, spec, wait_for_async
+from tests.helpers import FakeClock, spec, stays_false_async, wait_for_async
 from tests.test_etcd_store import lead
 
 
@@ -105,6 +106,58 @@ async def test_many_changes_of_one_job_are_written_once_and_durable_waits_for_it
     assert {m["state"] for m in record["members"]} == {"LEFT"}
     await writes.close()
     store.close()
+
+
+def test_job_encoder_writes_exactly_the_full_encoding_as_members_change() -> None:
+    """The encoder re-encodes only changed members; its text must be json.dumps(job_record(job))
+    at every step: forming, formed, reports (metrics endpoint, heartbeat times), leaves, failures."""
+    clock = FakeClock()
+    membership = Membership(liveness_timeout=3.0, clock=clock)
+    encoder = JobEncoder()
+    tickets = [membership.join(spec(f"h{i}", None, None, job="j", world_size=6)) for i in range(2)]
+    job = tickets[0].job
+
+    def same() -> None:
+        row = encoder.encode(job)
+        assert (row.name, row.generation, row.state) == (job.name, job.generation, job.state.value)
+        assert row.record_json == json.dumps(job_record(job))
+        assert row == encode_job(job_record(job))  # the same pieces as the whole record's
+
+    same()
+    tickets.append(membership.join(spec("h2", None, None, job="j", world_size=6)))
+    same()  # formed: every member got a rank, an interface and an address
+    members = [(m.member_id, s) for t in tickets for m, s in zip(t.members, t.secrets, strict=True)]
+    for i, (member_id, secret) in enumerate(members):
+        clock.advance(0.25)
+        membership.heartbeat(member_id, secret, None, f"127.0.0.1:{9000 + i}" if i % 2 else "")
+        same()
+    membership.leave(*members[0], 0)
+    same()
+    membership.leave(*members[1], 3, "exited with code 3")  # fails the job and the rest of it
+    same()
+    clock.advance(10)
+    membership.sweep()
+    same()
+
+
+async def test_a_change_nobody_waits_for_gathers_longer_and_an_answer_brings_its_flush_forward(
+    store: CountingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sarcomm.coordinator.storage.persistence.MAX_UNANSWERED_DELAY_S", 60.0)
+    writes = WriteBehind(store)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
+    ticket = membership.join(spec("a", job="j", world_size=1))
+    await writes.durable()
+    # As after a flush of a big job: the next one is paced by what that one cost.
+    writes._last_cost = 10.0
+    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "127.0.0.1:9100")
+    await stays_false_async(lambda: len(store.batches) > 1, 0.5, what="the endpoint's paced write")
+    # A Leave's answer waits for it now: written at the pace answers get (0.1 s at most).
+    membership.leave(ticket.members[0].member_id, ticket.secrets[0], 0)
+    await asyncio.wait_for(writes.durable(), 5)
+    assert len(store.batches) == 2
+    assert stored(store)["j"]["members"][0]["metrics_address"] == "127.0.0.1:9100"
+    await writes.close()
 
 
 async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingStore) -> None:

@@ -161,3 +161,61 @@ async def test_status_of_a_failed_job_names_the_failed_rank_and_a_rerun_counts_a
 async def test_status_with_no_jobs_and_an_unknown_job_says_so(coord: CoordinatorProcess) -> None:
     assert status(coord).strip() == "no jobs"
     assert status(coord, "--job", "nosuch").strip() == "no jobs"
+
+
+async def big_job(stub: pb_grpc.CoordinatorAsyncStub, name: str, size: int) -> list[pb.Assignment]:
+    """A world of ``size`` members formed by one Join (host big); its assignments by rank."""
+    request = pb.JoinRequest(
+        job=name, world_size=size, host="big", interfaces=[LO], store_port=29500,
+        members=[pb.MemberSpec(local_rank=k) for k in range(size)],
+    )  # fmt: skip
+    response = await stub.Join(request, timeout=20)
+    return sorted(response.assignments, key=lambda a: a.rank)
+
+
+async def test_status_of_a_big_job_counts_its_members_and_lists_only_the_failed_and_those_asked_for(
+    stub: pb_grpc.CoordinatorAsyncStub, coord: CoordinatorProcess
+) -> None:
+    members = await big_job(stub, "huge", 100)
+    await leave(stub, members[7], 3)
+    header, notes, rows = table(status(coord, "--job", "huge"), "huge")
+    assert header.startswith("job huge  generation 1  FAILED  world_size 100")
+    assert notes == [
+        "reason: rank 7 on host big failed: exited with code 3",
+        "members: 99 RUNNING, 1 FAILED; 1 of 100 listed (the failed ones and the ranks others wait for; "
+        "--all lists every member, --members 0-15,100 the ranks given)",
+    ]
+    assert [row[:6] for row in rows[1:]] == [
+        ["7", "big", "lo", "127.0.0.1", "FAILED (exited with code 3)", "3"]
+    ]
+    # The rest on request: some ranks, or every one of them (a page of members per call).
+    _, _, rows = table(status(coord, "--job", "huge", "--members", "0-2,99"), "huge")
+    assert [row[0] for row in rows[1:]] == ["0", "1", "2", "99"]
+    _, notes, rows = table(status(coord, "--job", "huge", "--all"), "huge")
+    assert [row[0] for row in rows[1:]] == [str(r) for r in range(100)]
+    assert notes == ["reason: rank 7 on host big failed: exited with code 3"]
+    document = json.loads(status(coord, "--job", "huge", "--json"))
+    (job,) = document["jobs"]
+    assert job["member_counts"] == {"RUNNING": 99, "FAILED": 1}
+    assert [m["rank"] for m in job["members"]] == [7]
+
+
+async def test_list_jobs_pages_members_in_rank_order_and_filters_them_by_state(
+    stub: pb_grpc.CoordinatorAsyncStub, coord: CoordinatorProcess
+) -> None:
+    members = await big_job(stub, "paged", 10)
+    await leave(stub, members[4], 0)
+
+    async def ranks(**selection: object) -> list[int]:
+        (job,) = (await stub.ListJobs(pb.ListJobsRequest(job="paged", **selection), timeout=5)).jobs  # type: ignore[arg-type]
+        assert dict(job.member_counts) == {"RUNNING": 9, "LEFT": 1}
+        return [m.rank for m in job.members]
+
+    assert await ranks() == list(range(10))
+    assert await ranks(member_limit=3, member_offset=8) == [8, 9]
+    assert await ranks(member_states=["LEFT"]) == [4]
+    assert await ranks(member_states=["RUNNING"], member_limit=2, member_offset=3) == [3, 5]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.ListJobs(pb.ListJobsRequest(member_states=["GONE"]), timeout=5)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "member_states[0] 'GONE' must be one of JOINING, RUNNING, LEFT, FAILED"

@@ -475,14 +475,26 @@ class CoordinatorClient:
                 moved.cancel()
                 call.cancel()
 
-    async def list_jobs(self, job: str = "") -> list[pb.JobStatus]:
-        """Jobs and their members (``job`` "" = all jobs), as ``sarcomm.v1.JobStatus`` messages.
+    async def list_jobs(
+        self,
+        job: str = "",
+        *,
+        member_limit: int = 0,
+        member_offset: int = 0,
+        member_states: Sequence[str] = (),
+    ) -> list[pb.JobStatus]:
+        """Jobs and their members (``job`` "" = all jobs), as ``sarcomm.v1.JobStatus`` messages:
+        every member, or at most ``member_limit`` (0: no limit) from the ``member_offset``-th on in
+        rank order, of those in ``member_states`` (empty: any); each job's ``member_counts`` counts
+        all of them by state.
 
         Raises:
             CoordinatorUnavailableError: not reached within ``timeout``.
         """
         started = time.monotonic()
-        request = pb.ListJobsRequest(job=job)
+        request = pb.ListJobsRequest(
+            job=job, member_limit=member_limit, member_offset=member_offset, member_states=member_states
+        )
         resp = await self._replicas.call(
             "ListJobs", lambda stub: stub.ListJobs, request, self.timeout, started, fail_fast=True
         )

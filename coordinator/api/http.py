@@ -21,7 +21,7 @@ from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import SarcommError
 from sarcomm.coordinator.api.interceptor import bearer_matches
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
-from sarcomm.coordinator.api.views import jobs_json, jobs_message
+from sarcomm.coordinator.api.views import jobs_json
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.domain.model import Job, Member
 
@@ -149,8 +149,7 @@ class HttpApi:
         if name:
             jobs = [j for j in jobs if j.name == name]
         with collector_paused():
-            message = jobs_message(jobs, membership.stall)
-            body = (await jobs_json(message, pause=_let_others_run)).encode()
+            body = (await jobs_json(jobs, membership.stall, pause=_let_others_run)).encode()
         return web.Response(body=body, content_type="application/json")
 
     async def service_discovery(self, request: web.Request) -> web.Response:

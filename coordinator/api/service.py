@@ -26,6 +26,7 @@ from sarcomm.common.interfaces import parse_peer
 from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.api.events import EventHub, FormedWaiters
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
+from sarcomm.coordinator.api.reports import StreamReports
 from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
@@ -42,6 +43,8 @@ _END_OF_STREAM = object()
 _CANCEL_GRACE_S = 0.25
 # Answers a Heartbeat stream may hold that its client has not read yet.
 OUTBOX_CREDIT = 64
+# Events whose Heartbeat answers are kept for the next streams they reach.
+EVENT_ANSWERS = 64
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -65,6 +68,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._config = config
         # Join calls waiting for their world now (see Limits.max_join_waiters).
         self._join_waiters = 0
+        # The answer to a report that brings no news (shared: nothing changes it once built).
+        self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
+        self._event_answers: dict[JobEvent, pb.HeartbeatResponse] = {}
+        self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -142,11 +149,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # growing the outbox without bound. The end-of-stream mark needs no credit.
         credit = asyncio.Semaphore(OUTBOX_CREDIT)
         events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
-        watched: set[str] = set()
         # This stream's identity and the members it reported: if it breaks (cancelled, connection
         # gone) instead of ending in order, those members' reporter most likely died.
-        stream = object()
-        reported: set[str] = set()
+        state = StreamReports()
         broken = True
         closing = False  # the reporter said it ends the stream in order
 
@@ -156,7 +161,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 async for request in request_iterator:
                     closing = closing or request.closing
                     await credit.acquire()
-                    outbox.put_nowait(self._handle_reports(request, watched, events, stream, reported))
+                    outbox.put_nowait(self._handle_reports(request, state, events))
             finally:
                 outbox.put_nowait(_END_OF_STREAM)
 
@@ -164,12 +169,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while True:
                 event = await events.get()
                 await credit.acquire()
-                outbox.put_nowait(
-                    pb.HeartbeatResponse(
-                        events=[event_message(event)],
-                        heartbeat_interval_seconds=self._config.heartbeat_interval,
-                    )
-                )
+                outbox.put_nowait(self._event_answer(event))
 
         reader = asyncio.create_task(read_reports())
         forwarder = asyncio.create_task(forward_events())
@@ -194,22 +194,36 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             reader.cancel()
             forwarder.cancel()
-            for job in watched:
+            for job in state.watched:
                 self._events.unsubscribe(job, events)
-            if broken and reported:
-                self._membership.stream_lost(stream, reported)
-            elif reported:
-                self._membership.stream_closed(stream, reported)
+            if broken and state.reported:
+                self._membership.stream_lost(state.token, state.reported)
+            elif state.reported:
+                self._membership.stream_closed(state.token, state.reported)
+
+    def _event_answer(self, event: JobEvent) -> pb.HeartbeatResponse:
+        """The answer that pushes ``event`` to a reporter: built once for every stream it reaches
+        (a failure in a 4096-agent job reaches 4096 streams at once)."""
+        answer = self._event_answers.get(event)
+        if answer is None:
+            if len(self._event_answers) >= EVENT_ANSWERS:
+                self._event_answers.clear()
+            answer = self._event_answers[event] = pb.HeartbeatResponse(
+                events=[event_message(event)], heartbeat_interval_seconds=self._config.heartbeat_interval
+            )
+        return answer
 
     def _handle_reports(
-        self,
-        request: pb.HeartbeatRequest,
-        watched: set[str],
-        events: asyncio.Queue[JobEvent],
-        stream: object,
-        reported: set[str],
+        self, request: pb.HeartbeatRequest, state: StreamReports, events: asyncio.Queue[JobEvent]
     ) -> pb.HeartbeatResponse | SarcommError:
+        taken = state.take(request, self._membership.current)
+        if taken is not None:
+            # Every report repeats one accepted before (see reports.StreamReports): nothing to check.
+            self._membership.beats(taken, state.token)
+            self._metrics.heartbeats.inc(len(taken))
+            return self._ack
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+        watched, reported = state.watched, state.reported
         try:
             # A request is taken whole or not at all: every field of every report is checked, and
             # every known member's secret, before the first report is recorded.
@@ -243,9 +257,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 known.append(report_fields)
             for member_id, secret, progress, address, age in known:
                 job, _ = self._membership.heartbeat(
-                    member_id, secret, progress, address, age=age, stream=stream
+                    member_id, secret, progress, address, age=age, stream=state.token
                 )
                 reported.add(member_id)
+                found = self._membership.current(member_id)
+                if found is not None:
+                    state.accepted(member_id, secret, found)
                 self._metrics.heartbeats.inc()
                 if job.name not in watched:
                     watched.add(job.name)
@@ -260,9 +277,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _failure_event(self, job_name: str) -> pb.JobEvent:
         job = self._membership.job(job_name)
         assert job is not None
+        # Made once per failed generation (and time it shows): every stream of a failed 4096-agent
+        # job that subscribes afterwards is told, and finding the member is O(members).
+        key = (job.name, job.generation, job.ended or job.formed)
+        cached = self._failure_events.get(key)
+        if cached is not None:
+            return cached
+        if len(self._failure_events) >= EVENT_ANSWERS:
+            self._failure_events.clear()
         # The member whose failure failed the job, not a peer that its agent stopped afterwards.
         failed = job.failed_member()
-        return pb.JobEvent(
+        event = self._failure_events[key] = pb.JobEvent(
             kind=pb.JobEvent.JOB_FAILED,
             job=job.name,
             generation=job.generation,
@@ -272,6 +297,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             time=job.ended or job.formed,
             failure=failure_message(failed.failure if failed else None),
         )
+        return event
 
     async def Leave(
         self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -308,11 +334,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListJobsResponse:
+        selection = validation.member_selection(request)
         if request.job:
             name = validation.job_name(request.job)
             job = self._membership.job(name)
-            return jobs_message([job] if job else [], self._membership.stall)
-        return jobs_message(self._membership.jobs(), self._membership.stall)
+            return jobs_message([job] if job else [], self._membership.stall, selection)
+        return jobs_message(self._membership.jobs(), self._membership.stall, selection)
 
 
 def _rank(rank: int | None) -> int:

@@ -16,8 +16,9 @@ from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
 from sarcomm.common.messages import Progress
+from sarcomm.coordinator.api.views import MemberSelection
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.domain.model import JOB_NAME_RULE, JoinSpec, MemberRequest, is_job_name
+from sarcomm.coordinator.domain.model import JOB_NAME_RULE, JoinSpec, MemberRequest, MemberState, is_job_name
 from sarcomm.v1 import coordinator_pb2 as pb
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
@@ -154,10 +155,9 @@ def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[Interface
                     "must be an IPv4 or IPv6 address without prefix length (an IPv6 zone must be an "
                     f"interface name), at most {MAX_ADDRESS_CHARS} characters",
                 )
-        try:
-            kind = InterfaceKind(iface.kind)
-        except ValueError:
-            raise invalid(f"{field}.kind", iface.kind, "must be a known InterfaceKind") from None
+        kind = InterfaceKind.lookup(iface.kind)
+        if kind is None:
+            raise invalid(f"{field}.kind", iface.kind, "must be a known InterfaceKind")
         result.append(InterfaceInfo(iface.name, tuple(iface.addresses), kind, iface.default_route))
     return tuple(result)
 
@@ -217,6 +217,20 @@ def report_count(count: int) -> None:
         raise invalid("reports", f"<{count} entries>", f"must hold at most {MAX_REPORTS} reports")
 
 
+def member_selection(request: pb.ListJobsRequest) -> MemberSelection:
+    """The members a ``ListJobsRequest`` asks to list."""
+    if request.member_limit < 0:
+        raise invalid("member_limit", request.member_limit, "must be >= 0 (0 = every member)")
+    if request.member_offset < 0:
+        raise invalid("member_offset", request.member_offset, "must be >= 0")
+    states = frozenset(request.member_states)
+    known = [s.value for s in MemberState]
+    for i, state in enumerate(request.member_states):
+        if state not in known:
+            raise invalid(f"member_states[{i}]", state, f"must be one of {', '.join(known)}")
+    return MemberSelection(request.member_limit, request.member_offset, states)
+
+
 def watch_generation(value: int) -> int:
     if value < 0:
         raise invalid("generation", value, "must be >= 0 (0 = the current generation)")
@@ -226,7 +240,7 @@ def watch_generation(value: int) -> int:
 def progress(message: pb.Progress, field: str) -> Progress:
     if message.seq < 0:
         raise invalid(f"{field}.seq", message.seq, "must be >= 0")
-    if len(message.op) > MAX_OP_CHARS or not _OP_NAME.fullmatch(message.op):
+    if not valid_op(message.op):
         raise invalid(
             f"{field}.op",
             message.op,
@@ -235,6 +249,17 @@ def progress(message: pb.Progress, field: str) -> Progress:
     if not math.isfinite(message.since):
         raise invalid(f"{field}.since", message.since, "must be a finite Unix time")
     return Progress(message.seq, message.op, message.in_collective, message.since)
+
+
+def valid_op(op: str) -> bool:
+    """Whether ``op`` is a collective's name as a progress report may carry it."""
+    return len(op) <= MAX_OP_CHARS and _valid_op_name(op)
+
+
+# Cached (names of at most MAX_OP_CHARS only): every report of a rank names its op, from a handful.
+@functools.lru_cache(maxsize=256)
+def _valid_op_name(op: str) -> bool:
+    return _OP_NAME.fullmatch(op) is not None
 
 
 def age_seconds(value: float, field: str) -> float:

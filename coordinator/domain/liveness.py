@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sarcomm.common.constants import FailureReason
+from sarcomm.common.messages import Progress
 from sarcomm.coordinator.domain.model import Job, JobState, Member, MemberState, Stall, member_rank
 
 #: A shell reports death by signal N as exit status 128 + N; Linux signals go up to 64 (SIGRTMAX).
@@ -80,6 +81,37 @@ def silence_verdict(
         return None
     why = "; its connection stopped answering keepalive pings" if quiet_when_lost else ""
     return FailureReason.MISSED_HEARTBEATS, f"missed heartbeats: silent for {silent:.1f} s{why}"
+
+
+def note_report(
+    member: Member, now: float, wall: float, progress: Progress | None, age: float, stream: object | None
+) -> None:
+    """A report about ``member`` at monotonic ``now`` (Unix ``wall``) over ``stream``: it showed a
+    sign of life ``age`` seconds ago, and is at ``progress`` (None: not told)."""
+    seen = now - age
+    # max: a report delayed in transit, or reordered with a fresher one, never moves it back;
+    # but the first report of a restored member ends its grace (a last_seen in the future).
+    member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
+    member.last_heartbeat = max(member.last_heartbeat, wall - age)
+    member.last_report = now
+    member.lost_at = None
+    member.stream = stream
+    if progress is not None:
+        member.progress = progress
+
+
+def excuse(member: Member, seconds: float) -> None:
+    """Stop ``member``'s clocks for ``seconds`` the coordinator was not listening.
+
+    Reports that arrived while the coordinator's loop was held up (a burst of thousands of new
+    streams, a machine whose CPUs are taken by others) wait unread in its queues: silence measured
+    over that time is the coordinator's, not the member's. Every time its judgement reads moves on
+    by ``seconds`` together, so nothing but the silence it judges changes."""
+    member.last_seen += seconds
+    if member.last_report:
+        member.last_report += seconds
+    if member.lost_at is not None:
+        member.lost_at += seconds
 
 
 def describe_exit(exit_code: int) -> str:

@@ -348,21 +348,25 @@ class Membership:
         wedged). ``stream`` identifies the stream that carried the report (see :meth:`stream_lost`).
         """
         job, member = self.authenticate(member_id, secret)
-        now = self._clock.monotonic()
-        seen = now - age
-        # max: a report delayed in transit, or reordered with a fresher one, never moves it back;
-        # but the first report of a restored member ends its grace (a last_seen in the future).
-        member.last_seen = seen if member.last_seen > now else max(member.last_seen, seen)
-        member.last_heartbeat = max(member.last_heartbeat, self._clock.wall() - age)
-        member.last_report = now
-        member.lost_at = None
-        member.stream = stream
-        if progress is not None:
-            member.progress = progress
+        liveness.note_report(member, self._clock.monotonic(), self._clock.wall(), progress, age, stream)
         if metrics_address and metrics_address != member.metrics_address:
             member.metrics_address = metrics_address
             self._persist(job)
         return job, member
+
+    def current(self, member_id: str) -> tuple[Job, Member] | None:
+        """The member ``member_id`` of a current generation and its job, without checking a secret:
+        for a caller that authenticated it before (the same pair while it stays current)."""
+        return self._members.get(member_id)
+
+    def beats(self, reports: Iterable[tuple[Member, Progress | None, float]], stream: object | None) -> None:
+        """Record reports (member, progress, age) of members that :meth:`heartbeat` recorded
+        before, with the same secret and metrics endpoint: what :meth:`heartbeat` does for them,
+        at one instant for all (one request's reports arrive together)."""
+        now = self._clock.monotonic()
+        wall = self._clock.wall()
+        for member, progress, age in reports:
+            liveness.note_report(member, now, wall, progress, age, stream)
 
     def leave(self, member_id: str, secret: str, exit_code: int, reason: str = "") -> Job:
         """Record that a member is done; a non-zero exit code fails the job.
@@ -420,11 +424,17 @@ class Membership:
             if found is not None and found[1].stream is stream:
                 found[1].stream = None
 
-    def sweep(self) -> list[tuple[Job, Member]]:
+    def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
         """Fail every running member silent for longer than the liveness timeout, or whose stream
-        broke ``lost_grace`` ago without a report since; log stalls (once each)."""
+        broke ``lost_grace`` ago without a report since; log stalls (once each).
+
+        ``excused``: seconds the coordinator itself was not listening since the last sweep (its
+        loop or process held up: see :func:`liveness.excuse`); they do not count as silence."""
         now = self._clock.monotonic()
         failed: list[tuple[Job, Member]] = []
+        if excused > 0:
+            for _, member in self._members.values():
+                liveness.excuse(member, excused)
         # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
         # four times an interval, and comparing every rank's progress is the costly part of them).
         check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.common.interfaces import address_on, choose_interface
+from sarcomm.common.interfaces import InterfaceInfo, address_on, choose_interface
 from sarcomm.coordinator.domain.model import Job, Member
 
 #: (host, the address it connected from, its forced interface): members sharing it share a choice.
@@ -43,24 +43,36 @@ def plan_world(world_size: int, members: Sequence[Member]) -> Plan:
     single_host = all(is_loopback(m.peer_address) for m in members)
     ranks = deal_ranks(world_size, members)
     per_host: dict[HostKey, tuple[str, str]] = {}
+    # The choice is a function of what a host reported, not of its name: hosts that reported the
+    # same (a host's members joining one by one, or hosts alike but for their names) share it.
+    chosen: dict[tuple[tuple[InterfaceInfo, ...], str | None, str], tuple[str, str]] = {}
     for m in members:
         key = host_key(m)
         if key not in per_host:
-            iface = choose_interface(
-                m.interfaces, m.peer_address, m.socket_name, single_host=single_host, host=m.host
-            )
-            address = address_on(iface)
-            # Every address handed out (MASTER_ADDR above all) must be one that the member
-            # itself reported on that interface: nothing else a client sends, and nothing of
-            # another job, can steer ranks elsewhere. The choice rules guarantee it; this keeps
-            # it guaranteed should they change.
-            if parse_address(address) not in {parse_address(a) for a in iface.addresses}:
-                raise InvalidArgumentError(
-                    f"interfaces of host {m.host!r}: address {address!r} chosen on {iface.name!r} "
-                    f"is not one the host reported there"
-                )
-            per_host[key] = (iface.name, address)
+            reported = (m.interfaces, m.peer_address, m.socket_name)
+            choice = chosen.get(reported)
+            if choice is None:
+                choice = chosen[reported] = _choose(m, single_host)
+            per_host[key] = choice
     return Plan(ranks, per_host)
+
+
+def _choose(member: Member, single_host: bool) -> tuple[str, str]:
+    """(interface, address) for ``member``'s host; raises as :func:`plan_world`."""
+    iface = choose_interface(
+        member.interfaces, member.peer_address, member.socket_name, single_host=single_host, host=member.host
+    )
+    address = address_on(iface)
+    # Every address handed out (MASTER_ADDR above all) must be one that the member itself
+    # reported on that interface: nothing else a client sends, and nothing of another job, can
+    # steer ranks elsewhere. The choice rules guarantee it; this keeps it guaranteed should they
+    # change.
+    if parse_address(address) not in {parse_address(a) for a in iface.addresses}:
+        raise InvalidArgumentError(
+            f"interfaces of host {member.host!r}: address {address!r} chosen on {iface.name!r} "
+            f"is not one the host reported there"
+        )
+    return iface.name, address
 
 
 def missing_ranks(world_size: int, members: Sequence[Member]) -> list[int]:

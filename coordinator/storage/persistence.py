@@ -4,14 +4,16 @@ Every change to a job (a world formed, a member left or failed, a rank's metrics
 known) rewrites that job's record. Written at once, on the loop, a 4096-member job costs ~25 ms per
 change (building the record, JSON, SQLite), and the 4096 first reports or 4096 leaves of such a job
 would hold the loop for minutes. So a change only marks its job; a flush a moment later builds and
-encodes each marked job's record once, however many changes it took, and a single writer thread
+encodes each marked job's record once, however many changes it took (encoding again only the
+members that changed since its last flush: :class:`records.JobEncoder`), and a single writer thread
 writes them all in one SQLite transaction while the loop goes on serving.
 
 Durability is kept where an answer depends on it: a Join or Leave handler awaits :meth:`durable`
 before it answers, so nothing a client was told is lost with a SIGKILL (the write is in the OS, as
 with the synchronous store). Changes nobody is answered about (a metrics endpoint, a verdict of
-the liveness sweep) are written within the same few milliseconds without anyone waiting; after a
-crash a verdict not yet written is reached again by the same rule.
+the liveness sweep) are written without anyone waiting, within milliseconds for a small job and at
+most :data:`MAX_UNANSWERED_DELAY_S` for one whose record is costly to encode; after a crash a
+verdict not yet written is reached again by the same rule.
 
 A write that failed is tried again a second later, with everything marked since: a full disk or
 an etcd without its quorum comes back. A record the store can never take (too large: a
@@ -36,8 +38,8 @@ from sarcomm.common.errors import (
     StoreUnavailableError,
 )
 from sarcomm.coordinator.domain.model import Job
-from sarcomm.coordinator.storage.records import job_record
-from sarcomm.coordinator.storage.store import StateStore, encode_job
+from sarcomm.coordinator.storage.records import JobEncoder, job_record
+from sarcomm.coordinator.storage.store import JobRow, StateStore, encode_job
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,14 @@ FLUSH_DELAY_S = 0.002
 #: every ~50 ms instead of one batch every 2 ms that each re-encodes the same job.
 COST_FACTOR = 2.0
 MAX_FLUSH_DELAY_S = 0.1
+#: The same pacing for changes no answer waits for (a rank's metrics endpoint, a verdict of the
+#: liveness sweep), which may gather longer: a 32,768-member job's first reports (each names its
+#: endpoint) came over seconds, and a flush every 0.1 s that each took ~0.1 s held half the loop
+#: while 4096 new streams waited for their first answers. An answer that then waits (Join, Leave)
+#: brings the flush forward to MAX_FLUSH_DELAY_S's pace.
+MAX_UNANSWERED_DELAY_S = 1.0
+#: Jobs whose encoders are kept between flushes at most (see records.JobEncoder).
+MAX_ENCODERS = 256
 #: After a failed write (disk full, I/O error), how long until the marked jobs are tried again.
 RETRY_DELAY_S = 1.0
 
@@ -65,10 +75,14 @@ class WriteBehind:
         # One thread: batches reach the store in the order they were taken, never two at once.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._dirty: dict[tuple[str, int], Job] = {}
+        # Each job's encoder keeps its members' JSON between flushes (see records.JobEncoder).
+        self._encoders: dict[tuple[str, int], JobEncoder] = {}
         # Resolved when the batch holding the changes marked since the last flush is on disk.
         self._next: asyncio.Future[None] | None = None
         self._in_flight: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Whether the flush scheduled is paced for changes nobody waits for (see mark).
+        self._unanswered = False
         self._closed = False
         # Set when this coordinator stopped leading: nothing more is written, by this object.
         self._abandoned = False
@@ -87,13 +101,22 @@ class WriteBehind:
             self._write_now([job])
             return
         self._dirty[(job.name, job.generation)] = job
-        self._schedule(max(self._delay, min(MAX_FLUSH_DELAY_S, COST_FACTOR * self._last_cost)))
+        self._schedule(self._paced(MAX_UNANSWERED_DELAY_S), unanswered=True)
 
-    def _schedule(self, delay: float) -> None:
+    def _paced(self, longest: float) -> float:
+        return max(self._delay, min(longest, COST_FACTOR * self._last_cost))
+
+    def _schedule(self, delay: float, unanswered: bool = False) -> None:
+        loop = asyncio.get_running_loop()
         if self._timer is None:
-            loop = asyncio.get_running_loop()
             self._next = loop.create_future()
-            self._timer = loop.call_later(delay, self._flush)
+        elif self._unanswered and not unanswered and loop.time() + delay < self._timer.when():
+            # An answer waits for the changes now: the flush comes at the pace answers get.
+            self._timer.cancel()
+        else:
+            return
+        self._unanswered = unanswered
+        self._timer = loop.call_later(delay, self._flush)
 
     async def durable(self, job: Job | None = None) -> None:
         """Return once every change marked so far is in the store, ``job``'s included.
@@ -104,6 +127,8 @@ class WriteBehind:
         """
         waiting = self._next if self._dirty else self._in_flight
         if waiting is not None:
+            if self._dirty and self._timer is not None:
+                self._schedule(self._paced(MAX_FLUSH_DELAY_S))
             try:
                 # Shielded: a caller that gives up must not cancel the batch for everyone else.
                 await asyncio.shield(waiting)
@@ -126,11 +151,29 @@ class WriteBehind:
         # its job (see store.encode_job for why the JSON is not left to the writer thread); SQLite's
         # part, the transaction, runs in the writer thread.
         began = time.perf_counter()
-        rows = [encode_job(job_record(job)) for job in jobs]
+        rows = [self._encode(job) for job in jobs]
+        if len(self._encoders) > MAX_ENCODERS:
+            # Jobs that stopped changing without ending (withdrawn joins under many names).
+            flushed = {(job.name, job.generation) for job in jobs}
+            self._encoders = {k: e for k, e in self._encoders.items() if k in flushed}
         self._last_cost = time.perf_counter() - began
         self._in_flight = done
         written = asyncio.get_running_loop().run_in_executor(self._writer, self._store.write_rows, rows)
         written.add_done_callback(lambda f: self._written(f, done, jobs))
+
+    def _encode(self, job: Job) -> JobRow:
+        key = (job.name, job.generation)
+        encoder = self._encoders.get(key)
+        if encoder is None:
+            # A new generation replaces the name's older one: its encoder goes.
+            for old in [k for k in self._encoders if k[0] == job.name]:
+                del self._encoders[old]
+            encoder = self._encoders[key] = JobEncoder()
+        row = encoder.encode(job)
+        if job.state.ended and job.ended:
+            # Over for every member: no more changes come (what it kept would stay for nothing).
+            del self._encoders[key]
+        return row
 
     def _written(self, written: asyncio.Future[None], done: asyncio.Future[None], jobs: list[Job]) -> None:
         if self._in_flight is done:
@@ -189,6 +232,7 @@ class WriteBehind:
             self._timer.cancel()
             self._timer = None
         self._dirty.clear()
+        self._encoders.clear()
         for waiting in (self._next, self._in_flight):
             if waiting is not None and not waiting.done():
                 waiting.set_exception(LeadershipLostError("this coordinator stopped leading"))

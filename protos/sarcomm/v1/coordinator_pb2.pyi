@@ -568,16 +568,33 @@ class ListJobsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    MEMBER_LIMIT_FIELD_NUMBER: _builtins.int
+    MEMBER_OFFSET_FIELD_NUMBER: _builtins.int
+    MEMBER_STATES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """Empty = all jobs."""
+    member_limit: _builtins.int
+    """0 (the default) lists every member of each job. N > 0 lists at most N of them, in rank order
+    from the `member_offset`-th on: a job of 32,768 members is too large for one answer.
+    """
+    member_offset: _builtins.int
+    @_builtins.property
+    def member_states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only members in these states (e.g. FAILED) are listed and counted for the two fields above;
+        empty = every state.
+        """
+
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
+        member_limit: _builtins.int = ...,
+        member_offset: _builtins.int = ...,
+        member_states: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "member_limit", b"member_limit", "member_offset", b"member_offset", "member_states", b"member_states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -723,6 +740,26 @@ Global___GenerationRecord: _TypeAlias = GenerationRecord  # noqa: Y015
 class JobStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MemberCountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
@@ -738,6 +775,7 @@ class JobStatus(_message.Message):
     STALL_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    MEMBER_COUNTS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     state: _builtins.str
@@ -761,6 +799,12 @@ class JobStatus(_message.Message):
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationRecord]:
         """Earlier generations under this name, oldest first (at most the last 100)."""
 
+    @_builtins.property
+    def member_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Members by state, counted over all of them, also when `members` lists only some
+        (ListJobsRequest.member_limit).
+        """
+
     def __init__(
         self,
         *,
@@ -779,10 +823,11 @@ class JobStatus(_message.Message):
         stall: Global___Stall | None = ...,
         history: _abc.Iterable[Global___GenerationRecord] | None = ...,
         max_restarts: _builtins.int = ...,
+        member_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stall", b"stall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "history", b"history", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "max_restarts", b"max_restarts", "members", b"members", "reason", b"reason", "restart_count", b"restart_count", "stall", b"stall", "state", b"state", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "history", b"history", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "max_restarts", b"max_restarts", "member_counts", b"member_counts", "members", b"members", "reason", b"reason", "restart_count", b"restart_count", "stall", b"stall", "state", b"state", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
