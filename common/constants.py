@@ -12,6 +12,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_LAST_CALL_TIMEOUT",
     "EXTRA_PORTS_VARIABLE",
     "INTERFACE_VARIABLES",
     "MAX_EXTRA_PORTS",
@@ -60,13 +61,19 @@ AGENT_PID_VARIABLE: Final = "SAR_AGENT_PID"
 DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_MISSES: Final = 3
 DEFAULT_JOIN_TIMEOUT: Final = 600.0
+#: An elastic world's last call (torchrun's ``--rdzv-conf last_call_timeout``), in seconds: once
+#: min_members have joined, the world forms when this long passes without a new arrival. A few
+#: seconds: long enough for nodes started together to arrive, short enough that survivors of a lost
+#: node train again soon (torch's own backends wait 30 s).
+DEFAULT_LAST_CALL_TIMEOUT: Final = 3.0
 
 
 class EventKind(enum.IntEnum):
     """What a job event reports; the numbers are those of ``sarcomm.v1.JobEvent.Kind``.
 
-    (The proto also reserves ``JOB_RESTARTING = 5``; no coordinator sends it, and a client maps
-    any number it does not know to ``UNSPECIFIED``.)
+    ``JOB_RESTARTING``: an elastic job's generation ended so that its world re-forms (a
+    re-rendezvous), which is not a failure. A client maps any number it does not know to
+    ``UNSPECIFIED``.
     """
 
     UNSPECIFIED = 0
@@ -74,6 +81,7 @@ class EventKind(enum.IntEnum):
     MEMBER_FAILED = 2
     JOB_FINISHED = 3
     JOB_FAILED = 4
+    JOB_RESTARTING = 5
 
 
 class FailureReason(str, enum.Enum):

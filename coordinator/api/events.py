@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from sarcomm.common.constants import EventKind
 from sarcomm.coordinator.domain.model import Job, JobEvent, JobState
@@ -52,20 +53,29 @@ class EventHub:
 class FormedWaiters:
     """Join calls waiting for their generation's world to form, one ``asyncio.Event`` per
     generation (4096 joins of one world share it); :meth:`publish` is the membership's event
-    listener and sets it on WORLD_FORMED."""
+    listener and sets it on WORLD_FORMED. :meth:`nudge` wakes the calls waiting now without
+    waking later ones (an elastic generation's calls look again, see :meth:`CoordinatorService.Join`)."""
 
     def __init__(self) -> None:
-        # (job name, generation) -> the event and how many calls wait on it.
-        self._waiting: dict[tuple[str, int], tuple[asyncio.Event, int]] = {}
+        # (job name, generation) -> the event the calls wait on now and how many calls wait.
+        self._waiting: dict[tuple[str, int], _Waiters] = {}
 
     def publish(self, event: JobEvent) -> None:
         if event.kind is EventKind.WORLD_FORMED:
             entry = self._waiting.get((event.job, event.generation))
             if entry is not None:
-                entry[0].set()
+                entry.event.set()
+
+    def nudge(self, job: Job) -> None:
+        """Wake the calls waiting for ``job`` now; later calls wait on a fresh event."""
+        entry = self._waiting.get((job.name, job.generation))
+        if entry is not None:
+            entry.event.set()
+            entry.event = asyncio.Event()
 
     async def wait(self, job: Job, timeout: float) -> None:
-        """Return once ``job`` (a generation) is no longer FORMING; at once if it is not.
+        """Return once ``job`` (a generation) is no longer FORMING (at once if it is not), or when
+        :meth:`nudge` wakes it.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
@@ -73,17 +83,25 @@ class FormedWaiters:
         if job.state is not JobState.FORMING:
             return
         key = (job.name, job.generation)
-        event, count = self._waiting.get(key) or (asyncio.Event(), 0)
-        self._waiting[key] = (event, count + 1)
+        entry = self._waiting.get(key)
+        if entry is None:
+            entry = self._waiting[key] = _Waiters(asyncio.Event())
+        entry.count += 1
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            await asyncio.wait_for(entry.event.wait(), timeout)
         finally:
-            event, count = self._waiting[key]
-            if count > 1:
-                self._waiting[key] = (event, count - 1)
-            else:
+            entry.count -= 1
+            if entry.count == 0 and self._waiting.get(key) is entry:
                 del self._waiting[key]
 
     def __len__(self) -> int:
         """How many generations have calls waiting."""
         return len(self._waiting)
+
+
+@dataclass
+class _Waiters:
+    """The event the calls of one generation wait on now, and how many wait."""
+
+    event: asyncio.Event
+    count: int = 0

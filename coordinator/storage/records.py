@@ -11,7 +11,7 @@ from typing import Any
 
 from sarcomm.common.constants import FailureReason
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.domain.model import Job, JobState, Member, MemberState, StoredState
+from sarcomm.coordinator.domain.model import ElasticRange, Job, JobState, Member, MemberState, StoredState
 from sarcomm.coordinator.storage.store import StateStore, encode_job
 
 
@@ -108,6 +108,11 @@ def job_record(job: Job) -> dict[str, Any]:
         "max_restarts": job.max_restarts,
         "history": job.history,
         "members": [member_record(m) for m in job.members],
+        "elastic": (
+            [job.elastic.min_members, job.elastic.max_members, job.elastic.last_call] if job.elastic else None
+        ),
+        "closed": job.closed,
+        "rerendezvous_count": job.rerendezvous_count,
     }
 
 
@@ -130,4 +135,7 @@ def job_from_record(record: dict[str, Any]) -> Job:
         max_restarts=record.get("max_restarts", 0),
         history=record.get("history", []),
         members=[member_from_record(m) for m in record["members"]],
+        elastic=ElasticRange(*elastic) if (elastic := record.get("elastic")) else None,
+        closed=record.get("closed", ""),
+        rerendezvous_count=record.get("rerendezvous_count", 0),
     )
