@@ -203,6 +203,6 @@ def test_node_beyond_max_waits_then_exits_when_job_is_closed(nodes: Nodes) -> No
     assert job_status(nodes.coord, job)["generation"] == 1
     nodes.stop_training()
     assert [node.wait() for node in started] == [0, 0], nodes.logs()
-    extra.wait()
-    assert "is closed" in extra.log(), extra.log()
+    extra.wait()  # exits 1 on torch 2.13: its launcher fails on the graceful exit's empty result
+    assert "waited beyond --nnodes MAX and exits" in extra.log(), extra.log()
     assert not steps(nodes.out, 2)

@@ -259,8 +259,12 @@ def _torch_errors(run_id: str) -> Iterator[None]:
     try:
         yield
     except JobClosedError as exc:
-        kind = RendezvousGracefulExitError if exc.beyond_max else RendezvousClosedError
-        raise kind(f"job {run_id}: {exc}") from exc
+        if not exc.beyond_max:
+            raise RendezvousClosedError(f"job {run_id}: {exc}") from exc
+        # torch's agent logs a graceful exit at INFO only (and torch 2.13's launcher then fails on
+        # the agent's empty result): say here, where it shows, why this node ends.
+        log.warning("job=%s: %s; this node waited beyond --nnodes MAX and exits", run_id, exc)
+        raise RendezvousGracefulExitError(f"job {run_id}: {exc}") from exc
     except JoinTimeoutError as exc:
         raise RendezvousTimeoutError(f"job {run_id}: {exc}") from exc
     except (CoordinatorUnavailableError, UnauthenticatedError, TimeoutError) as exc:
