@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import CoordinatorProcess
 from tests.helpers import wait_for
+from tests.test_failover_etcd import _role, replicas  # noqa: F401  (the two-coordinator fixture)
 from tests.torchrun_nodes import SLOW_S, Node, records, torchrun_args, wait_for_training
 
 pytestmark = pytest.mark.timeout(900)
@@ -33,9 +34,9 @@ class Nodes:
         self.out.mkdir()
         self.started: list[Node] = []
 
-    def start(self, job: str, nnodes: str, **kwargs: Any) -> Node:
+    def start(self, job: str, nnodes: str, endpoint: str = "", **kwargs: Any) -> Node:
         name = f"node{len(self.started)}"
-        args = torchrun_args(self.coord.grpc_target, job, self.out, nnodes=nnodes, **kwargs)
+        args = torchrun_args(endpoint or self.coord.grpc_target, job, self.out, nnodes=nnodes, **kwargs)
         node = Node(name, args, self.tmp_path / f"{name}.log").start()
         self.started.append(node)
         return node
@@ -206,3 +207,43 @@ def test_node_beyond_max_waits_then_exits_when_job_is_closed(nodes: Nodes) -> No
     extra.wait()  # exits 1 on torch 2.13: its launcher fails on the graceful exit's empty result
     assert "waited beyond --nnodes MAX and exits" in extra.log(), extra.log()
     assert not steps(nodes.out, 2)
+
+
+# -- replicas on etcd: the leader dies mid-job --------------------------------------------------------
+
+
+def test_job_trains_through_leader_loss_and_handles_a_later_node_loss(
+    replicas: tuple[CoordinatorProcess, CoordinatorProcess],  # noqa: F811  (the fixture, imported)
+    tmp_path: Path,
+) -> None:
+    """Two coordinators on etcd, the torchrun nodes given both: the leader is SIGKILLed while a
+    world of 3 trains; the workers never notice (collectives do not go through the coordinator),
+    the agents' streams move to the new leader, and a node lost afterwards is still handled there."""
+    leader, standby = replicas
+    nodes = Nodes(standby, tmp_path)
+    endpoint = f"{leader.grpc_target},{standby.grpc_target}"
+    job = "failover"
+    try:
+        started = [nodes.start(job, "2:3", endpoint=endpoint) for _ in range(3)]
+        wait_for_training(nodes.out, 1, 6)
+        leader.kill()
+        wait_for(lambda: _role(standby) == "leader", SLOW_S, what="the standby to lead")
+        done = len(steps(nodes.out, 1))
+        wait_for(lambda: len(steps(nodes.out, 1)) >= done + 30, SLOW_S, what="generation 1 to train on")
+        wait_for(
+            lambda: all(m["last_heartbeat"] > time.time() - 3 for m in job_status(standby, job)["members"]),
+            SLOW_S,
+            what="every node to report to the new leader",
+        )
+        first, victim, last = sorted(started, key=lambda n: nodes.group_rank(n, 1))
+        victim.signal_all(signal.SIGKILL)
+        wait_for_training(nodes.out, 2, 4)
+        nodes.stop_training()
+        assert [first.wait(), last.wait()] == [0, 0], nodes.logs()
+        assert all(r["ok"] for r in records(nodes.out) if "ok" in r)
+        status = job_status(standby, job)
+        assert (status["state"], status["generation"], status["rerendezvous_count"]) == ("FINISHED", 2, 1)
+        assert status["history"][0]["state"] == "RESTARTED"
+    finally:
+        for node in nodes.started:
+            node.stop()
