@@ -11,9 +11,11 @@ What sarcomm does for each (one sarcomm member per node, the agent):
 
 - ``next_rendezvous()`` joins the job (``--rdzv-id``) at the coordinator with ``--nnodes MIN:MAX``
   and blocks until a world forms; node rank and count come from the coordinator (host-contiguous,
-  survivors keep their order). Node rank 0's agent serves a fresh ``TCPStore`` on the port it
-  reserved for that generation, the others connect to it; the store is returned (torch's agents
-  and, ``use_agent_store``, their workers use it; no key of an earlier generation is in it). The
+  survivors keep their order). Every node holds a fresh, unused ``TCPStore`` server on a free port
+  and joins with its port: node rank 0's becomes the generation's store (it listens already when
+  the others connect; the next generation gets a new one), the others connect to it. The store
+  is returned (torch's agents and, ``use_agent_store``, their workers use it; no key of an earlier
+  generation is in it). The
   interface the coordinator chose, and ``SAR_COORD``/``SAR_JOB``/``SAR_GENERATION``, go into the
   environment the workers inherit. A re-rendezvous re-joins with the node's member of the running
   generation, which ends that generation as a re-rendezvous (not a failure) for every node.
@@ -67,7 +69,6 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
 )
 from sarcomm.common.messages import JoinResult
-from sarcomm.common.ports import PortBlock
 from sarcomm.worker.launch_env import socket_name_setting
 from sarcomm.worker.torchrun.session import RendezvousSession
 from sarcomm.worker.torchrun.settings import BACKEND, RendezvousSettings
@@ -75,6 +76,9 @@ from sarcomm.worker.torchrun.settings import BACKEND, RendezvousSettings
 __all__ = ["SarcommRendezvousHandler"]
 
 log = logging.getLogger(__name__)
+
+#: Where node rank 0's agent reaches its own store (the server listens on every interface).
+_LOOPBACK = "127.0.0.1"
 
 
 class SarcommRendezvousHandler(RendezvousHandler):
@@ -95,6 +99,8 @@ class SarcommRendezvousHandler(RendezvousHandler):
         self._user_set = frozenset(v for v in INTERFACE_VARIABLES if self._environ.get(v))
         self._result: JoinResult | None = None
         self._store: Store | None = None
+        # A fresh store server, unused, ready for the generation in which this node is node rank 0.
+        self._spare: TCPStore | None = None
         self._closed = ""
         self._left = False
 
@@ -114,6 +120,18 @@ class SarcommRendezvousHandler(RendezvousHandler):
         except InvalidArgumentError as exc:
             raise ValueError(f"sarcomm rendezvous: {exc}") from None
         return cls(settings, RendezvousSession(settings, socket_name))
+
+    def connect(self) -> None:
+        """Reach the coordinator now, as the first ``next_rendezvous()`` does first: an endpoint
+        with nothing listening, a wrong token or a TLS mismatch fails here, in seconds.
+
+        Raises:
+            RendezvousConnectionError: naming the cause.
+        """
+        with _torch_errors(self._settings.run_id):
+            self._session.connect()
+        if self._spare is None:
+            self._spare = self._serve_store()
 
     # -- torch's contract ------------------------------------------------------------------------
 
@@ -150,12 +168,13 @@ class SarcommRendezvousHandler(RendezvousHandler):
             rejoin = (member.member_id, member.secret)
         self._session.stop_heartbeats()
         self._store = None  # the previous generation's store (its server, on node rank 0) goes
+        server = self._spare if self._spare is not None else self._serve_store()
         with _torch_errors(s.run_id):
-            result, ports = self._session.join(rejoin)
-        try:
-            store = self._open_store(result, ports)
-        finally:
-            ports.close()
+            result = self._session.join(server.port, rejoin)
+        if result.assignments[0].rank == 0:
+            store, self._spare = server, None  # used now: the next generation gets a fresh one
+        else:
+            store, self._spare = self._connect_store(result), server
         self._result, self._store = result, store
         self._export(result)
         self._session.watch(result)
@@ -210,32 +229,43 @@ class SarcommRendezvousHandler(RendezvousHandler):
             log.warning("job=%s: could not report the node's end to the coordinator: %s", run_id, exc)
             heard = False
         finally:
-            self._store = None
+            self._store = self._spare = None
             self._session.close()
         return heard
 
     # -- the store and the workers' environment ---------------------------------------------------
 
-    def _open_store(self, result: JoinResult, ports: PortBlock) -> Store:
-        """Node rank 0 serves the generation's TCPStore on the port it reserved; the others
-        connect to it (retrying until ``read_timeout``)."""
-        timeout = timedelta(seconds=self._settings.read_timeout)
-        master = result.assignments[0].rank == 0
-        if master:
-            ports.release_store_port()  # the reservation gives way to the store, which binds it now
+    def _serve_store(self) -> TCPStore:
+        """A fresh TCPStore server on a free port (it listens on every interface), started before
+        the join (at :meth:`connect`, then after each generation that used it): should this node
+        become node rank 0, its store already listens when the others connect (a client that
+        finds nothing there retries only after about half a second)."""
+        try:
+            return TCPStore(
+                _LOOPBACK,
+                0,
+                is_master=True,
+                timeout=timedelta(seconds=self._settings.read_timeout),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise RendezvousConnectionError(
+                f"job {self._settings.run_id}: this node cannot serve a store: {exc}"
+            ) from exc
+
+    def _connect_store(self, result: JoinResult) -> Store:
+        """The generation's store, served by node rank 0 (retrying until ``read_timeout``)."""
         try:
             return TCPStore(
                 result.master_addr,
                 result.master_port,
-                is_master=master,
-                timeout=timeout,
-                wait_for_workers=False,
+                is_master=False,
+                timeout=timedelta(seconds=self._settings.read_timeout),
             )
         except (RuntimeError, ValueError, TimeoutError) as exc:
-            role = "serve" if master else "reach"
             raise RendezvousConnectionError(
                 f"job {result.job} generation {result.generation}: node rank {result.assignments[0].rank} "
-                f"could not {role} the store of node rank 0 at {result.master_addr}:{result.master_port} "
+                f"could not reach the store of node rank 0 at {result.master_addr}:{result.master_port} "
                 f"within read_timeout {self._settings.read_timeout:g} s: {exc}"
             ) from exc
 

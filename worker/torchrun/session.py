@@ -6,6 +6,10 @@ node count come back), heartbeats for it while its workers run, and reads from e
 many nodes wait to join and whether the rendezvous is closed; a job event that ends its generation
 (a node lost, another node re-joining, the job failed) is kept too. :meth:`RendezvousSession.news`
 is what ``num_nodes_waiting()`` and ``is_closed()`` answer from: no call to the coordinator.
+
+The sessions of one process share one client (one channel, one loop thread) per coordinator:
+torchrun runs one handler per agent process, and a process that drives many (a test, the
+benchmark) keeps one connection, as a process with many members should.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
+from sarcomm.common import netinfo
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.heartbeats import HeartbeatStream
 from sarcomm.common.client.loop_thread import LoopThread
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import SarcommError
+from sarcomm.common.interfaces import InterfaceInfo
 from sarcomm.common.messages import Event, HeartbeatReply, JoinResult, MemberReport, paced_interval
-from sarcomm.common.ports import PortBlock
+from sarcomm.common.tls import ClientTls
 from sarcomm.worker.torchrun.settings import RendezvousSettings
 
 __all__ = ["News", "RendezvousSession"]
@@ -31,8 +38,6 @@ log = logging.getLogger(__name__)
 #: The job events that end a running generation for its members: it re-forms (a node was lost,
 #: another re-joins, nodes wait) or the job failed.
 _ENDING = frozenset({EventKind.MEMBER_FAILED, EventKind.JOB_FAILED, EventKind.JOB_RESTARTING})
-#: Seconds a probe of an endpoint may take before the first join (a dead one is named in seconds).
-PROBE_TIMEOUT_S = 5.0
 #: Heartbeats of the node's member, in seconds, unless the coordinator asks for more (its
 #: --heartbeat-interval, which its answers carry).
 HEARTBEAT_INTERVAL_S = 1.0
@@ -51,6 +56,23 @@ class News:
     ended: str = ""
 
 
+_Key = tuple[str, str | None, ClientTls | None]
+
+
+@dataclass
+class _SharedClient:
+    """One process's client of one coordinator (its endpoint, token and TLS), and its users."""
+
+    thread: LoopThread
+    client: CoordinatorClient
+    users: int = 0
+    probed: bool = field(default=False)
+
+
+_shared: dict[_Key, _SharedClient] = {}
+_shared_lock = threading.Lock()
+
+
 class RendezvousSession:
     """The coordinator client of one torchrun agent. Every method blocks the calling thread (the
     agent's) until the loop thread has done the work; they raise :mod:`sarcomm.common.errors`."""
@@ -58,53 +80,69 @@ class RendezvousSession:
     def __init__(self, settings: RendezvousSettings, socket_name: str = "") -> None:
         self.settings = settings
         self._socket_name = socket_name
-        self._thread = LoopThread("sarcomm-rendezvous")
-        self._client = CoordinatorClient(settings.endpoint, settings.token, tls=settings.tls)
+        self._key: _Key = (settings.endpoint, settings.token, settings.tls)
+        with _shared_lock:
+            shared = _shared.get(self._key)
+            if shared is None:
+                client = CoordinatorClient(settings.endpoint, settings.token, tls=settings.tls)
+                shared = _shared[self._key] = _SharedClient(LoopThread("sarcomm-rendezvous"), client)
+            shared.users += 1
+        self._shared = shared
+        self._thread, self._client = shared.thread, shared.client
         self._stream: HeartbeatStream | None = None
         self._watcher: concurrent.futures.Future[None] | None = None
         self.news = News()
-        self._probed = False
         self._closed = False
+        # The host's interfaces, read when the session connects, for its first join (every later
+        # join reads them afresh).
+        self._interfaces: list[InterfaceInfo] | None = None
 
     @property
     def _margin(self) -> float:
         """Beyond the client's own deadlines: a guard against a hang, never reached normally."""
         return self._client.timeout + 10.0
 
-    def join(self, rejoin: tuple[str, str] | None) -> tuple[JoinResult, PortBlock]:
+    def join(self, store_port: int, rejoin: tuple[str, str] | None) -> JoinResult:
         """Join the job with this node's one member (re-joining from ``rejoin``: its member of the
         running generation, ``(member_id, secret)``) and block until a world with it forms.
-        Returns the answer and the reserved store port (held until the caller's store binds it).
+        ``store_port``: where this node serves the store should it become node rank 0.
 
         Raises:
             JobClosedError, JoinTimeoutError, CoordinatorUnavailableError, UnauthenticatedError,
             InvalidArgumentError, FailedPreconditionError: as the coordinator answers.
         """
         s = self.settings
-        if not self._probed:
-            self._thread.run(self._probe(), PROBE_TIMEOUT_S + self._margin)
-            self._probed = True
-        ports = PortBlock.reserve(0)
-        try:
-            result = self._thread.run(
-                self._client.join_many(
-                    s.run_id,
-                    0,
-                    socket_name=self._socket_name,
-                    store_port=ports.store_port,
-                    join_timeout=s.join_timeout,
-                    min_members=s.min_nodes,
-                    max_members=s.max_nodes,
-                    last_call_timeout=s.last_call_timeout,
-                    rejoin=rejoin,
-                ),
-                s.join_timeout + self._margin,
-            )
-        except BaseException:
-            ports.close()
-            raise
+        self.connect()
+        interfaces, self._interfaces = self._interfaces or netinfo.local_interfaces(), None
+        result = self._thread.run(
+            self._client.join_many(
+                s.run_id,
+                0,
+                interfaces=interfaces,
+                socket_name=self._socket_name,
+                store_port=store_port,
+                join_timeout=s.join_timeout,
+                min_members=s.min_nodes,
+                max_members=s.max_nodes,
+                last_call_timeout=s.last_call_timeout,
+                rejoin=rejoin,
+            ),
+            s.join_timeout + self._margin,
+        )
         self.news = News(result.generation)
-        return result, ports
+        return result
+
+    def connect(self) -> None:
+        """Reach the coordinator (once; the first join does it too).
+
+        Raises:
+            CoordinatorUnavailableError, UnauthenticatedError: as :meth:`_probe` finds.
+        """
+        if not self._shared.probed:
+            self._thread.run(self._probe(), self._margin)
+            self._shared.probed = True
+        if self._interfaces is None and self.news.generation == 0:
+            self._interfaces = netinfo.local_interfaces()
 
     async def _probe(self) -> None:
         """Reach the coordinator once, failing fast: an endpoint with nothing listening, a wrong
@@ -181,12 +219,20 @@ class RendezvousSession:
         return self._thread.run(self._client.leave(member_id, secret, exit_code, reason), self._margin)
 
     def close(self) -> None:
-        """Stop heartbeating, close the channel and the loop thread; idempotent."""
+        """Stop heartbeating; the process's last session of this coordinator also closes the
+        channel and the loop thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        with _shared_lock:
+            self._shared.users -= 1
+            last = self._shared.users == 0
+            if last:
+                del _shared[self._key]
         try:
             self.stop_heartbeats()
-            self._thread.run(self._client.close(), self._margin)
+            if last:
+                self._thread.run(self._client.close(), self._margin)
         finally:
-            self._thread.stop()
+            if last:
+                self._thread.stop()
