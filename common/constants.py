@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_LAST_CALL_TIMEOUT",
     "EXIT_TIMEOUT_VARIABLE",
     "EXTRA_PORTS_VARIABLE",
     "GENERATION_VARIABLE",
@@ -127,13 +128,19 @@ DEFAULT_JOIN_TIMEOUT: Final = 600.0
 #: moment must still be written and its answer sent, and so must the coordinator's word on why it
 #: did not form, which is why the coordinator stops waiting this long before the client's deadline.
 JOIN_ANSWER_SLACK_S: Final = 2.0
+#: An elastic world's last call (torchrun's ``--rdzv-conf last_call_timeout``), in seconds: once
+#: min_members have joined, the world forms when this long passes without a new arrival. A few
+#: seconds: long enough for nodes started together to arrive, short enough that survivors of a lost
+#: node train again soon (torch's own backends wait 30 s).
+DEFAULT_LAST_CALL_TIMEOUT: Final = 3.0
 
 
 class EventKind(enum.IntEnum):
     """What a job event reports; the numbers are those of ``sarcomm.v1.JobEvent.Kind``.
 
-    (The proto also reserves ``JOB_RESTARTING = 5``; no coordinator sends it, and a client maps
-    any number it does not know to ``UNSPECIFIED``.)
+    ``JOB_RESTARTING``: an elastic job's generation ended so that its world re-forms (a
+    re-rendezvous), which is not a failure. A client maps any number it does not know to
+    ``UNSPECIFIED``.
     """
 
     UNSPECIFIED = 0
@@ -141,6 +148,7 @@ class EventKind(enum.IntEnum):
     MEMBER_FAILED = 2
     JOB_FINISHED = 3
     JOB_FAILED = 4
+    JOB_RESTARTING = 5
 
 
 class FailureReason(str, enum.Enum):

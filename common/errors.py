@@ -31,6 +31,18 @@ class FailedPreconditionError(SarcommError):
     code = "FAILED_PRECONDITION"
 
 
+class JobClosedError(FailedPreconditionError):
+    """Raised when an elastic job's rendezvous is closed: a member finished or closed it, or the
+    job failed, and no new world forms under it while its generation runs (torch's
+    ``RendezvousClosedError``). ``beyond_max``: the caller was parked while the world already had
+    max_members (torchrun then exits gracefully). On the wire it is no error status but a
+    ``JoinResponse`` with ``closed`` set, which the client turns back into this error."""
+
+    def __init__(self, message: str, *, beyond_max: bool = False) -> None:
+        super().__init__(message)
+        self.beyond_max = beyond_max
+
+
 class AlreadyExistsError(SarcommError):
     """Raised when a member claims something another member holds, such as a rank."""
 

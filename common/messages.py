@@ -22,6 +22,7 @@ __all__ = [
     "JoinResult",
     "MemberReport",
     "Progress",
+    "RendezvousState",
     "failure_from_proto",
     "failure_to_proto",
     "interface_to_proto",
@@ -142,6 +143,8 @@ class MemberReport:
     progress: Progress | None = None
     metrics_address: str = ""
     age: float = 0.0
+    #: Close the rendezvous of the member's elastic job (torch's ``set_closed``).
+    close_job: bool = False
 
     def to_proto(self) -> pb.MemberReport:
         msg = pb.MemberReport(
@@ -149,6 +152,7 @@ class MemberReport:
             secret=self.secret,
             metrics_address=self.metrics_address,
             age_seconds=self.age,
+            close_job=self.close_job,
         )
         if self.progress is not None:
             p = self.progress
@@ -159,14 +163,28 @@ class MemberReport:
 
 
 @dataclass(frozen=True)
+class RendezvousState:
+    """An elastic job's rendezvous as its running members see it: ``waiting`` members parked for
+    the next generation that would fit in it (> 0: re-form a larger world), and whether it is
+    ``closed`` (no new world forms under the job while generation ``generation`` runs)."""
+
+    job: str
+    generation: int
+    waiting: int = 0
+    closed: bool = False
+
+
+@dataclass(frozen=True)
 class HeartbeatReply:
     """The coordinator's answer to one heartbeat: members it no longer knows, job events (a
-    ``MEMBER_FAILED`` here means the reporters should stop), and its current heartbeat interval
-    (0: not told), which the reporters follow (see :func:`paced_interval`)."""
+    ``MEMBER_FAILED`` here means the reporters should stop), its current heartbeat interval
+    (0: not told), which the reporters follow (see :func:`paced_interval`), and the rendezvous of
+    the reported members' elastic jobs."""
 
     unknown_members: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     heartbeat_interval: float = 0.0
+    rendezvous: tuple[RendezvousState, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
@@ -174,6 +192,7 @@ class HeartbeatReply:
             tuple(msg.unknown_members),
             tuple(Event.from_proto(e) for e in msg.events),
             msg.heartbeat_interval_seconds,
+            tuple(RendezvousState(r.job, r.generation, r.waiting_members, r.closed) for r in msg.rendezvous),
         )
 
 

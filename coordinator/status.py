@@ -196,9 +196,17 @@ def render(response: pb.ListJobsResponse, now: float | None = None) -> str:
             restarts += f" of {job.max_restarts}"
         if job.state == "FAILED" and job.max_restarts and job.restart_count >= job.max_restarts:
             restarts += " (none left)"
+        size = str(job.world_size)
+        if job.max_members:
+            size += f" (elastic {job.min_members}..{job.max_members}"
+            size += f", {job.waiting_members} waiting" if job.waiting_members else ""
+            beyond = job.parked_members - job.waiting_members
+            size += f", {beyond} beyond max" if beyond > 0 else ""
+            size += ", closed)" if job.closed and job.state == "RUNNING" else ")"
         lines.append(
-            f"job {job.job}  generation {job.generation}  {job.state}  world_size {job.world_size}  "
+            f"job {job.job}  generation {job.generation}  {job.state}  world_size {size}  "
             f"master {master}  restarts {restarts}"
+            + (f"  re-rendezvous {job.rerendezvous_count}" if job.rerendezvous_count else "")
         )
         if job.reason:
             lines.append(f"  reason: {job.reason}")

@@ -72,6 +72,7 @@ class Term:
         self.events = EventHub()
         self.formed = FormedWaiters()
         self.membership.add_listener(self.formed.publish)
+        self.membership.elastic.wake = self.formed.nudge
         self.membership.add_listener(self.events.publish)
         self.membership.add_listener(self._count_event)
         self.service = CoordinatorService(
@@ -95,6 +96,8 @@ class Term:
                 self._metrics.rendezvous_duration.observe(max(0.0, job.formed - job.created))
                 if job.restart_count:
                     self._metrics.restarts.inc()
+        elif event.kind is EventKind.JOB_RESTARTING:
+            self._metrics.rerendezvous.inc()
 
     async def _sweep_forever(self) -> None:
         # Sweeping at a fraction of the interval bounds detection at interval x misses + interval/4.

@@ -41,6 +41,7 @@ from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     InvalidArgumentError,
+    JobClosedError,
     SarcommError,
 )
 from sarcomm.common.interfaces import InterfaceInfo
@@ -214,6 +215,10 @@ class CoordinatorClient:
         join_timeout: float | None = None,
         backend: str = "",
         max_restarts: int = 0,
+        min_members: int = 0,
+        max_members: int = 0,
+        last_call_timeout: float = 0.0,
+        rejoin: tuple[str, str] | None = None,
     ) -> JoinResult:
         """Register ``nproc`` members of this host in ``job`` and block until the world forms.
 
@@ -240,6 +245,13 @@ class CoordinatorClient:
             backend: the torch.distributed backend the members will use (informational).
             max_restarts: how often this host restarts the job after a failure (informational:
                 ``status`` shows it beside the restart count).
+            min_members, max_members, last_call_timeout: an elastic world (``max_members`` > 0;
+                ``world_size`` must then be 0): it forms with between ``min_members`` and
+                ``max_members`` members, at once with max_members, else once
+                ``last_call_timeout`` seconds pass without a new arrival (see
+                :mod:`sarcomm.coordinator.domain.elastic`).
+            rejoin: ``(member_id, secret)`` of the member of the job's running generation this
+                host was: a re-rendezvous of an elastic job (that generation ends, not failed).
 
         Returns:
             the shared answer, with one :class:`Assignment` per member in request order.
@@ -249,6 +261,8 @@ class CoordinatorClient:
             FailedPreconditionError: world-size mismatch with the job, stale generation, job done.
             AlreadyExistsError: a requested rank is held by another member.
             JoinTimeoutError: the world did not form before the join timeout.
+            JobClosedError: the elastic job's rendezvous is closed (a member finished or closed
+                it, or the job failed): no new world forms under it while it runs.
             CoordinatorUnavailableError: the coordinator could not be reached before the deadline.
             UnauthenticatedError: the token was missing or wrong.
         """
@@ -291,6 +305,11 @@ class CoordinatorClient:
                 join_timeout_seconds=join_timeout or 0.0,
                 backend=backend,
                 max_restarts=max_restarts,
+                min_members=min_members,
+                max_members=max_members,
+                last_call_timeout_seconds=last_call_timeout,
+                rejoin_member_id=rejoin[0] if rejoin else "",
+                rejoin_secret=rejoin[1] if rejoin else "",
             )
         except (ValueError, TypeError) as exc:  # protobuf: int32 overflow, wrong types
             raise InvalidArgumentError(f"A Join field does not fit its protobuf type: {exc}") from exc
@@ -307,6 +326,8 @@ class CoordinatorClient:
             self.target, world_size, nproc, deadline,
         )  # fmt: skip
         resp = await self._replicas.call("Join", lambda stub: stub.Join, request, deadline, started)
+        if resp.closed:
+            raise JobClosedError(resp.closed_reason, beyond_max=resp.beyond_max)
         if len(resp.assignments) != nproc:
             raise SarcommError(
                 f"The coordinator at {self.target} answered Join for job {resp.job!r} with "

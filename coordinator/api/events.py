@@ -52,14 +52,15 @@ class EventHub:
 class FormedWaiters:
     """Join calls waiting for their generation's world to form, one future per generation (the
     32,768 joins of one world share it); :meth:`publish` is the membership's event listener and
-    resolves it on WORLD_FORMED.
+    resolves it on WORLD_FORMED. :meth:`nudge` wakes the calls waiting now without waking later
+    ones (an elastic generation's calls look again, see ``CoordinatorService.Join``).
 
     Each call waits on the shared future with a timer of its own, not through ``wait_for``: that
     makes a task per call (49,000 tasks and their wake-ups at 32,768 single-rank joins, a quarter
     of the formation's time in process, measured)."""
 
     def __init__(self) -> None:
-        # (job name, generation) -> the future and how many calls wait on it.
+        # (job name, generation) -> the future calls wait on now and how many calls wait.
         self._waiting: dict[tuple[str, int], tuple[asyncio.Future[None], int]] = {}
 
     def publish(self, event: JobEvent) -> None:
@@ -68,8 +69,19 @@ class FormedWaiters:
             if entry is not None and not entry[0].done():
                 entry[0].set_result(None)
 
+    def nudge(self, job: Job) -> None:
+        """Wake the calls waiting for ``job`` now; later calls wait on a fresh future."""
+        key = (job.name, job.generation)
+        entry = self._waiting.get(key)
+        if entry is not None:
+            formed, count = entry
+            if not formed.done():
+                formed.set_result(None)
+            self._waiting[key] = (asyncio.get_running_loop().create_future(), count)
+
     async def wait(self, job: Job, timeout: float) -> None:
-        """Return once ``job`` (a generation) is no longer FORMING; at once if it is not.
+        """Return once ``job`` (a generation) is no longer FORMING (at once if it is not), or when
+        :meth:`nudge` wakes it.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
@@ -94,9 +106,9 @@ class FormedWaiters:
             await mine
         finally:
             timer.cancel()
-            formed, count = self._waiting[key]
+            current, count = self._waiting[key]  # a nudge may have put a fresh future there
             if count > 1:
-                self._waiting[key] = (formed, count - 1)
+                self._waiting[key] = (current, count - 1)
             else:
                 del self._waiting[key]
         if not formed.done():

@@ -194,6 +194,12 @@ class CoordinatorMetrics:
             "Worlds formed under a job name whose previous generation failed.",
             registry=self.registry,
         )
+        self.rerendezvous = Counter(
+            "sar_coordinator_rerendezvous",
+            "Generations of elastic jobs that ended in a re-rendezvous (JOB_RESTARTING: a member "
+            "went, or members wait to join): the world re-forms; no failure, no restart.",
+            registry=self.registry,
+        )
         self.rpcs = Counter(
             "sar_coordinator_rpcs",
             "gRPC calls handled, by method and status code.",

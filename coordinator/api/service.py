@@ -17,6 +17,7 @@ from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     FailedPreconditionError,
+    JobClosedError,
     JoinTimeoutError,
     NotFoundError,
     ResourceExhaustedError,
@@ -30,6 +31,7 @@ from sarcomm.coordinator.api.reports import StreamReports
 from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
+from sarcomm.coordinator.domain.elastic import waiting
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState, Progress
 from sarcomm.v1 import coordinator_pb2 as pb
@@ -84,7 +86,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
             )
         # A Join sent again (same join_id) waits on its first try's ticket (see rejoin).
-        ticket = self._membership.join(spec, validation.join_id(request.join_id) if request.join_id else "")
+        try:
+            ticket = self._membership.join(
+                spec, validation.join_id(request.join_id) if request.join_id else ""
+            )
+        except JobClosedError as refused:
+            return self._closed_answer(spec.job, refused)
         if not ticket.resent:
             self._metrics.joins.inc(len(spec.members))
         job = ticket.job
@@ -95,7 +102,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         wait = timeout if left is None else max(0.0, min(timeout, left - JOIN_ANSWER_SLACK_S))
         self._join_waiters += 1
         try:
-            await self._formed.wait(job, wait)
+            await self._wait_formed(job, wait)
         except TimeoutError:
             missing = ranks.describe_missing(job)
             self._membership.abandon(ticket)
@@ -109,6 +116,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise
         finally:
             self._join_waiters -= 1
+        closed = self._membership.elastic.withdrawn(ticket)
+        if closed is not None:
+            return self._closed_answer(spec.job, closed)
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
         try:
@@ -134,6 +144,43 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 pb.Assignment(rank=_rank(m.rank), local_rank=m.local_rank, member_id=m.member_id, secret=s)
                 for m, s in zip(ticket.members, ticket.secrets, strict=True)
             ],
+        )
+
+    async def _wait_formed(self, job: Job, timeout: float) -> None:
+        """Return once ``job`` (a generation) is no longer FORMING, or was sent away (an elastic
+        one parked behind a world whose rendezvous closed). An elastic one forms at its last call,
+        which these waits drive (and the liveness sweep, as a backstop).
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        if job.elastic is None:
+            await self._formed.wait(job, timeout)
+            return
+        elastic = self._membership.elastic
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while job.state is JobState.FORMING and not job.withdrawn:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            due = elastic.form_in(job)
+            try:
+                await self._formed.wait(job, left if due is None else min(left, due))
+            except TimeoutError:
+                if due is None or loop.time() >= deadline:
+                    raise
+                elastic.form_if_ready(job)
+
+    def _closed_answer(self, job: str, closed: JobClosedError) -> pb.JoinResponse:
+        """The answer to a Join of an elastic job whose rendezvous is closed (no assignments)."""
+        log.info("job %r: a Join answered closed: %s", job, closed)
+        return pb.JoinResponse(
+            job=job,
+            closed=True,
+            beyond_max=closed.beyond_max,
+            closed_reason=str(closed),
+            heartbeat_interval_seconds=self._config.heartbeat_interval,
         )
 
     async def Heartbeat(
@@ -255,10 +302,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
                     )
                 known.append(report_fields)
+            elastic: dict[str, Job] = {}
             for member_id, secret, progress, address, age in known:
                 job, _ = self._membership.heartbeat(
                     member_id, secret, progress, address, age=age, stream=state.token
                 )
+                if job.elastic is not None:
+                    elastic[job.name] = job
                 reported.add(member_id)
                 found = self._membership.current(member_id)
                 if found is not None:
@@ -270,9 +320,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if job.state is JobState.FAILED:
                         # Subscribed after the failure was announced: tell this reporter now.
                         response.events.append(self._failure_event(job.name))
+            if elastic:
+                closing = {r.member_id: r.secret for r in request.reports if r.close_job}
+                self._elastic_news(response, elastic, closing, reported)
         except SarcommError as error:
             return error
         return response
+
+    def _elastic_news(
+        self, response: pb.HeartbeatResponse, jobs: dict[str, Job], closing: dict[str, str], known: set[str]
+    ) -> None:
+        """Close the rendezvous of the jobs whose reports ask so, then tell how every elastic job
+        of the reports stands (what torchrun's num_nodes_waiting() and is_closed() answer)."""
+        for member_id, secret in closing.items():
+            if member_id in known:
+                self._membership.close_job(member_id, secret)
+        for job in jobs.values():
+            response.rendezvous.append(
+                pb.RendezvousState(
+                    job=job.name,
+                    generation=job.generation,
+                    waiting_members=waiting(job),
+                    closed=bool(job.closed),
+                )
+            )
 
     def _failure_event(self, job_name: str) -> pb.JobEvent:
         job = self._membership.job(job_name)

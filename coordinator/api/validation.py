@@ -18,7 +18,14 @@ from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_wi
 from sarcomm.common.messages import Progress
 from sarcomm.coordinator.api.views import MemberSelection
 from sarcomm.coordinator.config import Limits
-from sarcomm.coordinator.domain.model import JOB_NAME_RULE, JoinSpec, MemberRequest, MemberState, is_job_name
+from sarcomm.coordinator.domain.model import (
+    JOB_NAME_RULE,
+    ElasticRange,
+    JoinSpec,
+    MemberRequest,
+    MemberState,
+    is_job_name,
+)
 from sarcomm.v1 import coordinator_pb2 as pb
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
@@ -37,6 +44,8 @@ MAX_SECRET_CHARS = 256
 MAX_REPORTS = 4096
 _OP_NAME = re.compile(r"[A-Za-z0-9_.:-]*")
 MAX_RESTARTS = 1_000_000
+# An elastic world's last call, at most (seconds): an hour is already far beyond any use.
+MAX_LAST_CALL_S = 3600.0
 
 
 def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
@@ -52,15 +61,11 @@ def job_name(value: str, field: str = "job") -> str:
 def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits) -> JoinSpec:
     """The validated domain form of a ``JoinRequest``."""
     job = job_name(request.job)
-    if request.world_size < 1:
-        raise invalid("world_size", request.world_size, f"must be in 1..{limits.max_world_size}")
-    if request.world_size > limits.max_world_size:
-        # A configured limit rather than a malformed value: the same request could pass elsewhere.
-        raise ResourceExhaustedError(
-            f"world_size {request.world_size} must be in 1..{limits.max_world_size}: the coordinator's "
-            f"limit max_world_size (--max-world-size) is {limits.max_world_size} members per job"
-        )
-    world_size = request.world_size
+    elastic = _elastic(request, limits)
+    if elastic is None:
+        _world_size(request.world_size, "world_size", limits)
+    # An elastic world's size is decided when it forms; members are checked against its maximum.
+    world_size = elastic.max_members if elastic is not None else request.world_size
     if not _HOST_NAME.fullmatch(request.host):
         raise invalid("host", request.host, "must be 1 to 253 letters, digits, '.', '_' or '-'")
     if not 1 <= request.store_port <= 65535:
@@ -76,6 +81,11 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
         raise invalid("join_timeout_seconds", timeout, "must be a finite number of seconds >= 0")
     interfaces = _interfaces(request, limits.max_interfaces)
     members = _members(request, world_size)
+    if elastic is not None and any(m.rank is not None for m in members):
+        raise invalid(
+            "members.rank", [m.rank for m in members], "must be unset in an elastic job: ranks are dealt"
+        )
+    rejoin = _rejoin(request, elastic)
     if request.socket_name:
         if not _IFACE_NAME.fullmatch(request.socket_name):
             raise invalid(
@@ -116,7 +126,64 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
         backend=request.backend,
         peer_address=peer_address,
         max_restarts=request.max_restarts,
+        elastic=elastic,
+        rejoin_member_id=rejoin,
+        rejoin_secret=request.rejoin_secret,
     )
+
+
+def _world_size(value: int, field: str, limits: Limits) -> int:
+    if value < 1:
+        raise invalid(field, value, f"must be in 1..{limits.max_world_size}")
+    if value > limits.max_world_size:
+        # A configured limit rather than a malformed value: the same request could pass elsewhere.
+        raise ResourceExhaustedError(
+            f"{field} {value} must be in 1..{limits.max_world_size}: the coordinator's "
+            f"limit max_world_size (--max-world-size) is {limits.max_world_size} members per job"
+        )
+    return value
+
+
+def _elastic(request: pb.JoinRequest, limits: Limits) -> ElasticRange | None:
+    """The elastic range of a join (None: a fixed world_size), checked: max_members > 0 makes it
+    elastic, world_size must then be 0, and 1 <= min_members <= max_members."""
+    if request.max_members == 0 and request.min_members == 0:
+        if request.last_call_timeout_seconds:
+            raise invalid(
+                "last_call_timeout_seconds", request.last_call_timeout_seconds,
+                "must be 0 unless max_members is set (only an elastic world has a last call)",
+            )  # fmt: skip
+        return None
+    maximum = _world_size(request.max_members, "max_members", limits)
+    if not 1 <= request.min_members <= maximum:
+        raise invalid("min_members", request.min_members, f"must be in 1..max_members ({maximum})")
+    if request.world_size:
+        raise invalid(
+            "world_size", request.world_size,
+            "must be 0 in an elastic job (max_members set): its size is decided when it forms",
+        )  # fmt: skip
+    last_call = request.last_call_timeout_seconds
+    if not (math.isfinite(last_call) and 0 <= last_call <= MAX_LAST_CALL_S):
+        raise invalid(
+            "last_call_timeout_seconds", last_call, f"must be a number of seconds in 0..{MAX_LAST_CALL_S:g}"
+        )
+    return ElasticRange(request.min_members, maximum, last_call)
+
+
+def _rejoin(request: pb.JoinRequest, elastic: ElasticRange | None) -> str:
+    """``rejoin_member_id`` checked (a re-join is an elastic job's re-rendezvous), or ""."""
+    if not request.rejoin_member_id:
+        if request.rejoin_secret:
+            raise invalid("rejoin_secret", "<secret>", "must come with rejoin_member_id")
+        return ""
+    if elastic is None:
+        raise invalid(
+            "rejoin_member_id",
+            request.rejoin_member_id,
+            "must be unset unless max_members is set (an elastic job)",
+        )
+    secret(request.rejoin_secret, "rejoin_secret")
+    return member_id(request.rejoin_member_id, "rejoin_member_id")
 
 
 def _interfaces(request: pb.JoinRequest, max_interfaces: int) -> tuple[InterfaceInfo, ...]:

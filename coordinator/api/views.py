@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from sarcomm.common.messages import failure_to_proto
+from sarcomm.coordinator.domain.elastic import waiting
 from sarcomm.coordinator.domain.model import Job, JobEvent, Member, Stall
 from sarcomm.v1 import coordinator_pb2 as pb
 
@@ -100,6 +101,12 @@ def job_status(job: Job, stall: Stall | None = None, members: Sequence[Member] |
         history=[_generation_record(r) for r in job.history],
         max_restarts=job.max_restarts,
         member_counts=counts,
+        rerendezvous_count=job.rerendezvous_count,
+        min_members=job.elastic.min_members if job.elastic else 0,
+        max_members=job.elastic.max_members if job.elastic else 0,
+        waiting_members=waiting(job),
+        closed=bool(job.closed),
+        parked_members=len(job.successor.members) if job.successor is not None else 0,
     )
 
 

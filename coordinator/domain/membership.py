@@ -25,6 +25,7 @@ from sarcomm.common.errors import (
 from sarcomm.common.messages import Progress
 from sarcomm.coordinator.domain import liveness, rejoin
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
     EventKind,
@@ -104,6 +105,8 @@ class Membership:
         # The Joins sent with a join id, so that a resend gets its own members and nobody else's.
         self._join_ids = rejoin.JoinIds(self._jobs.get, self._persist)
         self._machine.add_listener(self._join_ids.forget_ended)
+        # Elastic jobs (torchrun's --nnodes MIN:MAX): their joins, re-joins, closing (see .elastic).
+        self.elastic = ElasticRendezvous(self)
         self._restore(stored or StoredState())
 
     def jobs(self) -> list[Job]:
@@ -143,9 +146,14 @@ class Membership:
         resent = self._join_ids.resend(spec, join_id)
         if resent is not None:
             return resent
+        if spec.elastic is not None:
+            elastic = self.elastic.join(spec, join_id)
+            self._join_ids.add(elastic)
+            return elastic
         # A fresh generation is built aside and adopted only once every check below has passed:
         # a refused join must leave the previous generation (and its members) exactly as it was.
         job = self._forming_job(spec)
+        check_range(job, spec)
         if spec.world_size != job.world_size:
             raise FailedPreconditionError(
                 f"world_size {spec.world_size} does not match {job.label}, which was created with "
@@ -221,6 +229,7 @@ class Membership:
         job.members = [m for m in job.members if m.member_id not in gone]
         job.requested = {r: m for r, m in job.requested.items() if m.member_id not in gone}
         log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
+        self.elastic.abandoned(job)
         if not job.members and self._jobs.get(job.name) is job:
             # Nobody is waiting any more: the next join starts the generation afresh. The ended
             # generation it would have replaced comes back, so status keeps showing it.
@@ -258,7 +267,10 @@ class Membership:
             restart_count=restarts,
             history=[*ended.history, ended.generation_record()][-MAX_HISTORY:] if ended else [],
             previous=ended,
+            elastic=spec.elastic,
         )
+        if ended is not None and ended.state is JobState.RESTARTED:
+            self.elastic.inherit(job, ended)  # a re-rendezvous: no restart, survivors expected back
         # Not adopted yet (see join): until then nothing of the previous generation changes.
         return job
 
@@ -390,8 +402,19 @@ class Membership:
                     blame, text = liveness.connection_lost_blame(member.rank, member.host, own_reason)
                     self._machine.member_to(job, other, MemberState.FAILED, text, blame)
             self._machine.member_to(job, member, MemberState.FAILED, own_reason, failure)
-        self._settle(job)
-        self._persist(job)
+        self.elastic.left(job, member)
+        self._changed(job)
+        return job
+
+    def close_job(self, member_id: str, secret: str) -> Job:
+        """Close the rendezvous of the elastic job of ``member_id`` (torch's ``set_closed``; see
+        :mod:`.elastic`, rule 5); nothing for a fixed job or one that is not running.
+
+        Raises:
+            NotFoundError, UnauthenticatedError: as :meth:`authenticate`.
+        """
+        job, member = self.authenticate(member_id, secret)
+        self.elastic.close(job, f"rank {member.rank} on host {member.host} closed it")
         return job
 
     def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
@@ -441,6 +464,9 @@ class Membership:
         if check_stalls:
             self._stall_checked = now
         for job in list(self._jobs.values()):
+            if job.state is JobState.FORMING:
+                self.elastic.form_if_ready(job)  # an elastic world's last call (its Joins look too)
+                continue
             # A failed job's silent members are judged too: otherwise a rank that died after (or
             # while) another failed stays RUNNING and the job never ends.
             if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
@@ -459,8 +485,7 @@ class Membership:
                 failed.append((job, member))
                 changed = True
             if changed:
-                self._settle(job)
-                self._persist(job)
+                self._changed(job)
             elif job.state is JobState.RUNNING and check_stalls:
                 self._log_stall(job)
         return failed
@@ -474,6 +499,13 @@ class Membership:
         line = liveness.new_stall_line(job, self.stall(job))
         if line:
             log.warning("%s", line)
+
+    def _changed(self, job: Job) -> None:
+        """After members of ``job`` changed: settle it, let an elastic job's next generation go on
+        (see :mod:`.elastic`), and persist it."""
+        self._settle(job)
+        self.elastic.changed(job)
+        self._persist(job)
 
     def _settle(self, job: Job) -> None:
         """Finish a job whose members are all gone."""

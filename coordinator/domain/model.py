@@ -25,6 +25,7 @@ from sarcomm.common.messages import Progress
 
 __all__ = [
     "MAX_HISTORY",
+    "ElasticRange",
     "EventKind",
     "FailureReason",
     "Job",
@@ -57,10 +58,13 @@ class JobState(str, enum.Enum):
     RUNNING = "RUNNING"
     FINISHED = "FINISHED"
     FAILED = "FAILED"
+    # An elastic job's generation that ended so that the world re-forms (a re-rendezvous): a
+    # member died or asked for it. Not a failure; the next generation is no restart.
+    RESTARTED = "RESTARTED"
 
     @property
     def ended(self) -> bool:
-        return self in (JobState.FINISHED, JobState.FAILED)
+        return self in (JobState.FINISHED, JobState.FAILED, JobState.RESTARTED)
 
 
 class MemberState(str, enum.Enum):
@@ -94,8 +98,24 @@ class MemberRequest:
 
 
 @dataclass(frozen=True)
+class ElasticRange:
+    """How many members an elastic world forms with (torchrun's ``--nnodes MIN:MAX``), and its
+    last call: once ``min_members`` have joined, the world forms when ``last_call`` seconds pass
+    without a new arrival (see :mod:`.elastic`). Checked by ``validation.join_spec``."""
+
+    min_members: int
+    max_members: int
+    last_call: float
+
+    def describe(self) -> str:
+        return f"min_members {self.min_members}, max_members {self.max_members}"
+
+
+@dataclass(frozen=True)
 class JoinSpec:
-    """A validated join request (see ``validation.join_spec``)."""
+    """A validated join request (see ``validation.join_spec``). ``elastic`` is set for an elastic
+    job (``world_size`` is then its max_members); ``rejoin_member_id``/``rejoin_secret`` name the
+    member of the running generation that this join re-forms (a re-rendezvous)."""
 
     job: str
     world_size: int
@@ -108,6 +128,9 @@ class JoinSpec:
     backend: str = ""
     peer_address: str | None = None
     max_restarts: int = 0
+    elastic: ElasticRange | None = None
+    rejoin_member_id: str = ""
+    rejoin_secret: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -180,6 +203,9 @@ class Member:
     # The secret this member last proved it holds: a report repeats it every beat, and hashing it
     # each time was a visible share of the coordinator's CPU at 4096 reports a second. Memory only.
     verified_secret: bytes = field(default=b"", repr=False)
+    # Elastic jobs: the rank this host had in the generation it re-joins from (a re-rendezvous), so
+    # that survivors keep their order in the next world. Only needed until the world forms.
+    previous_rank: int | None = None
 
     def check_secret(self, secret: str) -> bool:
         # compare_digest: constant time either way, so the cache tells an attacker nothing (bytes:
@@ -223,6 +249,28 @@ class Job:
     previous: Job | None = field(default=None, repr=False)
     # The collective whose stall was last logged, so each stall is logged once.
     logged_stall: int = field(default=0, repr=False)
+    # Elastic jobs (None: a fixed world_size). See :mod:`.elastic` for the fields below.
+    elastic: ElasticRange | None = None
+    # Why no new world forms under this job while this generation runs (a member finished or closed
+    # its rendezvous); "" while it is open.
+    closed: str = ""
+    # Generations of this name that ended in a re-rendezvous (RESTARTED), not in a failure.
+    rerendezvous_count: int = 0
+    # The next generation, forming behind this running one: the members parked in it wait. Not
+    # persisted (their Joins are resent to a coordinator that takes over).
+    successor: Job | None = field(default=None, repr=False)
+    # Monotonic time of a forming elastic generation's last arrival. Not persisted.
+    last_arrival: float = field(default=0.0, repr=False)
+    # A generation that ended RESTARTED: its members that were alive then. The generation after
+    # it: those members by id, expected back: each re-join is known (and keeps its place in the
+    # rank order) although its generation was forgotten, and the world forms at once when all
+    # are back (see .elastic, rule 1). Not persisted.
+    survivors: tuple[Member, ...] = field(default=(), repr=False)
+    returning: dict[str, Member] = field(default_factory=dict, repr=False)
+    # Why a parked generation was sent away without forming ("" while it may form), and how many
+    # of its first members fitted into the world then (the rest were beyond max_members).
+    withdrawn: str = field(default="", repr=False)
+    room: int = field(default=0, repr=False)
 
     @property
     def label(self) -> str:

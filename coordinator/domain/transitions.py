@@ -4,6 +4,7 @@ States::
 
     job:    FORMING --(world_size members joined)--> RUNNING --(all left with 0)--> FINISHED
                                                         \\--(a member failed)-----> FAILED
+                                                        \\--(re-rendezvous)-------> RESTARTED
     member: JOINING --> RUNNING --> LEFT (exit code 0) | FAILED (non-zero exit, missed beats,
                                                                  connection lost)
 
@@ -19,10 +20,15 @@ change                          events
 job FORMING -> RUNNING          WORLD_FORMED
 job RUNNING -> FINISHED         JOB_FINISHED
 job RUNNING -> FAILED           MEMBER_FAILED, then JOB_FAILED
+job RUNNING -> RESTARTED        (MEMBER_FAILED, then) JOB_RESTARTING
 ==============================  =====================================
 
 A member failing while its job is RUNNING fails the job; one failing in an already FAILED job
-(a peer its agent stopped, a rank that died later) changes only the member.
+(a peer its agent stopped, a rank that died later) changes only the member. In an elastic job a
+member that dies, hangs or is cut off (missed heartbeats, connection lost) is a change of
+membership, not a failure: the generation ends RESTARTED (a re-rendezvous) and the survivors form
+the next one; a member that exits non-zero still fails the job. A generation that ends RESTARTED
+lets its running members go (LEFT): they join the next generation.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ log = logging.getLogger(__name__)
 #: The job changes the diagram allows.
 JOB_EDGES: Mapping[JobState, frozenset[JobState]] = {
     JobState.FORMING: frozenset({JobState.RUNNING}),
-    JobState.RUNNING: frozenset({JobState.FINISHED, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.FINISHED, JobState.FAILED, JobState.RESTARTED}),
     JobState.FINISHED: frozenset(),
     JobState.FAILED: frozenset(),
+    JobState.RESTARTED: frozenset(),
 }
 #: The member changes the diagram allows.
 MEMBER_EDGES: Mapping[MemberState, frozenset[MemberState]] = {
@@ -53,6 +60,10 @@ MEMBER_EDGES: Mapping[MemberState, frozenset[MemberState]] = {
 
 EventListener = Callable[[JobEvent], None]
 _S = TypeVar("_S", JobState, MemberState)
+
+#: The failures of an elastic job's member that change the membership instead of failing the job:
+#: the member is gone (died, hung, cut off), not its program's own failure.
+MEMBERSHIP_FAILURES = frozenset({FailureReason.MISSED_HEARTBEATS, FailureReason.CONNECTION_LOST})
 
 
 class IllegalTransitionError(RuntimeError):
@@ -70,8 +81,9 @@ class StateMachine:
         """Call ``listener`` with every event, on the caller's thread, in order."""
         self._listeners.append(listener)
 
-    def job_to(self, job: Job, to: JobState, cause: Member | None = None) -> None:
-        """Move ``job`` to ``to``; ``cause`` is the failed member for FAILED.
+    def job_to(self, job: Job, to: JobState, cause: Member | None = None, why: str = "") -> None:
+        """Move ``job`` to ``to``; ``cause`` is the failed member for FAILED, and for RESTARTED
+        when one failed (else ``why`` says what asked for the re-rendezvous).
 
         Raises:
             IllegalTransitionError: the diagram has no such edge from the job's state.
@@ -95,6 +107,29 @@ class StateMachine:
             who = (job.name, job.generation, now, cause.rank, cause.host)
             self._emit(JobEvent(EventKind.MEMBER_FAILED, *who, cause.reason, cause.failure))
             self._emit(JobEvent(EventKind.JOB_FAILED, *who, job.reason, cause.failure))
+        elif to is JobState.RESTARTED:
+            self._restarted(job, cause, why)
+
+    def _restarted(self, job: Job, cause: Member | None, why: str) -> None:
+        """Announce a re-rendezvous and let the generation's running members go."""
+        now = self._wall()
+        job.ended = now
+        if cause is not None:
+            job.failed_rank = cause.rank
+            job.reason = f"re-rendezvous: rank {cause.rank} on host {cause.host} failed: {cause.reason}"
+            who = (job.name, job.generation, now, cause.rank, cause.host)
+            self._emit(JobEvent(EventKind.MEMBER_FAILED, *who, cause.reason, cause.failure))
+            restarting = JobEvent(EventKind.JOB_RESTARTING, *who, job.reason, cause.failure)
+        else:
+            job.reason = f"re-rendezvous: {why}"
+            restarting = JobEvent(EventKind.JOB_RESTARTING, job.name, job.generation, now, reason=job.reason)
+        log.info("%s: ends for a re-rendezvous (%s)", job.label, job.reason)
+        # Those still alive are expected in the next generation (a broken stream: most likely dead).
+        job.survivors = tuple(m for m in job.members if m.state is MemberState.RUNNING and m.lost_at is None)
+        for member in job.members:
+            if member.state is MemberState.RUNNING:
+                self.member_to(job, member, MemberState.LEFT, "left for the re-rendezvous")
+        self._emit(restarting)
 
     def member_to(
         self,
@@ -122,7 +157,8 @@ class StateMachine:
             member.failure = failure
             log.warning("%s: rank %s on host %s failed: %s", job.label, member.rank, member.host, reason)
             if job.state is JobState.RUNNING:
-                self.job_to(job, JobState.FAILED, cause=member)
+                gone = job.elastic is not None and failure in MEMBERSHIP_FAILURES
+                self.job_to(job, JobState.RESTARTED if gone else JobState.FAILED, cause=member)
 
     def members_running(self, job: Job, members: Iterable[Member]) -> None:
         """Move every one of ``members`` (of ``job``, whose world forms) from JOINING to RUNNING.

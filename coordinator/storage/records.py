@@ -13,7 +13,7 @@ from typing import Any
 
 from sarcomm.common.constants import FailureReason
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
-from sarcomm.coordinator.domain.model import Job, JobState, Member, MemberState, StoredState
+from sarcomm.coordinator.domain.model import ElasticRange, Job, JobState, Member, MemberState, StoredState
 from sarcomm.coordinator.storage.store import MEMBERS_PER_PIECE, JobRow, StateStore, encode_job
 
 
@@ -114,6 +114,12 @@ def job_record_head(job: Job) -> dict[str, Any]:
         "failed_rank": job.failed_rank,
         "max_restarts": job.max_restarts,
         "history": job.history,
+        "members": [member_record(m) for m in job.members],
+        "elastic": (
+            [job.elastic.min_members, job.elastic.max_members, job.elastic.last_call] if job.elastic else None
+        ),
+        "closed": job.closed,
+        "rerendezvous_count": job.rerendezvous_count,
     }
 
 
@@ -136,6 +142,9 @@ def job_from_record(record: dict[str, Any]) -> Job:
         max_restarts=record.get("max_restarts", 0),
         history=record.get("history", []),
         members=[member_from_record(m) for m in record["members"]],
+        elastic=ElasticRange(*elastic) if (elastic := record.get("elastic")) else None,
+        closed=record.get("closed", ""),
+        rerendezvous_count=record.get("rerendezvous_count", 0),
     )
 
 

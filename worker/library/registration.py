@@ -21,7 +21,6 @@ Imports no torch: the communication side depends on this module, never the other
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import logging
@@ -29,14 +28,15 @@ import multiprocessing.util
 import os
 import sys
 import threading
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Callable, MutableMapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from sarcomm.common import netinfo
 from sarcomm.common.addresses import host_port, parse_targets
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.heartbeats import HeartbeatStream
+from sarcomm.common.client.loop_thread import LoopThread
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import InvalidArgumentError, PeerFailedError, SarcommError
 from sarcomm.common.messages import JoinResult, MemberReport, Progress, paced_interval
@@ -62,53 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
-# -- running the async client from sync code --------------------------------------------------------
-
-
-class _LoopThread:
-    """A private event loop on a daemon thread, for the client calls and the heartbeat stream.
-
-    gRPC's asyncio channels belong to one loop, and a self-registered process needs its
-    heartbeats to keep flowing while the main thread trains; a loop of its own does both, and
-    works whether or not the caller already runs an event loop.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
-        """Run ``coro`` on the loop; block until it is done or ``timeout`` seconds passed.
-
-        Raises:
-            TimeoutError: ``timeout`` passed (the coroutine is cancelled), or what ``coro`` raised.
-        """
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"a coordinator call did not finish within {timeout:g} s") from None
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-
 
 class _Registration:
     """A process registered with the coordinator by itself: its heartbeats and its ``Leave``."""
@@ -120,7 +73,7 @@ class _Registration:
         heartbeat_interval: float,
         tls: ClientTls | None = None,
     ) -> None:
-        self._thread = _LoopThread("sarcomm-coordinator")
+        self._thread = LoopThread("sarcomm-coordinator")
         self._client = CoordinatorClient(coord, token, tls=tls)
         self._interval = heartbeat_interval
         self._stream: HeartbeatStream | None = None

@@ -155,6 +155,11 @@ class JoinRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     JOIN_ID_FIELD_NUMBER: _builtins.int
+    MIN_MEMBERS_FIELD_NUMBER: _builtins.int
+    MAX_MEMBERS_FIELD_NUMBER: _builtins.int
+    LAST_CALL_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    REJOIN_MEMBER_ID_FIELD_NUMBER: _builtins.int
+    REJOIN_SECRET_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
     host: _builtins.str
@@ -182,6 +187,21 @@ class JoinRequest(_message.Message):
     members and their ranks, store_port, socket_name and interfaces, and refuses a join_id sent
     with other values with ALREADY_EXISTS. Empty: no such guarantee.
     """
+    min_members: _builtins.int
+    """An elastic world (a torchrun job's --nnodes MIN:MAX): max_members > 0 makes the job elastic,
+    world_size must then be 0, and no member may ask for a rank. The world forms at once with
+    max_members, or with min_members or more once last_call_timeout_seconds have passed without a
+    new arrival (or once every member of the previous generation that is still alive is back). A
+    join while the job's world runs is parked for the next generation and counted as waiting.
+    """
+    max_members: _builtins.int
+    last_call_timeout_seconds: _builtins.float
+    rejoin_member_id: _builtins.str
+    """A re-rendezvous: the member of the job's running generation this host was, and its secret. That
+    generation ends as a re-rendezvous (JOB_RESTARTING, not a failure; every member is told) and
+    this host joins the next one, keeping its place in the rank order.
+    """
+    rejoin_secret: _builtins.str
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterface]: ...
     @_builtins.property
@@ -203,10 +223,15 @@ class JoinRequest(_message.Message):
         backend: _builtins.str = ...,
         max_restarts: _builtins.int = ...,
         join_id: _builtins.str = ...,
+        min_members: _builtins.int = ...,
+        max_members: _builtins.int = ...,
+        last_call_timeout_seconds: _builtins.float = ...,
+        rejoin_member_id: _builtins.str = ...,
+        rejoin_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_id", b"join_id", "join_timeout_seconds", b"join_timeout_seconds", "max_restarts", b"max_restarts", "members", b"members", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "host", b"host", "interfaces", b"interfaces", "job", b"job", "join_id", b"join_id", "join_timeout_seconds", b"join_timeout_seconds", "last_call_timeout_seconds", b"last_call_timeout_seconds", "max_members", b"max_members", "max_restarts", b"max_restarts", "members", b"members", "min_members", b"min_members", "rejoin_member_id", b"rejoin_member_id", "rejoin_secret", b"rejoin_secret", "socket_name", b"socket_name", "store_port", b"store_port", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -255,6 +280,9 @@ class JoinResponse(_message.Message):
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    BEYOND_MAX_FIELD_NUMBER: _builtins.int
+    CLOSED_REASON_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     world_size: _builtins.int
@@ -270,6 +298,13 @@ class JoinResponse(_message.Message):
     --heartbeat-interval): a reporter configured slower beats this often instead, so that a
     mismatch never makes healthy members look silent.
     """
+    closed: _builtins.bool
+    """Elastic jobs: set, with no assignments, when the job's rendezvous is closed (a member finished
+    or closed it, or the job failed): no new world forms under it while it runs. `closed_reason`
+    says why; `beyond_max` that this host was parked while the world had max_members already.
+    """
+    beyond_max: _builtins.bool
+    closed_reason: _builtins.str
     @_builtins.property
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Assignment]:
         """One per MemberSpec of the request, in the same order."""
@@ -287,10 +322,13 @@ class JoinResponse(_message.Message):
         assignments: _abc.Iterable[Global___Assignment] | None = ...,
         restart_count: _builtins.int = ...,
         heartbeat_interval_seconds: _builtins.float = ...,
+        closed: _builtins.bool = ...,
+        beyond_max: _builtins.bool = ...,
+        closed_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignments", b"assignments", "generation", b"generation", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "interface", b"interface", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignments", b"assignments", "beyond_max", b"beyond_max", "closed", b"closed", "closed_reason", b"closed_reason", "generation", b"generation", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "interface", b"interface", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,6 +376,7 @@ class MemberReport(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    CLOSE_JOB_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     secret: _builtins.str
     metrics_address: _builtins.str
@@ -346,6 +385,10 @@ class MemberReport(_message.Message):
     """Seconds since the member itself last showed a sign of life, as the reporter measured it (an
     agent reports its ranks' own alive stamps: a stopped or wedged rank's age grows while its
     agent keeps reporting). 0 = alive now. The coordinator judges liveness by this age.
+    """
+    close_job: _builtins.bool
+    """Close the member's job's rendezvous (torch's RendezvousHandler.set_closed): the running world
+    goes on, but no new one forms under the job while it runs; members waiting to join are sent away.
     """
     @_builtins.property
     def progress(self) -> Global___Progress: ...
@@ -357,10 +400,11 @@ class MemberReport(_message.Message):
         progress: Global___Progress | None = ...,
         metrics_address: _builtins.str = ...,
         age_seconds: _builtins.float = ...,
+        close_job: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "close_job", b"close_job", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,6 +445,7 @@ class HeartbeatResponse(_message.Message):
     UNKNOWN_MEMBERS_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
     heartbeat_interval_seconds: _builtins.float
     """The coordinator's current --heartbeat-interval: reporters beat at least this often, also after
     the coordinator was restarted with other liveness settings.
@@ -413,20 +458,61 @@ class HeartbeatResponse(_message.Message):
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobEvent]:
         """Set once a member of any reported job has failed: the reporters should stop."""
 
+    @_builtins.property
+    def rendezvous(self) -> _containers.RepeatedCompositeFieldContainer[Global___RendezvousState]:
+        """The elastic jobs of the reported members, as they stand now (what torchrun's
+        num_nodes_waiting() and is_closed() answer from).
+        """
+
     def __init__(
         self,
         *,
         unknown_members: _abc.Iterable[_builtins.str] | None = ...,
         events: _abc.Iterable[Global___JobEvent] | None = ...,
         heartbeat_interval_seconds: _builtins.float = ...,
+        rendezvous: _abc.Iterable[Global___RendezvousState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "unknown_members", b"unknown_members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "rendezvous", b"rendezvous", "unknown_members", b"unknown_members"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class RendezvousState(_message.Message):
+    """An elastic job's rendezvous as its running members see it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    WAITING_MEMBERS_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    generation: _builtins.int
+    waiting_members: _builtins.int
+    """Members parked for the next generation that would fit in it (at most max_members minus the
+    running world): when > 0 the running members re-form a larger world.
+    """
+    closed: _builtins.bool
+    """No new world forms under the job while this generation runs."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        waiting_members: _builtins.int = ...,
+        closed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "generation", b"generation", "job", b"job", "waiting_members", b"waiting_members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RendezvousState: _TypeAlias = RendezvousState  # noqa: Y015
 
 @_typing.final
 class LeaveRequest(_message.Message):
@@ -516,6 +602,9 @@ class JobEvent(_message.Message):
         JOB_FINISHED: JobEvent._Kind.ValueType  # 3
         JOB_FAILED: JobEvent._Kind.ValueType  # 4
         JOB_RESTARTING: JobEvent._Kind.ValueType  # 5
+        """The generation ended on purpose so that the world re-forms (an elastic job's re-rendezvous:
+        a member died or asked for it, or members wait to join); not a failure. Every member hears it.
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: JobEvent.Kind.ValueType  # 0
@@ -524,6 +613,9 @@ class JobEvent(_message.Message):
     JOB_FINISHED: JobEvent.Kind.ValueType  # 3
     JOB_FAILED: JobEvent.Kind.ValueType  # 4
     JOB_RESTARTING: JobEvent.Kind.ValueType  # 5
+    """The generation ended on purpose so that the world re-forms (an elastic job's re-rendezvous:
+    a member died or asked for it, or members wait to join); not a failure. Every member hears it.
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
@@ -776,6 +868,12 @@ class JobStatus(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     MEMBER_COUNTS_FIELD_NUMBER: _builtins.int
+    RERENDEZVOUS_COUNT_FIELD_NUMBER: _builtins.int
+    MIN_MEMBERS_FIELD_NUMBER: _builtins.int
+    MAX_MEMBERS_FIELD_NUMBER: _builtins.int
+    WAITING_MEMBERS_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    PARKED_MEMBERS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     state: _builtins.str
@@ -789,6 +887,16 @@ class JobStatus(_message.Message):
     reason: _builtins.str
     max_restarts: _builtins.int
     """The largest --max-restarts the agents of this generation asked for (0: none, or unknown)."""
+    rerendezvous_count: _builtins.int
+    """Generations of this job that ended in a re-rendezvous (JOB_RESTARTING), not in a failure."""
+    min_members: _builtins.int
+    """Elastic jobs: the range of members a world forms with (0: a fixed world_size)."""
+    max_members: _builtins.int
+    waiting_members: _builtins.int
+    """Elastic jobs: members parked for the next generation, and whether the rendezvous is closed."""
+    closed: _builtins.bool
+    parked_members: _builtins.int
+    """Elastic jobs: every member parked for the next generation, those beyond max_members included."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberStatus]: ...
     @_builtins.property
@@ -824,10 +932,16 @@ class JobStatus(_message.Message):
         history: _abc.Iterable[Global___GenerationRecord] | None = ...,
         max_restarts: _builtins.int = ...,
         member_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        rerendezvous_count: _builtins.int = ...,
+        min_members: _builtins.int = ...,
+        max_members: _builtins.int = ...,
+        waiting_members: _builtins.int = ...,
+        closed: _builtins.bool = ...,
+        parked_members: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stall", b"stall"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "history", b"history", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "max_restarts", b"max_restarts", "member_counts", b"member_counts", "members", b"members", "reason", b"reason", "restart_count", b"restart_count", "stall", b"stall", "state", b"state", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "created", b"created", "ended", b"ended", "formed", b"formed", "generation", b"generation", "history", b"history", "job", b"job", "master_addr", b"master_addr", "master_port", b"master_port", "max_members", b"max_members", "max_restarts", b"max_restarts", "member_counts", b"member_counts", "members", b"members", "min_members", b"min_members", "parked_members", b"parked_members", "reason", b"reason", "rerendezvous_count", b"rerendezvous_count", "restart_count", b"restart_count", "stall", b"stall", "state", b"state", "waiting_members", b"waiting_members", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
