@@ -9,6 +9,7 @@ reads them; ``tests/test_env_reads.py`` holds both rules."""
 from __future__ import annotations
 
 import enum
+import re
 from typing import Final
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "GLOO_INTERFACE_VARIABLE",
     "HEARTBEAT_INTERVAL_VARIABLE",
     "INTERFACE_VARIABLES",
+    "JOB_NAME",
+    "JOB_NAME_RULE",
     "JOB_VARIABLE",
     "JOIN_ANSWER_SLACK_S",
     "LOCAL_RANK_VARIABLE",
@@ -50,6 +53,7 @@ __all__ = [
     "WORLD_SIZE_VARIABLE",
     "EventKind",
     "FailureReason",
+    "is_job_name",
 ]
 
 #: torch.distributed backends a job may name; "auto" lets ``initialize_comms`` choose (nccl when
@@ -161,3 +165,14 @@ class FailureReason(str, enum.Enum):
     KILLED = "killed"
     EXIT_CODE = "exit_code"
     REPORTED = "reported"
+
+
+#: What a job name may be (it names the job's keys in the store and its labels in metrics;
+#: torchrun's --rdzv-id is one).
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_NAME_RULE = "must be 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def is_job_name(name: str) -> bool:
+    """Whether ``name`` keeps :data:`JOB_NAME_RULE`."""
+    return JOB_NAME.fullmatch(name) is not None

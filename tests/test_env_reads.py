@@ -46,6 +46,10 @@ READERS_ALLOWED: dict[str, str] = {
         "process and sd_notify(3) reads it where the notice is sent; the coordinator may not import "
         "the worker side's launch_env, and no other coordinator module needs a variable"
     ),
+    "worker/torchrun/": (
+        "torchrun's agent process: the plugin reads its SARCOMM_* token and TLS variables as "
+        "sar-worker does, and writes what the workers torch starts from that environment read"
+    ),
     "worker/agent/supervisor.py": (
         "copies the agent's whole environment (os.environ) as the base every rank inherits; it reads "
         "no variable"

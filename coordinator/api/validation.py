@@ -13,18 +13,17 @@ import re
 from collections.abc import Sequence
 
 from sarcomm.common.addresses import parse_address
+from sarcomm.common.constants import JOB_NAME_RULE, is_job_name
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
 from sarcomm.common.messages import Progress
 from sarcomm.coordinator.api.views import MemberSelection
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.domain.model import (
-    JOB_NAME_RULE,
     ElasticRange,
     JoinSpec,
     MemberRequest,
     MemberState,
-    is_job_name,
 )
 from sarcomm.v1 import coordinator_pb2 as pb
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,15 +41,6 @@ __all__ = [
 
 #: Earlier generations kept per job name, for ``status``; older ones stay in the state store only.
 MAX_HISTORY = 100
-
-#: What a job name may be (it names the job's keys in the store and its labels in metrics).
-JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-JOB_NAME_RULE = "must be 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-
-
-def is_job_name(name: str) -> bool:
-    """Whether ``name`` keeps :data:`JOB_NAME_RULE`."""
-    return JOB_NAME.fullmatch(name) is not None
 
 
 class JobState(str, enum.Enum):

@@ -53,12 +53,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sarcomm.common.constants import is_job_name
 from sarcomm.common.errors import (
     LeadershipLostError,
     StoreLimitError,
     StoreUnavailableError,
 )
-from sarcomm.coordinator.domain.model import is_job_name
 from sarcomm.coordinator.storage import etcd_client
 from sarcomm.coordinator.storage.etcd_client import EtcdClient, RequestOp
 from sarcomm.coordinator.storage.store import MEMBERS_PER_PIECE, JobRow

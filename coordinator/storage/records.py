@@ -114,7 +114,6 @@ def job_record_head(job: Job) -> dict[str, Any]:
         "failed_rank": job.failed_rank,
         "max_restarts": job.max_restarts,
         "history": job.history,
-        "members": [member_record(m) for m in job.members],
         "elastic": (
             [job.elastic.min_members, job.elastic.max_members, job.elastic.last_call] if job.elastic else None
         ),

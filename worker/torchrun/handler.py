@@ -59,7 +59,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from sarcomm.common import netinfo
-from sarcomm.common.constants import INTERFACE_VARIABLES, SOCKET_NAME_VARIABLE
+from sarcomm.common.constants import (
+    COORD_VARIABLE,
+    GENERATION_VARIABLE,
+    INTERFACE_VARIABLES,
+    JOB_VARIABLE,
+    SOCKET_NAME_VARIABLE,
+)
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     InvalidArgumentError,
@@ -275,9 +281,9 @@ class SarcommRendezvousHandler(RendezvousHandler):
         env = self._environ
         env.update(
             {
-                "SAR_COORD": self._settings.endpoint,
-                "SAR_JOB": result.job,
-                "SAR_GENERATION": str(result.generation),
+                COORD_VARIABLE: self._settings.endpoint,
+                JOB_VARIABLE: result.job,
+                GENERATION_VARIABLE: str(result.generation),
                 SOCKET_NAME_VARIABLE: result.interface,
             }
         )

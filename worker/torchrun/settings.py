@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import parse_targets
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
+from sarcomm.common.constants import (
+    DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_LAST_CALL_TIMEOUT,
+    TOKEN_FILE_VARIABLE,
+    is_job_name,
+)
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.launch_env import client_tls_setting
@@ -39,11 +43,7 @@ log = logging.getLogger(__name__)
 BACKEND = "sarcomm"
 #: The store's timeout, torch's c10d backend's default (seconds).
 DEFAULT_READ_TIMEOUT = 60.0
-#: The variable naming the coordinator's token file, as for sar-worker.
-TOKEN_FILE_VARIABLE = "SARCOMM_TOKEN_FILE"
 
-# The coordinator's rule for job names (its validation says the same).
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: The --rdzv-conf keys this backend reads.
 _KEYS = ("join_timeout", "last_call_timeout", "read_timeout")
 # --rdzv-conf keys of torch's other backends: accepted and ignored, so that an existing command
@@ -96,7 +96,7 @@ class RendezvousSettings:
             endpoint = ",".join(parse_targets(params.endpoint.strip()))
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--rdzv-endpoint {shorten(params.endpoint)}: {exc}") from None
-        if not _JOB_NAME.fullmatch(params.run_id):
+        if not is_job_name(params.run_id):
             raise InvalidArgumentError(
                 f"--rdzv-id {shorten(params.run_id)} must be 1 to 128 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit: it names the job at the coordinator"
