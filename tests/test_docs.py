@@ -21,7 +21,6 @@ README_MAX_LINES = 250
 #: Link targets that other branches add (the lead merges them); each is checked like any other as
 #: soon as it exists, and then must leave this list (the test below says so).
 PENDING_TARGETS = {
-    "docs/torchrun.md": "issue 21 (torchrun)",
 }
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)

@@ -268,7 +268,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Every report repeats one accepted before (see reports.StreamReports): nothing to check.
             self._membership.beats(taken, state.token)
             self._metrics.heartbeats.inc(len(taken))
-            return self._ack
+            watched_elastic = self._elastic_jobs(state.watched)
+            if not watched_elastic:
+                return self._ack
+            # An elastic job's reporters hear how its rendezvous stands on every answer.
+            news = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+            self._elastic_news(news, watched_elastic, {}, state.reported)
+            return news
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
         watched, reported = state.watched, state.reported
         try:
@@ -326,6 +332,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except SarcommError as error:
             return error
         return response
+
+    def _elastic_jobs(self, names: set[str]) -> dict[str, Job]:
+        """The elastic jobs among ``names`` (a stream's watched jobs), by name."""
+        jobs = (self._membership.job(name) for name in names)
+        return {job.name: job for job in jobs if job is not None and job.elastic is not None}
 
     def _elastic_news(
         self, response: pb.HeartbeatResponse, jobs: dict[str, Job], closing: dict[str, str], known: set[str]
