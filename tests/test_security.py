@@ -367,7 +367,7 @@ def test_unusable_tls_files_stop_the_coordinator_with_the_file_named(
             "tls_cert '.*not.pem' must be a PEM file",
         ),
         (["--tls-client-ca", str(tls_files.ca)], "tls_client_ca .* needs tls_cert and tls_key"),
-        (["--max-streams", "0"], "max_streams 0 must be an integer >= 1"),
+        (["--max-streams", "0"], "--max-streams '0' must be an integer >= 1"),
     ]  # fmt: skip
     for args, message in cases:
         done = subprocess.run(
