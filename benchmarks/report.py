@@ -1131,6 +1131,13 @@ def generic_section(name: str, doc: dict[str, Any], ctx: Context) -> Section:
     return Section.of(doc, name, title, headline, body, plot)
 
 
+def torchrun_rendezvous_section(doc: dict[str, Any], ctx: Context) -> Section:
+    """benchmarks/torchrun_rendezvous.py: its headline and the tables it renders itself."""
+    return Section.of(
+        doc, "torchrun_rendezvous", str(doc["title"]), list(doc["headline"]), str(doc["tables_markdown"])
+    )
+
+
 # -- the report ----------------------------------------------------------------------------------
 
 Renderer = Callable[[dict[str, Any], Context], Section]
@@ -1150,6 +1157,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "heartbeat_load_etcd": heartbeat_load_etcd_section,
     "failover": failover_section,
     "soak": soak_section,
+    "torchrun_rendezvous": torchrun_rendezvous_section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 

@@ -21,7 +21,7 @@ Three parts (``--parts``, default all):
 - ``import``: what the ``torchrun.handlers`` entry point adds to ``import
   torch.distributed.elastic.rendezvous`` (torch loads it on every such import), in fresh processes.
 
-Run (about 15 minutes on 2 cores)::
+Run (about 25 minutes on 2 cores)::
 
     python benchmarks/torchrun_rendezvous.py --markdown benchmarks/results/torchrun_rendezvous.md \\
         --json benchmarks/results/torchrun_rendezvous.json
@@ -192,7 +192,7 @@ def node_loss_round(
     for node in nodes[1:]:
         node.start()
     try:
-        world = 2 * args.nodes
+        world: int = 2 * args.nodes
         trained = _first(
             lambda: len({r["rank"] for r in records(out) if "ok" in r and r["world"] == world}) == world,
             time.monotonic() + args.setup_timeout,
@@ -206,13 +206,14 @@ def node_loss_round(
         signalled_wall = time.time()
         deadline = signalled + args.loss_deadline
         stopped = _first(lambda: not any(_alive(pid) for pid in old), deadline)
-        new_world = world - 2
+        new_world: int = world - 2
 
         def reformed() -> bool:
             fresh = [
                 r for r in records(out) if "ok" in r and r["time"] > signalled_wall and r["pid"] not in old
             ]
-            return bool(len({r["rank"] for r in fresh if r["world"] == new_world}) == new_world)
+            ranks: set[int] = {r["rank"] for r in fresh if r["world"] == new_world}
+            return len(ranks) == new_world
 
         training = _first(reformed, deadline)
         restarts = sorted({r["restart_count"] for r in records(out) if r["world"] == new_world})
@@ -232,17 +233,23 @@ def _listening(endpoint: str) -> bool:
         return sock.connect_ex((host, int(port))) == 0
 
 
+def _endpoint(backend: str, coordinator: str) -> str:
+    """The coordinator's address, or for c10d a fresh port for the store its first node serves."""
+    return coordinator if backend == "sarcomm" else f"127.0.0.1:{free_port()}"
+
+
 def node_loss(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     rows = []
     # Not formation's coordinator, which judges silence slowly (--heartbeat-interval 600): one
     # with the default liveness settings, as a deployment runs.
     with _default_coordinator(workdir) as target:
         for sig in args.signals:
-            for backend, endpoint in (("sarcomm", target), ("c10d", f"127.0.0.1:{free_port()}")):
+            for backend in ("sarcomm", "c10d"):
                 if backend not in args.backends:
                     continue
+                # c10d's endpoint is the store its first node serves: a fresh port each round.
                 rounds = [
-                    node_loss_round(args, backend, sig, endpoint, workdir, n)
+                    node_loss_round(args, backend, sig, _endpoint(backend, target), workdir, n)
                     for n in range(args.loss_repeats)
                 ]
                 row = {"signal": sig.name, "backend": backend, "rounds": rounds}
@@ -340,6 +347,33 @@ def render_markdown(results: dict[str, Any], args: argparse.Namespace, command: 
     return "\n".join(lines) + "\n"
 
 
+def headlines(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The summary lines: formation where both formed and at the largest size, then node loss."""
+    lines = []
+    rows = results.get("formation", [])
+    both = [r for r in rows if "c10d_s" in r]
+    if both:
+        r = both[-1]
+        lines.append(
+            f"{r['nodes']} nodes form a world in {r['sarcomm_s']:.2f} s on sarcomm against "
+            f"{r['c10d_s']:.2f} s on c10d ({r['c10d_s'] / r['sarcomm_s']:.0f}x)"
+        )
+    if rows and rows[-1] not in both:
+        r = rows[-1]
+        lines.append(f"{r['nodes']} nodes: sarcomm {r['sarcomm_s']:.2f} s; c10d {r.get('c10d', '-')}")
+    losses = results.get("node-loss", [])
+    for row in losses:
+        if row["backend"] != "sarcomm":
+            continue
+        c10d = next((x for x in losses if x["backend"] == "c10d" and x["signal"] == row["signal"]), None)
+        other = f"; c10d {_seconds(c10d['training_s'], args.loss_deadline)}" if c10d is not None else ""
+        lines.append(
+            f"node lost ({row['signal']}): the survivors train again after "
+            f"{_seconds(row['training_s'], args.loss_deadline)} on sarcomm{other}"
+        )
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
@@ -394,9 +428,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.markdown.write_text(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"command": command, "machine": rdv.machine(), **results}, indent=2) + "\n"
-        )
+        document = {
+            "benchmark": "torchrun_rendezvous",
+            "title": "torchrun's rendezvous: sarcomm against c10d",
+            "headline": headlines(results, args),
+            "command": command,
+            "machine": rdv.machine(),
+            "tables_markdown": text.split("\n\n", 2)[2],
+            **results,
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
 

@@ -20,8 +20,7 @@ README_MAX_LINES = 250
 
 #: Link targets that other branches add (the lead merges them); each is checked like any other as
 #: soon as it exists, and then must leave this list (the test below says so).
-PENDING_TARGETS = {
-}
+PENDING_TARGETS: dict[str, str] = {}
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")

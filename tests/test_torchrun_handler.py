@@ -134,6 +134,9 @@ def test_num_nodes_waiting_turns_positive_without_a_call_if_node_parks(
     assert a.num_nodes_waiting() == 0
     status = job_status(module_coordinator, "grow")
     assert (status["generation"], status["restart_count"], status["rerendezvous_count"]) == (2, 0, 1)
+    # Counted apart from failures and restarts.
+    metrics = module_coordinator.get_text("/metrics")
+    assert re.search(r"^sar_coordinator_rerendezvous_total [1-9]", metrics, re.M)
 
 
 def test_set_closed_closes_rendezvous_for_every_node(make: Make) -> None:

@@ -5,6 +5,8 @@
 - :mod:`.ranks`: laying out a world (host-contiguous ranks, the master).
 - :mod:`.liveness`: judging members (silence, stalls), finding who blocks.
 - :mod:`.rejoin`: what a repeated Join is answered with.
+- :mod:`.elastic`: elastic worlds (MIN..MAX members, the last call, parked joins, re-rendezvous,
+  closing), for torchrun's ``--nnodes MIN:MAX``.
 - :mod:`.membership`: the operations (join, heartbeat, leave, fail, sweep) over the above.
 
 "Change how a failed peer is judged" is :mod:`.liveness`; the import contracts in

@@ -177,9 +177,9 @@ class SarcommRendezvousHandler(RendezvousHandler):
         server = self._spare if self._spare is not None else self._serve_store()
         with _torch_errors(s.run_id):
             result = self._session.join(server.port, rejoin)
-        store: Store
+        store: Store = server
         if result.assignments[0].rank == 0:
-            store, self._spare = server, None  # used now: the next generation gets a fresh one
+            self._spare = None  # used now: the next generation gets a fresh one
         else:
             store, self._spare = self._connect_store(result), server
         self._result, self._store = result, store

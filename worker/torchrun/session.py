@@ -180,7 +180,9 @@ class RendezvousSession:
         mine = (e for e in reply.events if e.job == result.job and e.generation == result.generation)
         event: Event | None = next((e for e in mine if e.kind in _ENDING), None)
         if event is not None and not ended:
-            ended = event.describe()
+            # The coordinator's members are torchrun's nodes: "rank" alone would read as a worker's.
+            failed = event.kind is EventKind.MEMBER_FAILED and event.rank >= 0
+            ended = f"node {event.describe()}" if failed else event.describe()
         state = next(
             (r for r in reply.rendezvous if r.job == result.job and r.generation == result.generation), None
         )
