@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 bash scripts/check.sh
-python -m pytest -ra "$@"
+python -m pytest -ra --durations=25 "$@"
 if [ "${SARCOMM_TORCH_FLOOR:-1}" != 0 ]; then
   deactivate
   bash scripts/test-torch-floor.sh

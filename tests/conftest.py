@@ -22,7 +22,7 @@ from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 # The three-member etcd clusters of the etcd store and failover tests, as fixtures for every file.
 from tests.etcd_cluster import etcd_cluster, etcd_prefix, module_etcd_cluster  # noqa: F401
-from tests.helpers import WaitTimeout, free_port, wait_for
+from tests.helpers import WaitTimeout, free_ports, wait_for
 
 # The tiers: each test's marker, given at collection, and the fast tier's guard.
 from tests.tiers import (  # noqa: F401
@@ -180,9 +180,10 @@ def start_coordinator(tmp_path: Path) -> Iterator[StartCoordinator]:
         env: dict[str, str] | None = None,
         http_ssl: ssl.SSLContext | None = None,
     ) -> CoordinatorProcess:
+        grpc_port, http_port = free_ports(2)
         coord = CoordinatorProcess(
-            grpc_port=free_port(),
-            http_port=free_port(),
+            grpc_port=grpc_port,
+            http_port=http_port,
             state_path=tmp_path / f"state{len(started)}.sqlite" if state else None,
             args=list(args),
             log_path=tmp_path / f"coordinator{len(started)}.log",
@@ -202,9 +203,10 @@ def start_coordinator(tmp_path: Path) -> Iterator[StartCoordinator]:
 def module_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
     """One coordinator shared by a module's tests (for fixtures that run a world once per module)."""
     directory = tmp_path_factory.mktemp("coordinator")
+    grpc_port, http_port = free_ports(2)
     coord = CoordinatorProcess(
-        grpc_port=free_port(),
-        http_port=free_port(),
+        grpc_port=grpc_port,
+        http_port=http_port,
         state_path=directory / "state.sqlite",
         args=["--heartbeat-interval", "0.5", "--join-timeout", "60"],
         log_path=directory / "coordinator.log",

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_ports
 
 #: Why etcd tests cannot run here, or "" when they can.
 ETCD_MISSING = (
@@ -62,6 +62,12 @@ def _die_with_parent() -> list[str]:
     """
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
+
+
+#: How many times :meth:`EtcdCluster.start` starts a new cluster when a chosen port was taken.
+PORT_TRIES = 3
+#: What etcd's log says when a port it was given is in use.
+PORT_TAKEN = "address already in use"
 
 
 @dataclass
@@ -104,11 +110,16 @@ class EtcdCluster:
     members: list[EtcdMember] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        """Give every member a client and a peer port, all distinct."""
+        ports = free_ports(2 * self.size)
         self.members = [
             EtcdMember(
                 name=f"m{i}",
-                client_port=free_port(),
-                peer_port=free_port(),
+                client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1],
                 data_dir=self.root / f"m{i}.etcd",
                 log_path=self.root / f"m{i}.log",
             )
@@ -196,17 +207,31 @@ class EtcdCluster:
             log.close()
 
     def start(self, timeout: float = START_TIMEOUT_S) -> EtcdCluster:
-        """Start every member and wait until each one answers as part of a healthy cluster."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        for member in self.members:
-            self._spawn(member, "new")
-        try:
+        """Start every member and wait until each one answers as part of a healthy cluster.
+
+        A free port can be taken by another process (an outgoing connection's ephemeral port)
+        between choosing it and etcd binding it: then the new cluster starts again on fresh ports
+        and data folders, up to :data:`PORT_TRIES` times in all.
+        """
+        for tries in range(1, PORT_TRIES + 1):
+            self.root.mkdir(parents=True, exist_ok=True)
             for member in self.members:
-                self.wait_member(member, timeout)
-        except BaseException:
-            self.close()
-            raise
-        return self
+                self._spawn(member, "new")
+            try:
+                for member in self.members:
+                    self.wait_member(member, timeout)
+                return self
+            except RuntimeError as error:
+                self.close()
+                if PORT_TAKEN not in str(error) or tries == PORT_TRIES:
+                    raise
+                for member in self.members:
+                    shutil.rmtree(member.data_dir, ignore_errors=True)
+                self._choose_ports()
+            except BaseException:
+                self.close()
+                raise
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def wait_member(self, member: EtcdMember, timeout: float = START_TIMEOUT_S) -> None:
         """Return once ``member`` answers /health as healthy (it has a leader and the quorum).

@@ -195,6 +195,19 @@ async def read_message(
     return message
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on now: all are bound at once before any is
+    let go, so two of them are never the same port (two :func:`free_port` calls may be)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port_run(count: int) -> int:
     """A port P such that P..P+count-1 were all free a moment ago (a fixed --metrics-port gives
     local rank i the port P+i: a busy P+1 would leave that rank without an endpoint).

@@ -35,8 +35,10 @@ RANK_SCRIPT = Path(__file__).parent / "scripts" / "exit_rank.py"
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 #: Jobs in a row: before the fix, on torch 2.2.1, even a natural exit (without the script's
-#: forcing) hung in 7 of 16 jobs, so 10 would all pass by luck with a chance of about 0.3%.
-REPETITIONS = 10
+#: forcing) hung in 7 of 16 jobs, so 10 would all pass by luck with a chance of about 0.3%. The
+#: hang was seen on torch 2.2.x, where scripts/test-torch-floor.sh runs the 10; on the main
+#: suite's newer torch 3 jobs guard the exit path at a third of the suite's time.
+REPETITIONS = 10 if torch.__version__.startswith("2.2.") else 3
 #: From the moment a rank wrote its result (its last line of Python) to its exit. A clean exit
 #: takes well under a second; the hang lasted until killed.
 EXIT_DEADLINE_S = 20.0

@@ -38,15 +38,16 @@ from tests.etcd_replicas import (
     leader_of,
     role,
 )
-from tests.helpers import free_port, sd_groups, wait_for
+from tests.helpers import free_port, free_ports, sd_groups, wait_for
 
 TTL_S = 2
 
 
 def _start(url: str, tmp_path: Path, index: int) -> CoordinatorProcess:
+    grpc_port, http_port = free_ports(2)
     coord = CoordinatorProcess(
-        grpc_port=free_port(),
-        http_port=free_port(),
+        grpc_port=grpc_port,
+        http_port=http_port,
         state_path=None,
         args=[
             "--store",
@@ -265,9 +266,10 @@ def test_a_leader_stopped_in_order_hands_over_at_once(pair: list[CoordinatorProc
 
 @pytest.mark.integration  # no etcd: nothing answers at the address it is given
 def test_a_coordinator_whose_etcd_is_unreachable_stays_up_and_refuses_naming_etcd(tmp_path: Path) -> None:
+    grpc_port, http_port = free_ports(2)
     coord = CoordinatorProcess(
-        grpc_port=free_port(),
-        http_port=free_port(),
+        grpc_port=grpc_port,
+        http_port=http_port,
         state_path=None,
         args=["--store", f"etcd://127.0.0.1:{free_port()}/nowhere", "--leader-ttl", "1"],
         log_path=tmp_path / "coordinator.log",
