@@ -51,10 +51,10 @@ def headlines(doc: dict[str, Any]) -> list[str]:
 def section(doc: dict[str, Any], ctx: Context) -> Section:
     parts = []
     if "formation" in doc:
-        rows = []
+        formation: list[tuple[object, ...]] = []
         for row in doc["formation"]:
             formed = statistics.median(f for f in row["coordinator_formed_s"] if f is not None)
-            rows.append(
+            formation.append(
                 (
                     row["nodes"],
                     f"{row['sarcomm_s']:.2f} s",
@@ -64,10 +64,10 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 )
             )
         header = ["nodes", "sarcomm: every handler returned", "sarcomm: coordinator formed the world"]
-        parts.append(md_table([*header, "c10d", "c10d / sarcomm"], rows, "rrrrr"))
+        parts.append(md_table([*header, "c10d", "c10d / sarcomm"], formation, "rrrrr"))
     if "node-loss" in doc:
         deadline = _deadline(doc)
-        rows = [
+        losses = [
             (
                 row["signal"],
                 row["backend"],
@@ -78,7 +78,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             for row in doc["node-loss"]
         ]
         header = ["signal", "backend", "workers stopped", "training again", "torch restarts spent"]
-        parts.append(md_table(header, rows, "llrrl"))
+        parts.append(md_table(header, losses, "llrrl"))
     if "import" in doc:
         imp = doc["import"]
         parts.append(
