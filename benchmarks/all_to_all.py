@@ -38,12 +38,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import baseline
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from render import write_page
+from renderers import all_to_all as all_to_all_page
 
 # Iterations per size: small sizes are dominated by scheduling noise (4 ranks on few cores), so
 # they get many; the whole default run stays under about 4 minutes.
@@ -248,27 +251,6 @@ def print_table(rows: list[dict[str, Any]], world: int) -> None:
         print(f"{human(row['bytes_per_rank']):>10} {cells}" + "".join(f" {row[key]:20.2f}" for key in ratios))
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The table as Markdown (milliseconds, ratios > 1 mean sarcomm is faster)."""
-    names = list(rows[0]["median_seconds"])
-    ratios = [key for key in RATIOS if key in rows[0]]
-    lines = [
-        "| bytes per rank | "
-        + " | ".join(f"{n} (ms)" for n in names)
-        + "".join(f" | {RATIOS[key]}" for key in ratios)
-        + " |",
-        "|---:|" + "---:|" * (len(names) + len(ratios)),
-    ]
-    for row in rows:
-        cells = " | ".join(f"{row['median_seconds'][n] * 1e3:.3f}" for n in names)
-        lines.append(
-            f"| {human(row['bytes_per_rank'])} | {cells}"
-            + "".join(f" | {row[key]:.2f}" for key in ratios)
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -318,36 +300,35 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(60)
     rows = summarise(gathered, sizes)
     print_table(rows, args.world)
-    if args.json:
-        from sarcomm.worker.library import collectives
+    from sarcomm.worker.library import collectives
 
-        report = {
-            "benchmark": "all_to_all",
-            "command": shlex.join(
-                ["python", "benchmarks/all_to_all.py", *(sys.argv[1:] if argv is None else argv)]
-            ),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "world_size": args.world,
-            "backend": "gloo",
-            "transport": "TCP over loopback (127.0.0.1)",
-            "host": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "platform": platform.platform(),
-            },
-            "small_message_bytes": collectives.all_to_all_config().small_message_bytes,
-            "statistic": "median over iterations of the slowest rank's wall time per call",
-            "seconds_per_size": args.seconds_per_size,
-            "wall_seconds": round(time.monotonic() - started, 1),
-            "rows": rows,
-            **({"baseline": {"ref": args.baseline_ref, "commit": old_source[0]}} if old_source else {}),
-        }
+    report = {
+        "benchmark": "all_to_all",
+        "command": shlex.join(
+            ["python", "benchmarks/all_to_all.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": args.world,
+        "backend": "gloo",
+        "transport": "TCP over loopback (127.0.0.1)",
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "small_message_bytes": collectives.all_to_all_config().small_message_bytes,
+        "statistic": "median over iterations of the slowest rank's wall time per call",
+        "seconds_per_size": args.seconds_per_size,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "rows": rows,
+        **({"baseline": {"ref": args.baseline_ref, "commit": old_source[0]}} if old_source else {}),
+    }
+    if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
     if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            handle.write(markdown_table(rows))
+        write_page(report, all_to_all_page.section, Path(args.markdown))
     return 0
 
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import psutil
 from recording import describe, write_results
+from renderers import big_job as big_job_page
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
@@ -495,42 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": describe("grpcio", "protobuf", load_at="end"),
         "runs": runs,
     }
-    write_results(doc, markdown(doc), args.json, args.markdown)
+    write_results(doc, big_job_page.section, args.json, args.markdown)
     return 0
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# One head node for a big job", "", f"`{doc['command']}`", ""]
-    forms = [r for r in doc["runs"] if r["phase"] in ("agents", "singles")]
-    if forms:
-        lines += ["| phase | store | ranks | code | coordinator view s | last answer s | coordinator CPU s "
-                  "| rounds |",
-                  "|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
-        for r in forms:
-            lines.append(
-                f"| {r['phase']} | {r['store']} | {r['ranks']} | {r['code']} | {r['coordinator_view_s']} | "
-                f"{r['last_answer_s']} | {r['coordinator_cpu_s']} | {r['rounds_view_s']} |"
-            )
-        lines.append("")
-    beats = [r for r in doc["runs"] if r["phase"] == "beat"]
-    if beats:
-        lines += ["| store | code | ranks | offered/s | processed/s | us CPU/report "
-                  "| core share at offered | RSS MiB | failed | probe p50/p99/max ms "
-                  "| /metrics /sd /v1/jobs s | fan-out s (told) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
-        for r in beats:
-            ep = r["endpoint_s"]
-            lines.append(
-                f"| {r['store']} | {r['code']} | {r['ranks']} | {r['offered_reports_per_s']} | "
-                f"{r['processed_reports_per_s']} | {r['coordinator_cpu_us_per_report']} | "
-                f"{r['core_share_at_offered']} | {r['rss_peak_mib']} | {r['members_failed_in_window']} | "
-                f"{r['probe_ack_p50_ms']} / {r['probe_ack_p99_ms']} / {r['probe_ack_max_ms']} | "
-                f"{' / '.join(str(v) for v in ep.values())} | {r['failure_fanout_s']} "
-                f"({r['failure_streams_told']} of {r['failure_streams']}) |"
-            )
-    m = doc["machine"]
-    lines += ["", f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), Python {m['python']}, {m['date']}."]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from typing import Any
 
 from harness import SAR_COORDINATOR, free_port
 from recording import describe, write_results
+from renderers import failover as failover_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -396,46 +397,6 @@ def _histogram(values: Sequence[float], width: float) -> dict[str, int]:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    ttl = doc["settings"]["leader_ttl_s"]
-    rows = [
-        "| setup | kill | take-over s | re-attach p50 s | p90 s | p99 s | max s | streams back "
-        "| coordinator saw all s | members failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for result in doc["results"]:
-        for n, k in enumerate(result["kills"], 1):
-            cells = [result["setup"], n, f"{k['takeover_s']:.2f}"]
-            cells += [k[f"reattach_{q}_s"] for q in ("p50", "p90", "p99", "max")]
-            cells += [
-                f"{k['streams_reattached']}/{k['streams']}",
-                k["coordinator_saw_all_s"],
-                k["members_failed"],
-            ]
-            rows.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
-    lines = [
-        "# Failover: the leading coordinator SIGKILLed under a 1024-member job",
-        "",
-        f"Leader TTL {ttl} s (target: every member re-attached within TTL + 2 = {ttl + 2} s). Re-attach: "
-        "the kill to each agent's first heartbeat answer after it (all of an agent's members together).",
-        "",
-        *rows,
-        "",
-        *[f"- {line}" for line in doc["headline"]],
-        "",
-        "Distribution of the last etcd kill's re-attach times (0.25 s buckets, streams): "
-        + json.dumps(
-            next((r["kills"][-1]["histogram_0_25s"] for r in doc["results"] if r["setup"] == "etcd"), {})
-        ),
-        "",
-        f"Command: `{doc['command']}`",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in doc["machine"].items()),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def headline(results: list[dict[str, Any]], ttl: int) -> list[str]:
     lines = []
     by = {r["setup"]: r for r in results}
@@ -523,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/failover.py " + " ".join(given),
         "machine": info,
     }
-    write_results(doc, markdown(doc), args.json, args.markdown)
+    write_results(doc, failover_page.section, args.json, args.markdown)
     return 0
 
 

@@ -62,6 +62,7 @@ from typing import Any
 
 from harness import SAR_WORKER, CoordinatorProcess
 from recording import describe, write_results
+from renderers import failure_detection as failure_detection_page
 
 SCENARIOS = ("kill", "hang", "partition")
 MODES = ("agent", "library", "gloo")
@@ -399,15 +400,6 @@ def _summary(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     }
 
 
-def _show(stat: dict[str, Any], deadline: float | None = None) -> str:
-    if stat["median"] is None:
-        return f"> {deadline:g} s (deadline)" if deadline else "-"
-    text = f"{stat['median']:.2f} s ({stat['min']:.2f} to {stat['max']:.2f})"
-    if stat["over_deadline"]:
-        text += f", {stat['over_deadline']} run(s) > deadline"
-    return text
-
-
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (see recording.describe)."""
     return describe("torch")
@@ -515,43 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "runs": runs,
     }
-    write_results(doc, markdown(doc), args.json, args.markdown)
+    write_results(doc, failure_detection_page.section, args.json, args.markdown)
     return 0
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    s = doc["settings"]
-    lines = [
-        "# Failure detection",
-        "",
-        f"Recorded {doc['machine']['date']} on {doc['machine']['affinity_cpus']} CPUs "
-        f"({doc['machine']['cpu_model'] or 'unknown model'}), torch {doc['machine']['torch']}, load average "
-        f"{doc['machine']['loadavg_1m_at_start']} to {doc['machine'].get('loadavg_1m_at_end', '?')}.",
-        f"World size {s['world_size']}, one rank per host ({s['hosts']}); coordinator and agents at "
-        f"--heartbeat-interval {s['heartbeat_interval_s']:g} and --heartbeat-misses {s['heartbeat_misses']}; "
-        f"the gloo baseline with a process-group timeout of {s['gloo_timeout_s']:g} s (torch's default is "
-        "1800 s).",
-        "",
-        f"Command: `{doc['command']}`",
-        "",
-        "Seconds from the fault to the last of the other three ranks exiting (median of the runs, "
-        "range in brackets), and to the coordinator's MEMBER_FAILED reaching a Watch stream.",
-        "",
-        "| fault | way | runs | last other rank stopped | coordinator told |",
-        "|---|---|---:|---|---|",
-    ]
-    for row in doc["summary"]:
-        stopped = {
-            "median": row["stopped_median_s"],
-            "min": row["stopped_min_s"],
-            "max": row["stopped_max_s"],
-            "over_deadline": row["over_deadline"],
-        }
-        told = f"{row['told_median_s']:.2f} s" if row["told_median_s"] is not None else "-"
-        shown = _show(stopped, row["deadline_s"])
-        lines.append(f"| {row['scenario']} | {row['mode']} | {row['runs']} | {shown} | {told} |")
-    lines.append("")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

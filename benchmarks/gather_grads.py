@@ -26,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 from harness import free_port
 from recording import describe
+from renderers import gather_grads as gather_grads_page
 
 #: name -> parameter shapes (one tensor each); float32.
 MODELS: dict[str, list[tuple[int, ...]]] = {
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {
             "benchmark": "gather_grads",
-            "title": "gather_grads: SAR's order against buckets",
+            "title": gather_grads_page.TITLE,
             "headline": [
                 "SAR's order (one all_reduce per parameter) over bucketed, 2 ranks, gloo on loopback: "
                 + ", ".join(f"{r['model']} {r['ratio']}x" for r in rows)

@@ -60,6 +60,7 @@ from typing import Any
 
 from harness import CoordinatorProcess, memory_kib, process_cpu_seconds
 from recording import describe, write_results
+from renderers import heartbeat_load as heartbeat_load_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -472,71 +473,6 @@ def machine() -> dict[str, Any]:
     return describe("grpcio")
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    m, s = doc["machine"], doc["settings"]
-    lines = [
-        "# Heartbeat load",
-        "",
-        f"Recorded {m['date']} on {m['affinity_cpus']} CPUs ({m['cpu_model'] or 'unknown model'}), "
-        f"Python {m['python']}, grpcio {m['grpcio']}, load average {m['loadavg_1m_at_start']} to "
-        f"{m.get('loadavg_1m_at_end', '?')}; "
-        + (
-            "the coordinator on a CPU of its own (--pin), the client processes (load and probe) on the other."
-            if s.get("pinned")
-            else f"the {s['procs']} client processes (and the probe) share those CPUs with the coordinator."
-        ),
-        f"Coordinator at --heartbeat-interval {s['interval_s']:g} (one report per member per interval) "
-        f"and --heartbeat-misses {s['misses']}; CPU over {s['duration_s']:g} s after every member "
-        f"reported and {s['warmup_s']:g} s of warm-up.",
-        "",
-        f"Command: `{doc['command']}`",
-        "",
-        "| shape | store | streams | members | coordinator CPU (% of a core) | reports/s | "
-        "RSS idle / end / peak (MiB) | probe ack p50 / p99 / max (ms) | load-client ack p50 / p99 (ms) | "
-        "loop lags > 20 ms | scrape max (ms) | members failed | world formed / all reporting / all left |",
-        "|---|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---|",
-    ]
-    for r in doc["summary"]:
-        lines.append(
-            f"| {r['shape']} | {r.get('store', 'sqlite')} | {r['streams']} | {r['members']} | "
-            f"{r['coordinator_cpu_percent']} | "
-            f"{r['reports_per_s']} | {r['rss_idle_mib']} / {r['rss_mib']} / {r['rss_peak_mib']} | "
-            f"{r['probe_ack_p50_ms']} / {r['probe_ack_p99_ms']} / {r['probe_ack_max_ms']} | "
-            f"{r['ack_p50_ms']} / {r['ack_p99_ms']} | {r['loop_lag_over_20ms']} of {r['loop_lag_samples']} | "
-            f"{r['scrape_max_ms']} | {r['members_failed']} | "
-            f"{r['world_formed_s']} s / {r['all_reporting_s']} s / {r['all_left_s']} s |"
-        )
-    lines += [
-        "",
-        "Probe acks: the streams of one extra client process that does nothing else (they time the "
-        "coordinator); load-client acks: the other streams, whose processes share the 2 cores with the "
-        "coordinator and delay reading their own acks. Loop lags: the coordinator's "
-        "`sar_coordinator_event_loop_lag_seconds` samples (every 50 ms) over the window. Scrapes: "
-        "`/metrics` and `/sd` fetched during the window at the scrape interval.",
-        "",
-        *[f"- {line}" for line in compare_stores(doc["summary"])],
-        "",
-    ]
-    if doc.get("scaling"):
-        lines += [
-            "How the cost grows (8 s windows, no scrapes):",
-            "",
-            "| shape | store | members | interval s | reports/s | coordinator CPU (% of a core) | "
-            "CPU us per report | RSS peak (MiB) | probe ack p99 (ms) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in doc["scaling"]:
-            per_report = 1e4 * r["coordinator_cpu_percent"] / r["reports_per_s"] if r["reports_per_s"] else 0
-            lines.append(
-                f"| {r['shape']} | {r.get('store', 'sqlite')} | {r['members']} | {r['interval_s']:g} | "
-                f"{r['reports_per_s']} | "
-                f"{r['coordinator_cpu_percent']} | {per_report:.1f} | {r['rss_peak_mib']} | "
-                f"{r['probe_ack_p99_ms']} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -668,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "quick": args.quick,
     }
-    write_results(doc, markdown(doc), args.json, args.markdown)
+    page = heartbeat_load_page.etcd_section if "etcd" in stores else heartbeat_load_page.section
+    write_results(doc, page, args.json, args.markdown)
     return 0
 
 

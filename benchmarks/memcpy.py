@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from recording import describe
+from render import write_page
+from renderers import memcpy as memcpy_page
 
 MIB = 1024**2
 COPY_SIZES_MIB = (1, 16, 64, 256)
@@ -170,45 +172,6 @@ def machine() -> dict[str, Any]:
     return describe("torch", load_at="end")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    lines = [
-        "# Memory-copy bandwidth: the ceiling for collectives on loopback",
-        "",
-        "Median of the samples, GB/s (1e9 bytes per second, as the bench's busbw). `copy`: one thread's "
-        "`torch` `copy_` of float32 tensors (bytes copied per second; memory traffic is twice that). "
-        "`pipe`, `tcp`: one writer process to one reader process, 1 MiB chunks.",
-        "",
-        "| measurement | size | GB/s (median) | min | max |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in report["copy"]:
-        lines.append(
-            f"| copy, 1 thread | {row['bytes'] // MIB} MiB | {row['gbps']:.2f} | {row['min_gbps']:.2f} "
-            f"| {row['max_gbps']:.2f} |"
-        )
-    for kind, label in (("pipe", "pipe, 2 processes"), ("tcp", "TCP 127.0.0.1, 2 processes")):
-        row = report.get(kind)
-        if row:
-            lines.append(
-                f"| {label} | {row['bytes_per_sample'] // MIB} MiB | {row['gbps']:.2f} "
-                f"| {row['min_gbps']:.2f} | {row['max_gbps']:.2f} |"
-            )
-    lines += [
-        "",
-        f"Ceiling used by the report (best sample: noise only ever lowers a transfer rate): copy "
-        f"{report['ceiling']['copy_gbps']:.2f} GB/s (largest size), loopback TCP "
-        f"{report['ceiling']['tcp_gbps'] or 0:.2f} GB/s. Loopback TCP between two processes on a "
-        "small machine swings widely from sample to sample (where the scheduler puts the two).",
-        "",
-        f"Command:\n\n```\n{report['command']}\n```",
-        "",
-        "Machine:",
-        "",
-        *(f"- {k}: {v}" for k, v in report["machine"].items()),
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -260,8 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(render_markdown(report))
+        write_page(report, memcpy_page.section, args.markdown)
     return 0
 
 

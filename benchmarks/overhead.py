@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import baseline
@@ -45,6 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from harness import free_port
+from render import write_page
+from renderers import overhead as overhead_page
 
 SIZES = {"4 B": 4, "64 KiB": 64 * 1024, "1 MiB": 1024**2, "16 MiB": 16 * 1024**2}
 
@@ -275,44 +278,6 @@ def fmt_us(seconds: float) -> str:
     return f"{seconds * 1e6:10.2f}"
 
 
-def markdown_tables(
-    only: dict[str, dict[str, float]], one: dict[str, float], two: dict[str, dict[str, dict[str, float]]]
-) -> str:
-    """The three tables as Markdown (microseconds per call)."""
-    lines = [
-        "(1) Wrapper alone, backend replaced by a no-op",
-        "",
-        "| op | bare (us) | wrapped (us) | added (us) |",
-        "|---|---:|---:|---:|",
-    ]
-    for op, r in only.items():
-        lines.append(
-            f"| {op} | {r['bare_s'] * 1e6:.2f} | {r['wrapped_s'] * 1e6:.2f} | {r['added_s'] * 1e6:.2f} |"
-        )
-    lines += [
-        "",
-        "(2) 4-byte all_reduce, gloo, 1 rank",
-        "",
-        "| op | bare (us) | wrapped (us) | added (us) |",
-        "|---|---:|---:|---:|",
-        f"| all_reduce | {one['bare_s'] * 1e6:.2f} | {one['wrapped_s'] * 1e6:.2f} "
-        f"| {one['added_s'] * 1e6:.2f} |",
-        "",
-        "(3) gloo, 2 ranks on loopback",
-        "",
-        "| op | size | bare (us) | wrapped (us) | added (us) | added % | bound % |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for op, by_size in two.items():
-        for label, r in by_size.items():
-            lines.append(
-                f"| {op} | {label} | {r['bare_s'] * 1e6:.2f} | {r['wrapped_s'] * 1e6:.2f} | "
-                f"{r['added_s'] * 1e6:.2f} | {100 * r['added_s'] / r['bare_s']:.2f} | "
-                f"{100 * r['bound_fraction']:.3f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -360,43 +325,42 @@ def main(argv: list[str] | None = None) -> int:
                 f"{op:<26}{label:>8}{fmt_us(r['bare_s'])}{fmt_us(r['wrapped_s'])}{fmt_us(r['added_s'])}"
                 f"{pct:8.2f}%{100 * r['bound_fraction']:8.3f}%"
             )
-    if args.json:
-        report = {
-            "benchmark": "overhead",
-            "command": shlex.join(
-                ["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]
-            ),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": "gloo",
-            "host": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "platform": platform.platform(),
-            },
-            "statistic": "medians; added = median of paired differences (wrapped - bare)",
-            "quick": args.quick,
-            "wall_seconds": round(time.monotonic() - started, 1),
-            "wrapper_only": only,
-            "world1_all_reduce_4B": one,
-            "world2": two,
-            **(
-                {
-                    "baseline": {
-                        "ref": args.baseline_ref,
-                        "commit": old_source[0],
-                        "row": baseline_row(old_source[0]),
-                    }
+    report = {
+        "benchmark": "overhead",
+        "command": shlex.join(
+            ["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": "gloo",
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "statistic": "medians; added = median of paired differences (wrapped - bare)",
+        "quick": args.quick,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "wrapper_only": only,
+        "world1_all_reduce_4B": one,
+        "world2": two,
+        **(
+            {
+                "baseline": {
+                    "ref": args.baseline_ref,
+                    "commit": old_source[0],
+                    "row": baseline_row(old_source[0]),
                 }
-                if old_source is not None
-                else {}
-            ),
-        }
+            }
+            if old_source is not None
+            else {}
+        ),
+    }
+    if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
     if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            handle.write(markdown_tables(only, one, two))
+        write_page(report, overhead_page.section, Path(args.markdown))
     return 0
 
 

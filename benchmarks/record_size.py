@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from recording import describe, write_results
+from renderers import record_size as record_size_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
@@ -145,31 +147,14 @@ def main() -> None:
                         client.close()
     for row in rows:
         del row["record"]
-    lines = [
-        "| members | per Join | JSON | zlib, whole | fits 1.5 MiB | chunks | largest chunk | chunks, total "
-        "| encode (loop) | SQLite write / load | etcd write / load |",
-        "| ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | :---: | :---: |",
-    ]
-    for row in rows:
-        stores = [
-            f"{row[s]['write_s']:.2f} s / {row[s]['load_s']:.2f} s" if s in row else ""
-            for s in ("sqlite", "etcd")
-        ]
-        lines.append(
-            f"| {row['members']} | {row['per_join']} | {row['json_bytes']:,} | {row['zlib_bytes']:,} "
-            f"| {'yes' if row['fits_one_request'] else 'no'} | {row['chunks']} "
-            f"| {row['largest_chunk_bytes']:,} "
-            f"| {row['chunked_bytes']:,} | {row['encode_s']:.2f} s | {stores[0]} | {stores[1]} |"
-        )
-    machine = describe()
-    note = (
-        f"\nBytes. A chunk may take at most {MAX_CHUNK_BYTES:,} bytes. Machine: {machine['nproc']} CPUs "
-        f"({machine['cpu_model']}), Python {machine['python']}, {machine['date']}, load "
-        f"{machine['loadavg_1m_at_start']}. Command: "
-        f"`python benchmarks/record_size.py {' '.join(sys.argv[1:])}`\n"
-    )
-    doc = {"machine": machine, "results": rows}
-    write_results(doc, "\n".join(lines) + "\n" + note, args.json, args.markdown)
+    doc = {
+        "benchmark": "record_size",
+        "command": shlex.join(["python", "benchmarks/record_size.py", *sys.argv[1:]]),
+        "machine": describe(),
+        "max_chunk_bytes": MAX_CHUNK_BYTES,
+        "results": rows,
+    }
+    write_results(doc, record_size_page.section, args.json, args.markdown)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """How a benchmark records its results: the machine it ran on, described the same way in every
-script's JSON (``report.py`` reads it), and the files it writes.
+script's JSON (``report.py`` reads it), and the files it writes: the JSON and the page its renderer
+draws from it.
 
 Absolute figures belong to a machine: each result carries its CPUs, memory, platform, versions,
 date and the load average, since other work on a small machine skews every figure.
@@ -14,6 +15,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
+
+from render import Renderer, write_page
 
 
 def describe(*packages: str, load_at: Literal["start", "end"] = "start", **extra: Any) -> dict[str, Any]:
@@ -49,11 +52,11 @@ def _cpu_model() -> str:
 
 
 def write_results(
-    doc: dict[str, Any], table: str, json_path: Path | None, markdown_path: Path | None
+    doc: dict[str, Any], renderer: Renderer, json_path: Path | None, markdown_path: Path | None
 ) -> None:
-    """Print ``table``; write ``doc`` as JSON and ``table`` as Markdown where asked."""
+    """Write ``doc`` as JSON where asked; print its page, drawn by the benchmark's ``renderer`` (the
+    one ``report.py`` calls), and write it as Markdown where asked."""
     if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(table)
-    if markdown_path:
-        markdown_path.write_text(table)
+    print(write_page(doc, renderer, markdown_path))

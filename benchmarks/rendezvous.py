@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import shlex
@@ -66,7 +65,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from harness import CoordinatorProcess, process_cpu_seconds
-from recording import describe
+from recording import describe, write_results
+from renderers import rendezvous as rendezvous_page
 
 # The etcd the tests use (Debian's etcd-server on loopback) serves the etcd methods here too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -836,88 +836,6 @@ def _cell(outcome: Outcome | None, deadline: float) -> str:
     return outcome.status
 
 
-def _ratio(a: Outcome | None, b: Outcome | None) -> str:
-    if a is None or b is None or a.typical is None or b.typical is None:
-        return "-"
-    return f"{a.typical.formation_s / b.typical.formation_s:.1f}x"
-
-
-def render_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
-    """A Markdown table, one row per size (it reads as plain text too)."""
-    by = {(o.method, o.size): o for o in outcomes}
-    head = (
-        "N",
-        "sarcomm s",
-        "TCPStore s",
-        "c10d s",
-        "sarcomm/TCPStore",
-        "c10d/sarcomm",
-        "sarcomm member p50 s",
-        "sarcomm max/p50",
-        "coordinator formed s",
-    )
-    rows = [head]
-    for size in args.sizes:
-        s, t, c = by.get(("sarcomm", size)), by.get(("tcpstore", size)), by.get(("c10d", size))
-        typical = s.typical if s is not None else None
-        rows.append(
-            (
-                str(size),
-                _cell(s, args.timeout),
-                _cell(t, args.timeout),
-                _cell(c, args.c10d_deadline),
-                _ratio(s, t),
-                _ratio(c, s),
-                f"{typical.p50_s:.3f}" if typical else "-",
-                f"{typical.formation_s / typical.p50_s:.2f}" if typical and typical.p50_s > 0 else "-",
-                f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
-            )
-        )
-    return _aligned(rows)
-
-
-def _aligned(rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table, the first row its head, columns right-aligned and padded."""
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def render_etcd_table(outcomes: Sequence[Outcome], args: argparse.Namespace) -> str:
-    """sarcomm on etcd beside sarcomm on SQLite and torch elastic's etcd-v2 rendezvous, per size."""
-    by = {(o.method, o.size): o for o in outcomes}
-    head = (
-        "N",
-        "sarcomm (SQLite) s",
-        "sarcomm-etcd s",
-        "etcd-v2 s",
-        "sarcomm-etcd/sarcomm",
-        "etcd-v2/sarcomm-etcd",
-        "etcd-v2/sarcomm",
-        "sarcomm-etcd coordinator formed s",
-    )
-    rows = [head]
-    for size in args.sizes:
-        s, e, v = by.get(("sarcomm", size)), by.get(("sarcomm-etcd", size)), by.get(("etcd-v2", size))
-        typical = e.typical if e is not None else None
-        rows.append(
-            (
-                str(size),
-                _cell(s, args.timeout),
-                _cell(e, args.timeout),
-                "-"
-                if v is not None and v.size not in args.etcd_v2_sizes
-                else _cell(v, args.etcd_v2_deadline),
-                _ratio(e, s),
-                _ratio(v, e),
-                _ratio(v, s),
-                f"{typical.server_formed_s:.3f}" if typical and typical.server_formed_s is not None else "-",
-            )
-        )
-    return _aligned(rows)
-
-
 def verdict(outcomes: Sequence[Outcome]) -> str:
     """Whether sarcomm (on SQLite, and on etcd where it ran) met the targets (TARGETS) at the
     sizes measured, a sentence for each."""
@@ -953,91 +871,6 @@ def _etcd_version() -> str | None:
         return None
     out = subprocess.run(["etcd", "--version"], capture_output=True, text=True, timeout=10, check=False)
     return out.stdout.splitlines()[0].split(":", 1)[-1].strip() if out.stdout else None
-
-
-def render_cpu_table(outcomes: Sequence[Outcome]) -> str:
-    """Where each typical round's time went: a timeline (sarcomm) and CPU seconds, per method."""
-    rows = [
-        (
-            "method",
-            "N",
-            "first join seen",
-            "world formed",
-            "first answer",
-            "last answer",
-            "server CPU s",
-            "clients CPU s",
-        )
-    ]
-    for o in outcomes:
-        r = o.typical
-        if r is None:
-            continue
-        rows.append(
-            (
-                o.method,
-                str(o.size),
-                "-" if r.server_first_join_s is None else f"{r.server_first_join_s:.3f}",
-                "-" if r.server_formed_s is None else f"{r.server_formed_s:.3f}",
-                f"{min(r.latencies):.3f}",
-                f"{r.formation_s:.3f}",
-                f"{r.server_cpu_s:.2f}",
-                f"{r.client_cpu_s:.2f}",
-            )
-        )
-    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
-    lines = ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def _load_note(info: dict[str, Any]) -> str:
-    """A warning when other work shared the machine during the run, else nothing."""
-    loads = [info.get("loadavg_1m_at_start") or 0.0, info.get("loadavg_1m_at_end") or 0.0]
-    cpus = info.get("affinity_cpus") or info.get("nproc") or 1
-    if max(loads) <= cpus:
-        return ""
-    return (
-        f"Note: the 1-minute load average was {min(loads):g} to {max(loads):g} on {cpus} CPUs during "
-        "this run; other work shared the machine, so these timings are pessimistic and noisier than "
-        "on an idle one.\n\n"
-    )
-
-
-def render_markdown(
-    outcomes: Sequence[Outcome], args: argparse.Namespace, info: dict[str, Any], command: str
-) -> str:
-    notes = "\n".join(
-        f"- {o.method} N={o.size}: {o.status}: " + "; ".join(sorted(set(o.failures)) or [o.message])
-        for o in outcomes
-        if o.status != "ok"
-    )
-    return (
-        "# Rendezvous benchmark results\n\n"
-        f"World-formation time (common start to the last member's answer), the median of {args.repeats} "
-        f"round(s) for sarcomm and TCPStore, one round for c10d (deadline {args.c10d_deadline:g} s). "
-        f"Members spread over {args.procs} client processes. Member p50 and max/p50 are sarcomm's "
-        'per-member latencies in that round; "coordinator formed" is when the coordinator formed '
-        "the world, by its own clock, after the common start.\n\n"
-        f"{render_table(outcomes, args)}\n\n"
-        + (
-            "sarcomm with its etcd store (`--store etcd://`, one etcd member on loopback, the "
-            "coordinator leading it alone) beside sarcomm on SQLite and torch elastic's `etcd-v2` "
-            "rendezvous (`DynamicRendezvousHandler` over `EtcdRendezvousBackend`, python-etcd, the "
-            f"same etcd with `--enable-v2`; one round, deadline {args.etcd_v2_deadline:g} s):\n\n"
-            f"{render_etcd_table(outcomes, args)}\n\n"
-            if {"sarcomm-etcd", "etcd-v2"} & set(args.methods)
-            else ""
-        )
-        + f"{verdict(outcomes)}\n\n"
-        + (f"Failures:\n\n{notes}\n\n" if notes else "")
-        + 'Where the time went (the same rounds; seconds after the common start). "first join seen" '
-        'and "world formed" are the coordinator\'s own record (`ListJobs`); server CPU is the '
-        "coordinator process for sarcomm, and the process serving the master TCPStore otherwise; "
-        "clients CPU is all client processes together.\n\n"
-        f"{render_cpu_table(outcomes)}\n\n" + _load_note(info) + f"Command:\n\n```\n{command}\n```\n\n"
-        "Machine:\n\n" + "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n"
-    )
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -1211,33 +1044,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if method in SLOW_METHODS and outcome.status != "ok":
                         failed_at[method] = size
                 outcomes.append(outcome)
-    info = {**machine(), "loadavg_1m_at_start": load_at_start}
+    doc = {
+        "benchmark": "rendezvous",
+        "command": command,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {**machine(), "loadavg_1m_at_start": load_at_start},
+        "verdict": verdict(outcomes),
+        "results": [o.to_json() for o in outcomes],
+    }
     print()
-    print(render_table(outcomes, args))
-    print()
-    if {"sarcomm-etcd", "etcd-v2"} & set(args.methods):
-        print(render_etcd_table(outcomes, args))
-        print()
-    print(verdict(outcomes))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "benchmark": "rendezvous",
-                    "command": command,
-                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "machine": info,
-                    "verdict": verdict(outcomes),
-                    "results": [o.to_json() for o in outcomes],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(render_markdown(outcomes, args, info, command))
+    write_results(doc, rendezvous_page.section, args.json, args.markdown)
     return 0
 
 

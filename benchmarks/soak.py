@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -47,6 +46,8 @@ from typing import Any
 
 import psutil
 from harness import CoordinatorProcess
+from recording import write_results
+from renderers import soak as soak_page
 
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
@@ -213,39 +214,6 @@ def _start_coordinator(directory: Path) -> CoordinatorProcess:
     return coordinator
 
 
-def markdown(result: Result) -> str:
-    lines = [
-        "# Soak results",
-        "",
-        f"{result.members} simulated members in {result.jobs} jobs ({result.per_host} members per "
-        f"agent-style host; half the jobs join one member per call), joining, heartbeating and leaving in "
-        f"{len(result.waves)} waves over {result.duration_s:.0f} s; one job fails in every wave.",
-        "",
-        f"Coordinator RSS (lowest of {WINDOW} waves, since one sample swings by a garbage collection): "
-        f"baseline {result.baseline_rss_mib} MiB after the warm-up, final {result.final_rss_mib} MiB, "
-        f"largest sample {result.max_rss_mib} MiB, trend {result.rss_trend_mib_per_wave} MiB per wave; "
-        f"returned to baseline (within {result.tolerance_mib} MiB): "
-        f"**{'yes' if result.returned_to_baseline else 'NO'}**.",
-        "",
-        "| wave | seconds | joined | reports | RSS MiB | fds | threads |",
-        "|-----:|--------:|-------:|--------:|--------:|----:|--------:|",
-        *(
-            f"| {w.index} | {w.seconds} | {w.joined} | {w.reports} | {w.rss_mib} | {w.fds} | {w.threads} |"
-            for w in result.waves
-        ),
-        "",
-        "Command:",
-        "",
-        "```",
-        result.command,
-        "```",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in result.machine.items()),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", type=int, default=1000)
@@ -294,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         f"baseline {result.baseline_rss_mib} MiB, final {result.final_rss_mib} MiB, "
         f"max {result.max_rss_mib} MiB, trend {result.rss_trend_mib_per_wave} MiB/wave: {verdict}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(result))
+    write_results(asdict(result), soak_page.section, args.json, args.markdown)
     return 0 if result.returned_to_baseline else 1
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from recording import describe, write_results
+from renderers import state_writes as state_writes_page
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.domain.membership import JoinSpec, MemberRequest, Membership, Progress
@@ -133,39 +134,6 @@ def machine() -> dict[str, Any]:
     return describe(sqlite=sqlite3.sqlite_version)
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    m = doc["machine"]
-    lines = [
-        "# State writes: immediate against write-behind",
-        "",
-        f"Recorded {m['date']} on {m['nproc']} CPUs, Python {m['python']}, SQLite {m['sqlite']} (WAL, "
-        "synchronous=NORMAL), one process.",
-        "",
-        f"Command: `{doc['command']}`",
-        "",
-        "| members | phase | immediate: loop CPU s | write-behind: loop CPU s | ratio | immediate: longest "
-        "hold ms | write-behind: longest hold ms | immediate: wall s | write-behind: wall s | "
-        "write-behind batches |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in doc["summary"]:
-        scaled = f" (scaled from {row['immediate_changes']})" if row["immediate_scaled_by"] != 1 else ""
-        lines.append(
-            f"| {row['members']} | {row['phase']} | {row['immediate_loop_cpu_s']}{scaled} | "
-            f"{row['write_behind_loop_cpu_s']} | {row['loop_cpu_ratio']}x | "
-            f"{row['immediate_longest_hold_ms']} | {row['write_behind_longest_hold_ms']} | "
-            f"{row['immediate_wall_s']} | {row['write_behind_wall_s']} | {row['write_behind_batches']} |"
-        )
-    lines += [
-        "",
-        "Loop CPU: the event loop thread's CPU time for the phase (what it could not spend on heartbeats). "
-        "Longest hold: the longest step between two turns of the loop. Wall: until every change is on disk. "
-        "Ratio: immediate over write-behind loop CPU.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"sizes": sizes, "full_baseline_max": args.full_baseline_max, "sample": args.sample},
         "machine": machine(),
     }
-    write_results(doc, markdown(doc), args.json, args.markdown)
+    write_results(doc, state_writes_page.section, args.json, args.markdown)
     return 0
 
 

@@ -48,6 +48,8 @@ from typing import Any
 import psutil
 import rendezvous as rdv
 from harness import CoordinatorProcess, free_port
+from recording import write_results
+from renderers import torchrun_rendezvous as torchrun_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.torchrun_nodes import TRAIN, Node, records
@@ -306,74 +308,6 @@ def import_cost(args: argparse.Namespace) -> dict[str, Any]:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def _seconds(value: float | None, bound: float) -> str:
-    return f"not within {bound:g} s" if value is None else f"{value:.2f} s"
-
-
-def render_markdown(results: dict[str, Any], args: argparse.Namespace, command: str) -> str:
-    lines = [f"Command: `{command}`", "", f"Machine: {json.dumps(rdv.machine())}", ""]
-    if "formation" in results:
-        lines += [
-            "| nodes | sarcomm: every handler returned | sarcomm: coordinator formed the world | c10d "
-            "| c10d / sarcomm |",
-            "| ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for row in results["formation"]:
-            c10d = f"{row['c10d_s']:.2f} s" if "c10d_s" in row else row.get("c10d", "-")
-            ratio = f"{row['c10d_s'] / row['sarcomm_s']:.1f}x" if "c10d_s" in row else "-"
-            formed = statistics.median(f for f in row["coordinator_formed_s"] if f is not None)
-            lines.append(f"| {row['nodes']} | {row['sarcomm_s']:.2f} s | {formed:.2f} s | {c10d} | {ratio} |")
-        lines.append("")
-    if "node-loss" in results:
-        lines += [
-            "| signal | backend | workers stopped | training again | torch restarts spent |",
-            "| --- | --- | ---: | ---: | --- |",
-        ]
-        for row in results["node-loss"]:
-            spent = sorted({c for r in row["rounds"] for c in r["torch_restarts"]})
-            lines.append(
-                f"| {row['signal']} | {row['backend']} | {_seconds(row['stopped_s'], args.loss_deadline)} | "
-                f"{_seconds(row['training_s'], args.loss_deadline)} | {spent or '-'} |"
-            )
-        lines.append("")
-    if "import" in results:
-        imp = results["import"]
-        rest = imp["rendezvous_import_rest_ms"]
-        lines.append(
-            f"Import: the entry point adds {imp['entry_point_ms']:.1f} ms to `import "
-            f"torch.distributed.elastic.rendezvous` (whose own part after torch took {rest:.0f} ms); "
-            f"the handler module, loaded only when the backend is used, {imp['handler_module_ms']:.0f} ms."
-        )
-    return "\n".join(lines) + "\n"
-
-
-def headlines(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """The summary lines: formation where both formed and at the largest size, then node loss."""
-    lines = []
-    rows = results.get("formation", [])
-    both = [r for r in rows if "c10d_s" in r]
-    if both:
-        r = both[-1]
-        lines.append(
-            f"{r['nodes']} nodes form a world in {r['sarcomm_s']:.2f} s on sarcomm against "
-            f"{r['c10d_s']:.2f} s on c10d ({r['c10d_s'] / r['sarcomm_s']:.0f}x)"
-        )
-    if rows and rows[-1] not in both:
-        r = rows[-1]
-        lines.append(f"{r['nodes']} nodes: sarcomm {r['sarcomm_s']:.2f} s; c10d {r.get('c10d', '-')}")
-    losses = results.get("node-loss", [])
-    for row in losses:
-        if row["backend"] != "sarcomm":
-            continue
-        c10d = next((x for x in losses if x["backend"] == "c10d" and x["signal"] == row["signal"]), None)
-        other = f"; c10d {_seconds(c10d['training_s'], args.loss_deadline)}" if c10d is not None else ""
-        lines.append(
-            f"node lost ({row['signal']}): the survivors train again after "
-            f"{_seconds(row['training_s'], args.loss_deadline)} on sarcomm{other}"
-        )
-    return lines
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
@@ -392,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the node is lost: KILL (agent and workers die), STOP (a hung host)",
     )
     parser.add_argument("--backends", default="sarcomm,c10d", help="node-loss backends, comma-separated")
-    parser.add_argument("--loss-deadline", type=float, default=90.0)
+    parser.add_argument("--loss-deadline", type=float, default=torchrun_page.LOSS_DEADLINE_S)
     parser.add_argument("--import-repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--json", type=Path)
@@ -421,23 +355,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["formation"] = formation(args, workdir)
         if "node-loss" in parts:
             results["node-loss"] = node_loss(args, workdir)
-    text = render_markdown(results, args, command)
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "benchmark": "torchrun_rendezvous",
-            "title": "torchrun's rendezvous: sarcomm against c10d",
-            "headline": headlines(results, args),
-            "command": command,
-            "machine": rdv.machine(),
-            "tables_markdown": text.split("\n\n", 2)[2],
-            **results,
-        }
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    doc = {
+        "benchmark": "torchrun_rendezvous",
+        "title": torchrun_page.TITLE,
+        "command": command,
+        "settings": {"loss_deadline_s": args.loss_deadline},
+        "machine": rdv.machine(),
+        **results,
+    }
+    write_results(doc, torchrun_page.section, args.json, args.markdown)
     return 0
 
 

@@ -9,7 +9,9 @@ module explains the rules and why that layer). Failed calls raise the
 :mod:`sarcomm.common.errors` class their status maps to. The client's own deadline becomes
 :class:`CoordinatorUnavailableError` (never reached the coordinator) or, for ``Join``,
 :class:`JoinTimeoutError`, with a message naming the target and the deadline. The long-lived
-heartbeat stream is :class:`~sarcomm.common.client.heartbeats.HeartbeatStream`.
+heartbeat stream is :class:`~sarcomm.common.client.heartbeats.HeartbeatStream`, the Watch stream
+:func:`~sarcomm.common.client.watch.watch_events`, and a Join's request and answer are built and
+read in :mod:`sarcomm.common.client.join`.
 
 Example::
 
@@ -21,10 +23,7 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
@@ -32,16 +31,14 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
-from sarcomm.common import netinfo
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.client.channel import Channels
 from sarcomm.common.client.heartbeats import HeartbeatStream
-from sarcomm.common.client.replicas import ReplicaRole, Replicas, cancel_call
-from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, JOIN_ANSWER_SLACK_S
+from sarcomm.common.client.join import join_deadline, join_request, join_result
+from sarcomm.common.client.replicas import ReplicaRole, Replicas
+from sarcomm.common.client.watch import watch_events
 from sarcomm.common.errors import (
-    CoordinatorUnavailableError,
     InvalidArgumentError,
-    JobClosedError,
     SarcommError,
 )
 from sarcomm.common.interfaces import InterfaceInfo
@@ -51,7 +48,6 @@ from sarcomm.common.messages import (
     HeartbeatReply,
     JoinResult,
     MemberReport,
-    interface_to_proto,
 )
 from sarcomm.common.tls import ClientTls
 from sarcomm.v1 import coordinator_pb2 as pb
@@ -266,58 +262,25 @@ class CoordinatorClient:
             CoordinatorUnavailableError: the coordinator could not be reached before the deadline.
             UnauthenticatedError: the token was missing or wrong.
         """
-        if ranks is not None and len(ranks) != nproc:
-            raise InvalidArgumentError(
-                f"ranks={list(ranks)!r} must have nproc={nproc} entries, one per member."
-            )
-        if local_ranks is not None and len(local_ranks) != nproc:
-            raise InvalidArgumentError(
-                f"local_ranks={list(local_ranks)!r} must have nproc={nproc} entries, one per member."
-            )
-        if join_timeout is not None and not join_timeout > 0:
-            raise InvalidArgumentError(f"join_timeout={join_timeout!r} must be a positive number of seconds.")
-        lranks = list(local_ranks) if local_ranks is not None else list(range(nproc))
-        lworld = nproc if local_world_size is None else local_world_size
-        members: list[pb.MemberSpec] = []
-        try:
-            for i in range(nproc):
-                # On the wire a member's local rank is its index in this request (the coordinator
-                # checks 0..nproc-1); a process that joins alone may still be local rank 3 of its
-                # host, which the answer carries from ``local_ranks``.
-                spec = pb.MemberSpec(local_rank=i)
-                if ranks is not None:
-                    spec.rank = ranks[i]
-                members.append(spec)
-            request = pb.JoinRequest(
-                job=job,
-                world_size=world_size,
-                host=host if host is not None else netinfo.host_name(),
-                interfaces=[
-                    interface_to_proto(i)
-                    for i in (interfaces if interfaces is not None else netinfo.local_interfaces())
-                ],
-                members=members,
-                # The coordinator needs a port for rank 0's store; a free one is a fine default for
-                # callers that do not hold one (racy in theory, which is why the agent reserves).
-                store_port=store_port or netinfo.free_port(),
-                socket_name=socket_name,
-                generation=generation,
-                join_timeout_seconds=join_timeout or 0.0,
-                backend=backend,
-                max_restarts=max_restarts,
-                min_members=min_members,
-                max_members=max_members,
-                last_call_timeout_seconds=last_call_timeout,
-                rejoin_member_id=rejoin[0] if rejoin else "",
-                rejoin_secret=rejoin[1] if rejoin else "",
-            )
-        except (ValueError, TypeError) as exc:  # protobuf: int32 overflow, wrong types
-            raise InvalidArgumentError(f"A Join field does not fit its protobuf type: {exc}") from exc
-
-        # The same on every try of this join (Replicas.call sends it again while nothing answers
-        # it: a broken connection, a new leader, a coordinator that cannot write its state): the
-        # coordinator answers every try with the first one's members.
-        request.join_id = secrets.token_hex(16)
+        request = join_request(
+            job,
+            world_size,
+            nproc=nproc,
+            ranks=ranks,
+            local_ranks=local_ranks,
+            host=host,
+            interfaces=interfaces,
+            socket_name=socket_name,
+            store_port=store_port,
+            generation=generation,
+            join_timeout=join_timeout,
+            backend=backend,
+            max_restarts=max_restarts,
+            min_members=min_members,
+            max_members=max_members,
+            last_call_timeout=last_call_timeout,
+            rejoin=rejoin,
+        )
         deadline = self.join_deadline(join_timeout)
         started = time.monotonic()
         log.info(
@@ -326,43 +289,7 @@ class CoordinatorClient:
             self.target, world_size, nproc, deadline,
         )  # fmt: skip
         resp = await self._replicas.call("Join", lambda stub: stub.Join, request, deadline, started)
-        if resp.closed:
-            raise JobClosedError(resp.closed_reason, beyond_max=resp.beyond_max)
-        if len(resp.assignments) != nproc:
-            raise SarcommError(
-                f"The coordinator at {self.target} answered Join for job {resp.job!r} with "
-                f"{len(resp.assignments)} assignments for {nproc} members."
-            )
-        assignments = tuple(
-            Assignment(
-                rank=a.rank,
-                world_size=resp.world_size,
-                local_rank=lranks[i],
-                local_world_size=lworld,
-                master_addr=resp.master_addr,
-                master_port=resp.master_port,
-                interface=resp.interface,
-                address=resp.address,
-                generation=resp.generation,
-                member_id=a.member_id,
-                secret=a.secret,
-                job=resp.job,
-                restart_count=resp.restart_count,
-            )
-            for i, a in enumerate(resp.assignments)
-        )
-        result = JoinResult(
-            job=resp.job,
-            generation=resp.generation,
-            world_size=resp.world_size,
-            master_addr=resp.master_addr,
-            master_port=resp.master_port,
-            interface=resp.interface,
-            address=resp.address,
-            restart_count=resp.restart_count,
-            heartbeat_interval=resp.heartbeat_interval_seconds,
-            assignments=assignments,
-        )
+        result = join_result(resp, nproc, local_ranks, local_world_size, self.target)
         log.info(
             "job=%s ranks=%s generation=%d: world formed after %.2f s; master %s:%d, interface %s (%s)",
             result.job, list(result.ranks), result.generation, time.monotonic() - started,
@@ -371,14 +298,11 @@ class CoordinatorClient:
         return result
 
     def join_deadline(self, join_timeout: float | None) -> float:
-        """The deadline of a Join, in seconds. With a ``join_timeout`` it is the caller's: the join
-        timeout bounds everything, reaching the coordinator included, plus
-        :data:`JOIN_ANSWER_SLACK_S` for the coordinator's answer (the world, or why it did not form)
-        to arrive. Without one, the coordinator's ``--join-timeout`` decides, assumed to be at most
-        :data:`DEFAULT_JOIN_TIMEOUT`, plus ``timeout`` to reach a coordinator not up yet."""
-        if join_timeout is not None:
-            return join_timeout + JOIN_ANSWER_SLACK_S
-        return DEFAULT_JOIN_TIMEOUT + self.timeout
+        """The deadline of a Join, in seconds (:func:`~sarcomm.common.client.join.join_deadline`
+        with this client's ``timeout``): ``join_timeout`` plus the slack for the answer to arrive,
+        or, without one, the coordinator's ``--join-timeout`` (assumed at most
+        :data:`~sarcomm.common.constants.DEFAULT_JOIN_TIMEOUT`) plus ``timeout``."""
+        return join_deadline(join_timeout, self.timeout)
 
     # -- Heartbeat -------------------------------------------------------------------------------
 
@@ -436,7 +360,7 @@ class CoordinatorClient:
         resp = await self._replicas.call("Leave", lambda stub: stub.Leave, request, self.timeout, started)
         return resp.job_state
 
-    async def watch(self, job: str, generation: int = 0, *, timeout: float = 3600.0) -> AsyncIterator[Event]:
+    def watch(self, job: str, generation: int = 0, *, timeout: float = 3600.0) -> AsyncIterator[Event]:
         """Yield the job's events as they happen (from ``generation``; 0 = the current one).
 
         The stream has a deadline like every call: after ``timeout`` seconds (default one hour)
@@ -451,50 +375,7 @@ class CoordinatorClient:
             CoordinatorUnavailableError: the stream broke and could not be opened again before the
                 deadline.
         """
-        replicas = self._replicas
-        started = time.monotonic()
-        seen: set[Event] = set()
-        while True:
-            target = await replicas.replica("Watch")
-            left = timeout - (time.monotonic() - started)
-            call = replicas.stub_for(target).Watch(
-                pb.WatchRequest(job=job, generation=generation),
-                timeout=max(left, 0.001),
-                metadata=self.metadata,
-                wait_for_ready=False,
-            )
-            # Another call following a new leader: this stream goes there too (the old leader may
-            # hang with its connection up, and a watch hears nothing for long stretches).
-            moved = asyncio.ensure_future(replicas.left_behind(target))
-            moved.add_done_callback(functools.partial(cancel_call, call))
-            try:
-                async for msg in call:
-                    replicas.answered(target)
-                    event = Event.from_proto(msg)
-                    if event not in seen:
-                        seen.add(event)
-                        yield event
-                return
-            except asyncio.CancelledError:
-                if not moved.done() or moved.cancelled():
-                    raise
-                log.info("Watch of job %s: re-attaching at the leader %s", job, self.target)
-            except grpc.aio.AioRpcError as err:
-                error = replicas.translate(err, "Watch", timeout, started)
-                if (
-                    err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                    and isinstance(error, CoordinatorUnavailableError)
-                    and replicas.connected()
-                ):
-                    return  # our own deadline on an established stream: a normal end
-                delay = replicas.after_failure(target, err)
-                left = timeout - (time.monotonic() - started)
-                if delay is None or left <= delay:
-                    raise await replicas.explained(error) from err
-                await asyncio.sleep(delay)
-            finally:
-                moved.cancel()
-                call.cancel()
+        return watch_events(self._replicas, job, generation, timeout)
 
     async def list_jobs(
         self,

@@ -1,0 +1,169 @@
+"""Rendezvous (benchmarks/rendezvous.py): world formation against TCPStore, c10d and etcd-v2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from render import (
+    Context,
+    Section,
+    machine_caption,
+    machine_line,
+    md_table,
+    ratio,
+    span,
+)
+
+
+def section(doc: dict[str, Any], ctx: Context) -> Section:
+    results = doc["results"]
+    by: dict[tuple[str, int], dict[str, Any]] = {(r["method"], int(r["size"])): r for r in results}
+    sizes = sorted({int(r["size"]) for r in results})
+    methods = [
+        m for m in ("sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2") if any(k[0] == m for k in by)
+    ]
+    deadline = float(doc.get("settings", {}).get("c10d_deadline") or 60)
+    etcd_deadline = float(doc.get("settings", {}).get("etcd_v2_deadline") or 60)
+
+    def formed(method: str, size: int) -> float | None:
+        r = by.get((method, size))
+        if r is None or r.get("status") not in ("ok", "partial") or r.get("formation_s") is None:
+            return None
+        return float(r["formation_s"])
+
+    def cell(method: str, size: int) -> str:
+        r = by.get((method, size))
+        t = formed(method, size)
+        if t is not None:
+            return f"{t:.3f}"
+        if r is None:
+            return "-"
+        slow = {"c10d": deadline, "etcd-v2": etcd_deadline}
+        return {"timeout": f"DNF in {slow[method]:g}" if method in slow else "timeout"}.get(
+            r.get("status", ""), str(r.get("status", "?"))
+        )
+
+    rows = []
+    for size in sizes:
+        ours, floor, c10d = formed("sarcomm", size), formed("tcpstore", size), formed("c10d", size)
+        r = by.get(("sarcomm", size), {})
+        rows.append(
+            (
+                size,
+                cell("sarcomm", size),
+                cell("tcpstore", size),
+                cell("c10d", size),
+                ratio(ours / floor) if ours and floor else "-",
+                ratio(c10d / ours) if ours and c10d else "-",
+                f"{r['max_over_p50']:.2f}" if r.get("max_over_p50") else "-",
+            )
+        )
+    body = md_table(
+        ["N", "sarcomm s", "TCPStore s", "c10d s", "sarcomm / TCPStore", "c10d / sarcomm", "sarcomm max/p50"],
+        rows,
+    )
+    body += (
+        "\n\nWorld-formation time: a common start to the last member's answer, median round. TCPStore is "
+        "the floor (a bare barrier with no membership, ranks or health); c10d is torch elastic's "
+        "rendezvous (`torchrun --rdzv-backend c10d`). max/p50: slowest member over the median member."
+    )
+    headline = []
+    if {"sarcomm-etcd", "etcd-v2"} & set(methods):
+        etcd_rows = []
+        for size in sizes:
+            ours, on_etcd, torch_etcd = (
+                formed("sarcomm", size),
+                formed("sarcomm-etcd", size),
+                formed("etcd-v2", size),
+            )
+            etcd_rows.append(
+                (
+                    size,
+                    cell("sarcomm", size),
+                    cell("sarcomm-etcd", size),
+                    cell("etcd-v2", size),
+                    ratio(on_etcd / ours) if ours and on_etcd else "-",
+                    ratio(torch_etcd / on_etcd) if on_etcd and torch_etcd else "-",
+                )
+            )
+        body += "\n\n" + md_table(
+            [
+                "N",
+                "sarcomm (SQLite) s",
+                "sarcomm-etcd s",
+                "etcd-v2 s",
+                "sarcomm-etcd / SQLite",
+                "etcd-v2 / sarcomm-etcd",
+            ],
+            etcd_rows,
+        )
+        body += (
+            "\n\nsarcomm-etcd: the coordinator keeps its state in etcd (`--store etcd://`, one etcd member "
+            "on loopback, leading alone); etcd-v2: torch elastic's rendezvous over its `etcd-v2` backend "
+            f"(python-etcd) on the same etcd with `--enable-v2`, one round, deadline {etcd_deadline:g} s."
+        )
+    both = [s for s in sizes if formed("sarcomm", s) and formed("tcpstore", s)]
+    if both:
+        top = both[-1]
+        ours = formed("sarcomm", top) or 0.0
+        headline.append(
+            f"sarcomm forms a {top}-member world in **{ours:.2f} s**, "
+            f"**{ratio(ours / (formed('tcpstore', top) or 1))}** the time of a bare TCPStore barrier "
+            f"(the floor; {span([(formed('sarcomm', s) or 0) / (formed('tcpstore', s) or 1) for s in both])} "
+            "over all sizes)"
+        )
+    c10d_ok = [s for s in sizes if formed("c10d", s) and formed("sarcomm", s)]
+    if c10d_ok:
+        worst = [s for s in sizes if by.get(("c10d", s), {}).get("status") not in ("ok", "partial", None)]
+        line = ", ".join(
+            f"{ratio((formed('c10d', s) or 0) / (formed('sarcomm', s) or 1))} at N={s}" for s in c10d_ok
+        )
+        headline.append(
+            f"c10d is slower than sarcomm by {line}"
+            + (f", and did not finish N={worst[0]} within {deadline:g} s" if worst else "")
+        )
+    pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
+    if pairs:
+        dnf = [s for s in sizes if by.get(("etcd-v2", s), {}).get("status") == "timeout"]
+        headline.append(
+            "torch elastic's etcd-v2 rendezvous is slower than sarcomm on etcd by "
+            + ", ".join(
+                f"{ratio((formed('etcd-v2', s) or 0) / (formed('sarcomm-etcd', s) or 1))} at N={s}"
+                for s in pairs
+            )
+            + (f", and did not finish N={dnf[0]} within {etcd_deadline:g} s" if dnf else "")
+        )
+    if doc.get("verdict"):
+        headline.append(str(doc["verdict"]))
+    plot = ""
+    if ctx.plt is not None:
+        fig, (ax,) = ctx.figure()
+        styles = {
+            "sarcomm": ("o-", "sarcomm"),
+            "tcpstore": ("s--", "TCPStore (floor)"),
+            "c10d": ("^-", "c10d"),
+            "sarcomm-etcd": ("o:", "sarcomm (etcd store)"),
+            "etcd-v2": ("v-", "torch etcd-v2"),
+        }
+        for method in methods:
+            points = [(s, formed(method, s)) for s in sizes if formed(method, s)]
+            if points:
+                ax.plot(*zip(*points, strict=True), styles[method][0], label=styles[method][1])
+        failed = [s for s in sizes if by.get(("c10d", s), {}).get("status") == "timeout"]
+        if failed:
+            ax.plot(
+                failed,
+                [deadline] * len(failed),
+                "rx",
+                markersize=10,
+                label=f"c10d: not done in {deadline:g} s",
+            )
+        ax.set(xscale="log", yscale="log", xlabel="members N", ylabel="world formation (s)")
+        ax.set_title("Rendezvous: time to form a world of N members")
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper right", fontsize=9)
+        machine_caption(ax, machine_line(doc))
+        plot = ctx.save(fig, "rendezvous")
+    return Section.of(doc, "rendezvous", "Rendezvous", headline, body, plot)

@@ -1,0 +1,68 @@
+"""State writes (benchmarks/state_writes.py): immediate against write-behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from render import (
+    Context,
+    Section,
+    machine_caption,
+    machine_line,
+    md_table,
+    ratio,
+    their_headline,
+)
+
+
+def section(doc: dict[str, Any], ctx: Context) -> Section:
+    summary = doc["summary"]
+    headline = list(their_headline(doc))
+    rows = [
+        [
+            r["members"],
+            r["phase"],
+            f"{r['immediate_loop_cpu_s']:g}" + (" (scaled)" if r["immediate_scaled_by"] != 1 else ""),
+            f"{r['write_behind_loop_cpu_s']:g}",
+            ratio(r["loop_cpu_ratio"]) if r.get("loop_cpu_ratio") else "-",
+            f"{r['immediate_longest_hold_ms']:g}",
+            f"{r['write_behind_longest_hold_ms']:g}",
+            r["write_behind_batches"],
+        ]
+        for r in summary
+    ]
+    body = md_table(
+        [
+            "members",
+            "phase",
+            "immediate: loop CPU s",
+            "write-behind: loop CPU s",
+            "ratio",
+            "immediate: longest hold ms",
+            "write-behind: longest hold ms",
+            "write-behind batches",
+        ],
+        rows,
+        align="rlrrrrrr",
+    )
+    body += (
+        "\n\nOne job of N single-rank members forms, each member's first report names its metrics "
+        "endpoint, and every member leaves: each change rewrites the job's record. Immediate: written on "
+        "the event loop at each change (the coordinator before); write-behind: coalesced and written by a "
+        "thread, Join and Leave answers waiting for the write. Scaled: the baseline ran a sample of the "
+        "changes and is scaled to N (each of its changes costs the same)."
+    )
+    plot = ""
+    leaves = [r for r in summary if r["phase"] == "leaves"]
+    if ctx.plt is not None and len(leaves) > 1:
+        fig, (ax,) = ctx.figure()
+        sizes = [r["members"] for r in leaves]
+        ax.plot(sizes, [r["immediate_loop_cpu_s"] for r in leaves], "o-", label="immediate (baseline)")
+        ax.plot(sizes, [r["write_behind_loop_cpu_s"] for r in leaves], "o-", label="write-behind")
+        ax.set(xscale="log", yscale="log", xlabel="members", ylabel="event-loop CPU s for all leaves")
+        ax.set_title("Every member leaving: the event loop's cost")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        machine_caption(ax, machine_line(doc))
+        plot = ctx.save(fig, "state_writes")
+    return Section.of(doc, "state_writes", str(doc.get("title") or "State writes"), headline, body, plot)

@@ -1,0 +1,113 @@
+"""benchmarks/report.py and the benchmarks' renderers: RESULTS.md is what the recorded JSON renders,
+``--check`` catches a page that drifted from its JSON, and a benchmark's own page is drawn by the
+same renderer as its part of RESULTS.md.
+
+The benchmarks are scripts that import their neighbours by bare name, so they are loaded here with
+benchmarks/ on the path, as ``python benchmarks/report.py`` runs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def report() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("report")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _results_copy(tmp_path: Path) -> Path:
+    """The recorded JSON and notes, with RESULTS.md beside them, in ``tmp_path``."""
+    results = tmp_path / "results"
+    shutil.copytree(BENCHMARKS / "results", results, ignore=shutil.ignore_patterns("plots"))
+    shutil.copy(BENCHMARKS / "RESULTS.md", tmp_path / "RESULTS.md")
+    return results
+
+
+def test_results_md_is_what_the_recorded_json_renders(
+    report: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = report.main(["--check"])
+    out = capsys.readouterr()
+    assert code == 0, f"benchmarks/RESULTS.md is stale; rebuild it with python benchmarks/report.py:\n{out}"
+
+
+def test_check_fails_with_the_difference_when_a_figure_changed(
+    report: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = _results_copy(tmp_path)
+    memcpy = json.loads((results / "memcpy.json").read_text())
+    memcpy["copy"][0]["gbps"] = 99.99
+    (results / "memcpy.json").write_text(json.dumps(memcpy))
+
+    code = report.main(["--check", "--results-dir", str(results), "--output", str(tmp_path / "RESULTS.md")])
+
+    out = capsys.readouterr()
+    assert code == 1
+    assert "+| copy, 1 thread | 1 MiB | 99.99 |" in out.out
+    assert out.err.strip().endswith(
+        "is not what the JSON renders; rebuild it with `python benchmarks/report.py`"
+    )
+
+
+def test_check_names_an_output_it_cannot_read(
+    report: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "none" / "RESULTS.md"
+    code = report.main(["--check", "--output", str(missing)])
+    assert code == 1
+    assert capsys.readouterr().err.startswith(f"report.py --check: cannot read {missing}: ")
+
+
+def test_a_benchmarks_page_is_its_section_of_results_md(report: ModuleType, tmp_path: Path) -> None:
+    render = importlib.import_module("render")
+    doc = json.loads((BENCHMARKS / "results" / "state_writes.json").read_text())
+    renderer = report.RENDERERS["state_writes"]
+    page = render.write_page(doc, renderer, tmp_path / "state_writes.md")
+
+    assert (tmp_path / "state_writes.md").read_text() == page
+    assert page.startswith("# State writes: immediate against write-behind\n\n- 4096 members leaving")
+    section = renderer(doc, render.Context.page(tmp_path / "state_writes.md"))
+    summary = (BENCHMARKS / "RESULTS.md").read_text()
+    for part in (section.body, *section.headline, section.command, f"Machine: {section.machine}."):
+        assert part in page
+        assert part in summary
+
+
+def test_big_job_renders_its_phases(report: ModuleType, tmp_path: Path) -> None:
+    """big_job has no recording in results/: its renderer is checked on a made-up run."""
+    form = {"store": "sqlite", "ranks": 4096, "code": "this", "coordinator_view_s": 1.2}
+    form |= {"last_answer_s": 1.5, "coordinator_cpu_s": 0.9, "rounds_view_s": [1.2, 1.3]}
+    beat: dict[str, Any] = {"phase": "beat", "store": "etcd", "code": "this", "ranks": 4096}
+    beat |= {"offered_reports_per_s": 2048, "processed_reports_per_s": 2040}
+    beat |= {"coordinator_cpu_us_per_report": 31.0, "core_share_at_offered": 0.06, "rss_peak_mib": 120}
+    beat |= {"members_failed_in_window": 0, "probe_ack_p50_ms": 1, "probe_ack_p99_ms": 4}
+    beat |= {"probe_ack_max_ms": 9, "endpoint_s": {"metrics": 0.1, "sd": 0.2, "jobs": 0.3}}
+    beat |= {"failure_fanout_s": 0.4, "failure_streams_told": 511, "failure_streams": 512}
+    runs = [{"phase": "agents", **form}, beat]
+    doc = {"benchmark": "big_job", "command": "python benchmarks/big_job.py", "runs": runs}
+
+    section = report.OPTIONAL_RENDERERS["big_job"](
+        doc, importlib.import_module("render").Context.page(tmp_path)
+    )
+
+    assert "| agents | sqlite | 4096 | this | 1.2 | 1.5 | 0.9 | [1.2, 1.3] |" in section.body
+    assert (
+        "| etcd | this | 4096 | 2048 | 2040 | 31.0 | 0.06 | 120 | 0 | 1 / 4 / 9 | 0.1 / 0.2 / 0.3 "
+        "| 0.4 (511 of 512) |" in section.body
+    )
