@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import recording
+from renderers import before_after
 
 HERE = Path(__file__).resolve().parent
 #: One benchmark's figures: name -> value (lower is better for every one of them).
@@ -130,23 +131,6 @@ def compare(
     return {"benchmark": bench.name, "args": list(bench.args), "rounds": rounds, "rows": rows}
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    """The comparison as Markdown: one table per benchmark."""
-    lines = [
-        f"Before: `{doc['baseline']}`; after: `{doc['tree']}`. Medians of {doc['rounds']} ABBA "
-        "rounds per benchmark; ratio = after / before (below 1: after is faster or cheaper).",
-        "",
-    ]
-    for bench in doc["benchmarks"]:
-        lines += [f"#### {bench['benchmark']} (`{' '.join(bench['args'])}`)", ""]
-        lines += ["| figure | before | after | ratio |", "|---|---:|---:|---:|"]
-        for row in bench["rows"]:
-            ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
-            lines.append(f"| {row['figure']} | {row['before']:.4g} | {row['after']:.4g} | {ratio} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def _commit(tree: Path) -> str:
     found = subprocess.run(
         ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -187,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "benchmarks": results,
     }
-    recording.write_results(doc, markdown(doc), args.json, args.markdown)
+    recording.write_results(doc, before_after.section, args.json, args.markdown)
     return 0
 
 

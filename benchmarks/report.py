@@ -34,6 +34,7 @@ import run_all
 from render import Context, Renderer, Section, md_table
 from renderers import (
     all_to_all,
+    before_after,
     bench_sweep,
     big_job,
     failover,
@@ -74,6 +75,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "gather_grads": gather_grads.section,
     "record_size": record_size.section,
     "big_job": big_job.section,
+    "before_after": before_after.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).
