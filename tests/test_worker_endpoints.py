@@ -61,7 +61,8 @@ class Stream:
     async def close(self) -> None:
         self._outgoing.put_nowait(pb.HeartbeatRequest(closing=True))
         self._outgoing.put_nowait(None)
-        while await asyncio.wait_for(self.call.read(), WAIT_S) is not grpc.aio.EOF:
+        # Read to the end (an answer to the closing request, then the stream's end).
+        while isinstance(await asyncio.wait_for(self.call.read(), WAIT_S), pb.HeartbeatResponse):
             pass
 
 

@@ -80,9 +80,9 @@ class StreamReports:
             if report.worker_endpoints or member.worker_endpoints:
                 # A torchrun node's workers (one member, a few endpoints): the same list again?
                 known = member.worker_endpoints
-                sent = report.worker_endpoints
-                if len(sent) != len(known) or any(
-                    (e.rank, e.local_rank, e.metrics_address) != k for e, k in zip(sent, known, strict=True)
+                listed = report.worker_endpoints
+                if len(listed) != len(known) or any(
+                    (e.rank, e.local_rank, e.metrics_address) != k for e, k in zip(listed, known, strict=True)
                 ):
                     return None
             progress = None
