@@ -156,8 +156,9 @@ class MemberReport:
     age: float = 0.0
     #: Close the rendezvous of the member's elastic job (torch's ``set_closed``).
     close_job: bool = False
-    #: The endpoints of the workers it started that are not members (a torchrun node's), in full.
-    worker_endpoints: tuple[WorkerEndpoint, ...] = ()
+    #: The endpoints of the workers it started that are not members (a torchrun node's): the full
+    #: list (empty: none yet); None sends none (the coordinator keeps what it had).
+    worker_endpoints: tuple[WorkerEndpoint, ...] | None = None
 
     def to_proto(self) -> pb.MemberReport:
         msg = pb.MemberReport(
@@ -166,11 +167,13 @@ class MemberReport:
             metrics_address=self.metrics_address,
             age_seconds=self.age,
             close_job=self.close_job,
-            worker_endpoints=[
+        )
+        if self.worker_endpoints is not None:
+            msg.worker_endpoints.SetInParent()  # present even when empty: "none yet"
+            msg.worker_endpoints.endpoints.extend(
                 pb.WorkerEndpoint(rank=e.rank, local_rank=e.local_rank, metrics_address=e.address)
                 for e in self.worker_endpoints
-            ],
-        )
+            )
         if self.progress is not None:
             p = self.progress
             msg.progress.CopyFrom(

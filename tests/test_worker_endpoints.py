@@ -66,8 +66,10 @@ class Stream:
             pass
 
 
-def endpoints(*entries: tuple[int, int, str]) -> list[pb.WorkerEndpoint]:
-    return [pb.WorkerEndpoint(rank=r, local_rank=lr, metrics_address=a) for r, lr, a in entries]
+def endpoints(*entries: tuple[int, int, str]) -> pb.WorkerEndpoints:
+    return pb.WorkerEndpoints(
+        endpoints=[pb.WorkerEndpoint(rank=r, local_rank=lr, metrics_address=a) for r, lr, a in entries]
+    )
 
 
 async def sd(coord: InProcessCoordinator, job: str) -> list[dict[str, Any]]:
@@ -127,12 +129,18 @@ async def test_sd_lists_one_group_per_worker_endpoint_with_its_rank_and_node(
         {"job": "tr", "rank": "2", "host": host1, "generation": "1", "node_rank": "1", "local_rank": "0"},
     ]
 
-    # The same reports again take the stream's short way; a changed list replaces the old one
-    # (node 0's worker 1 gone, worker 3 new) and an empty one clears node 1's.
+    # The same reports again take the stream's short way, and so do reports without the list
+    # (unchanged); a changed list replaces the old one (node 0's worker 1 gone, worker 3 new) and
+    # an empty one clears node 1's.
     await stream.send(beat0, beat1)
-    del beat0.worker_endpoints[1]
-    beat0.worker_endpoints.extend(endpoints((3, 1, "0.0.0.0:9103")))
-    del beat1.worker_endpoints[:]
+    await stream.send(
+        pb.MemberReport(member_id=node0.member_id, secret=node0.secret),
+        pb.MemberReport(member_id=node1.member_id, secret=node1.secret),
+    )
+    assert len(await sd(coord, "tr")) == 3
+    del beat0.worker_endpoints.endpoints[1]
+    beat0.worker_endpoints.endpoints.extend(endpoints((3, 1, "0.0.0.0:9103")).endpoints)
+    del beat1.worker_endpoints.endpoints[:]
     await stream.send(beat0, beat1)
     groups = await sd(coord, "tr")
     assert sorted(g["labels"]["rank"] for g in groups) == ["0", "3"]
@@ -155,19 +163,16 @@ async def test_sd_lists_one_group_per_worker_endpoint_with_its_rank_and_node(
     [
         (
             ((0, 0, "10.9.9.9:9100"),),
-            "reports[0].worker_endpoints[0].metrics_address '10.9.9.9:9100' must be on an address of the "
-            "member's own host '{host}' (it reported 127.0.0.1), or on 0.0.0.0",
+            "{field}[0].metrics_address '10.9.9.9:9100' must be on an address of the member's own host "
+            "'{host}' (it reported 127.0.0.1), or on 0.0.0.0",
         ),
         (
             ((0, 0, "0.0.0.0:9100"), (0, 1, "0.0.0.0:9101")),
-            "reports[0].worker_endpoints[1].rank 0 must be a worker's global rank: >= 0 and distinct",
+            "{field}[1].rank 0 must be a worker's global rank: >= 0 and distinct",
         ),
-        (((-1, 0, "0.0.0.0:9100"),), "reports[0].worker_endpoints[0].rank -1 must be a worker's global rank"),
-        (
-            ((0, 0, "localhost:9100"),),
-            "reports[0].worker_endpoints[0].metrics_address 'localhost:9100' must be IP:PORT",
-        ),
-        (((0, 0, ""),), "reports[0].worker_endpoints[0].metrics_address '' must be IP:PORT of the worker's"),
+        (((-1, 0, "0.0.0.0:9100"),), "{field}[0].rank -1 must be a worker's global rank"),
+        (((0, 0, "localhost:9100"),), "{field}[0].metrics_address 'localhost:9100' must be IP:PORT"),
+        (((0, 0, ""),), "{field}[0].metrics_address '' must be IP:PORT of the worker's"),
     ],
     ids=["not-its-host", "same-rank-twice", "negative-rank", "host-name", "empty"],
 )
@@ -187,7 +192,8 @@ async def test_bad_worker_endpoint_is_refused_naming_the_field(
             pass
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details() or ""
-    assert details.startswith(message.format(host=coord.member("bad", 0).host)), details
+    expected = message.format(field="reports[0].worker_endpoints.endpoints", host=coord.member("bad", 0).host)
+    assert details.startswith(expected), details
     assert await sd(coord, "bad") == []
 
 
@@ -216,12 +222,14 @@ def test_worker_endpoints_survive_a_restart_of_the_coordinator(tmp_path: Path) -
     store.close()
 
 
-def test_member_report_carries_worker_endpoints_on_the_wire() -> None:
+def test_member_report_carries_worker_endpoints_on_the_wire_present_even_when_empty() -> None:
     report = MemberReport("m", "s", worker_endpoints=(WorkerEndpoint(5, 1, "10.0.0.2:9101"),))
     sent = report.to_proto()
-    assert [(e.rank, e.local_rank, e.metrics_address) for e in sent.worker_endpoints] == [
-        (5, 1, "10.0.0.2:9101")
-    ]
+    wire = [(e.rank, e.local_rank, e.metrics_address) for e in sent.worker_endpoints.endpoints]
+    assert wire == [(5, 1, "10.0.0.2:9101")]
+    # An empty list is sent ("none yet", which clears); None sends nothing (unchanged).
+    assert MemberReport("m", "s", worker_endpoints=()).to_proto().HasField("worker_endpoints")
+    assert not MemberReport("m", "s").to_proto().HasField("worker_endpoints")
 
 
 # -- the worker's side: its note for the agent, and its port ----------------------------------------

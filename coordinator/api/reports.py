@@ -77,10 +77,10 @@ class StreamReports:
             address = report.metrics_address
             if address and address != member.metrics_address:
                 return None
-            if report.worker_endpoints or member.worker_endpoints:
+            if report.HasField("worker_endpoints"):
                 # A torchrun node's workers (one member, a few endpoints): the same list again?
                 known = member.worker_endpoints
-                listed = report.worker_endpoints
+                listed = report.worker_endpoints.endpoints
                 if len(listed) != len(known) or any(
                     (e.rank, e.local_rank, e.metrics_address) != k for e, k in zip(listed, known, strict=True)
                 ):

@@ -295,11 +295,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
                 age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
                 checked.append((member_id, secret, progress, address, age))
-                if report.worker_endpoints:
-                    endpoints = validation.worker_endpoints(
-                        report.worker_endpoints, f"{field}.worker_endpoints"
-                    )
-                    workers[member_id] = endpoints
+                if report.HasField("worker_endpoints"):
+                    listed, where = report.worker_endpoints.endpoints, f"{field}.worker_endpoints.endpoints"
+                    workers[member_id] = validation.worker_endpoints(listed, where)
             known: list[tuple[str, str, Progress | None, str, float]] = []
             for i, report_fields in enumerate(checked):
                 try:
@@ -313,12 +311,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     validation.own_metrics_address(
                         report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
                     )
-                endpoints = workers.get(member.member_id, ())
-                if endpoints != member.worker_endpoints:  # the same rule as the member's own endpoint
+                endpoints = workers.get(member.member_id)
+                if endpoints is not None and endpoints != member.worker_endpoints:
+                    # The rule of the member's own endpoint, checked once per list.
                     for j, endpoint in enumerate(endpoints):
                         validation.own_metrics_address(
                             endpoint.address,
-                            f"reports[{i}].worker_endpoints[{j}].metrics_address",
+                            f"reports[{i}].worker_endpoints.endpoints[{j}].metrics_address",
                             member.host,
                             member.interfaces,
                         )
@@ -332,7 +331,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     address,
                     age=age,
                     stream=state.token,
-                    worker_endpoints=workers.get(member_id, ()),
+                    worker_endpoints=workers.get(member_id),
                 )
                 if job.elastic is not None:
                     elastic[job.name] = job

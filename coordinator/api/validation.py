@@ -350,8 +350,9 @@ def metrics_address(value: str, field: str) -> str:
 
 
 def worker_endpoints(values: Sequence[pb.WorkerEndpoint], field: str) -> tuple[WorkerEndpoint, ...]:
-    """A report's ``worker_endpoints``: at most :data:`MAX_WORKER_ENDPOINTS`, each with a rank and
-    local rank >= 0 (ranks distinct) and an ``IP:PORT`` (:func:`metrics_address`, never empty)."""
+    """A report's ``worker_endpoints.endpoints``: at most :data:`MAX_WORKER_ENDPOINTS`, each with a
+    rank and local rank >= 0 (ranks distinct) and an ``IP:PORT`` (:func:`metrics_address`, never
+    empty). ``field`` names the list."""
     if len(values) > MAX_WORKER_ENDPOINTS:
         raise invalid(
             field, f"<{len(values)} entries>", f"must hold at most {MAX_WORKER_ENDPOINTS} endpoints"

@@ -74,7 +74,9 @@ class _WorkerReports:
     def __init__(self, report: MemberReport, directory: Path | None, result: JoinResult) -> None:
         self._report, self._directory, self._result = report, directory, result
         self._notes: list[EndpointNote] = []
-        self._reports = [report]
+        # A node with a directory always sends its list (empty: none yet); the coordinator reads an
+        # absent one as unchanged.
+        self._reports = [report if directory is None else dataclasses.replace(report, worker_endpoints=())]
 
     def __call__(self) -> list[MemberReport]:
         if self._directory is None:

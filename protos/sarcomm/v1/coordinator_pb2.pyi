@@ -394,10 +394,11 @@ class MemberReport(_message.Message):
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     @_builtins.property
-    def worker_endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerEndpoint]:
-        """The /metrics endpoints of the processes this member runs that are not members themselves: a
-        torchrun node (one member, the torchrun agent) reports its workers' here. Always the full list
-        (an empty list: none serves one); the coordinator lists each in /sd with the worker's rank.
+    def worker_endpoints(self) -> Global___WorkerEndpoints:
+        """The /metrics endpoints of the processes this member started that are not members themselves:
+        a torchrun node (one member, the torchrun agent) reports its workers' here. Present: the full
+        list, replacing the last one (empty: none serves one yet); absent: unchanged. A message, not a
+        bare repeated field, so that the reports of every other member cost one presence check.
         """
 
     def __init__(
@@ -409,15 +410,35 @@ class MemberReport(_message.Message):
         metrics_address: _builtins.str = ...,
         age_seconds: _builtins.float = ...,
         close_job: _builtins.bool = ...,
-        worker_endpoints: _abc.Iterable[Global___WorkerEndpoint] | None = ...,
+        worker_endpoints: Global___WorkerEndpoints | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "worker_endpoints", b"worker_endpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "close_job", b"close_job", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret", "worker_endpoints", b"worker_endpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MemberReport: _TypeAlias = MemberReport  # noqa: Y015
+
+@_typing.final
+class WorkerEndpoints(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerEndpoint]: ...
+    def __init__(
+        self,
+        *,
+        endpoints: _abc.Iterable[Global___WorkerEndpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEndpoints: _TypeAlias = WorkerEndpoints  # noqa: Y015
 
 @_typing.final
 class WorkerEndpoint(_message.Message):
