@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_MISSES",
     "DEFAULT_JOIN_TIMEOUT",
     "DEFAULT_LAST_CALL_TIMEOUT",
+    "ENDPOINTS_DIR_VARIABLE",
     "EXIT_TIMEOUT_VARIABLE",
     "EXTRA_PORTS_VARIABLE",
     "GENERATION_VARIABLE",
@@ -111,6 +112,11 @@ PROGRESS_FILE_VARIABLE: Final = "SAR_PROGRESS_FILE"
 METRICS_PORT_VARIABLE: Final = "SAR_METRICS_PORT"
 #: The address a rank serves ``/metrics`` on (an IP address of its host; unset: every interface).
 METRICS_HOST_VARIABLE: Final = "SAR_METRICS_HOST"
+#: Under ``torchrun --rdzv-backend=sarcomm``: the node's directory where each worker notes the
+#: ``/metrics`` endpoint it bound, for the torchrun agent to report (see
+#: :mod:`sarcomm.worker.endpoints`). Set there, a worker serves ``/metrics`` (port
+#: ``SAR_METRICS_PORT`` + ``LOCAL_RANK``, or any free port when unset).
+ENDPOINTS_DIR_VARIABLE: Final = "SAR_ENDPOINTS_DIR"
 #: The extra ports reserved with the master port, for SAR's sampling workers (its worker k's
 #: process group listens on ``master_port() + k + 1``): the ports ``MASTER_PORT+1`` to
 #: ``MASTER_PORT+K``, comma-separated, K being ``sar-worker --extra-ports`` or

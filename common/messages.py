@@ -23,6 +23,7 @@ __all__ = [
     "MemberReport",
     "Progress",
     "RendezvousState",
+    "WorkerEndpoint",
     "failure_from_proto",
     "failure_to_proto",
     "interface_to_proto",
@@ -129,6 +130,16 @@ class Progress(NamedTuple):
     since: float = 0.0
 
 
+class WorkerEndpoint(NamedTuple):
+    """The ``/metrics`` endpoint of a worker that is not a member itself (a torchrun worker),
+    reported by the member that started it: the worker's global ``rank``, its ``local_rank`` on the
+    node, and ``address``, ``host:port`` (see ``coordinator.proto``'s ``WorkerEndpoint``)."""
+
+    rank: int
+    local_rank: int
+    address: str
+
+
 @dataclass(frozen=True)
 class MemberReport:
     """One member's liveness report; ``metrics_address`` is ``host:port`` of its /metrics.
@@ -145,6 +156,9 @@ class MemberReport:
     age: float = 0.0
     #: Close the rendezvous of the member's elastic job (torch's ``set_closed``).
     close_job: bool = False
+    #: The endpoints of the workers it started that are not members (a torchrun node's): the full
+    #: list (empty: none yet); None sends none (the coordinator keeps what it had).
+    worker_endpoints: tuple[WorkerEndpoint, ...] | None = None
 
     def to_proto(self) -> pb.MemberReport:
         msg = pb.MemberReport(
@@ -154,6 +168,12 @@ class MemberReport:
             age_seconds=self.age,
             close_job=self.close_job,
         )
+        if self.worker_endpoints is not None:
+            msg.worker_endpoints.SetInParent()  # present even when empty: "none yet"
+            msg.worker_endpoints.endpoints.extend(
+                pb.WorkerEndpoint(rank=e.rank, local_rank=e.local_rank, metrics_address=e.address)
+                for e in self.worker_endpoints
+            )
         if self.progress is not None:
             p = self.progress
             msg.progress.CopyFrom(

@@ -153,7 +153,8 @@ class HttpApi:
         return web.Response(body=body, content_type="application/json")
 
     async def service_discovery(self, request: web.Request) -> web.Response:
-        """Prometheus HTTP SD: the full target list on every call, one group per live rank."""
+        """Prometheus HTTP SD: the full target list on every call, one group per live rank (and
+        per worker endpoint a live member reported: a torchrun node's workers)."""
         with collector_paused():
             groups: list[dict[str, object]] = [
                 {"targets": [self._advertised_address], "labels": {"job": COORDINATOR_JOB_LABEL}}
@@ -169,22 +170,38 @@ class HttpApi:
 
 
 def _groups(members: list[tuple[Job, Member]]) -> list[dict[str, object]]:
+    """One group per endpoint: a member's own (a rank of ``sar-worker`` or ``sar.init``), and one
+    per worker endpoint it reported (a torchrun node's workers, ``rank`` the worker's global rank,
+    with the node's rank and the worker's local rank besides)."""
     groups: list[dict[str, object]] = []
     for job, member in members:
         target = metrics_target(member)
-        if target is None:
-            continue
-        groups.append(
-            {
-                "targets": [target],
-                "labels": {
-                    "job": job.name,
-                    "rank": str(member.rank),
-                    "host": member.host,
-                    "generation": str(job.generation),
-                },
-            }
-        )
+        if target is not None:
+            groups.append(
+                {
+                    "targets": [target],
+                    "labels": {
+                        "job": job.name,
+                        "rank": str(member.rank),
+                        "host": member.host,
+                        "generation": str(job.generation),
+                    },
+                }
+            )
+        for endpoint in member.worker_endpoints:
+            groups.append(
+                {
+                    "targets": [scrape_target(endpoint.address, member.address)],
+                    "labels": {
+                        "job": job.name,
+                        "rank": str(endpoint.rank),
+                        "host": member.host,
+                        "generation": str(job.generation),
+                        "node_rank": str(member.rank),
+                        "local_rank": str(endpoint.local_rank),
+                    },
+                }
+            )
     return groups
 
 
@@ -219,13 +236,18 @@ async def _let_others_run() -> None:
 
 
 def metrics_target(member: Member) -> str | None:
-    """Where Prometheus scrapes a member: its reported endpoint, with a wildcard host replaced by
-    the address the coordinator handed it (a rank listening on 0.0.0.0 is reachable there)."""
+    """Where Prometheus scrapes a member: its reported endpoint (see :func:`scrape_target`)."""
     if not member.metrics_address:
         return None
-    host, _, port = member.metrics_address.rpartition(":")
+    return scrape_target(member.metrics_address, member.address)
+
+
+def scrape_target(metrics_address: str, member_address: str) -> str:
+    """``metrics_address`` (``host:port``) with a wildcard host replaced by ``member_address``, the
+    address the coordinator handed the member (a rank listening on 0.0.0.0 is reachable there)."""
+    host, _, port = metrics_address.rpartition(":")
     host = host.strip("[]")
     parsed = parse_address(host)
-    if parsed is not None and parsed.is_unspecified and member.address:
-        host = member.address
+    if parsed is not None and parsed.is_unspecified and member_address:
+        host = member_address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

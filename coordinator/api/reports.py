@@ -9,8 +9,8 @@ of it checking again what had not changed. :meth:`StreamReports.take` takes a re
 report repeats what this stream already had accepted (the member still current, its secret digest
 the one it was checked against) and whose age and progress pass the same rules as
 :mod:`validation`'s, and gives each report's (member, progress, age) for
-:meth:`Membership.beats`. Anything else (a new member, another secret, a new endpoint, a value a
-rule refuses, or unknown) goes the full way, which answers it exactly as before.
+:meth:`Membership.beats`. Anything else (a new member, another secret, a new endpoint or list of
+workers' endpoints, a value a rule refuses, or unknown) goes the full way, which answers it exactly as before.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ class StreamReports:
             address = report.metrics_address
             if address and address != member.metrics_address:
                 return None
+            if report.HasField("worker_endpoints"):
+                # A torchrun node's workers (one member, a few endpoints): the same list again?
+                known = member.worker_endpoints
+                listed = report.worker_endpoints.endpoints
+                if len(listed) != len(known) or any(
+                    (e.rank, e.local_rank, e.metrics_address) != k for e, k in zip(listed, known, strict=True)
+                ):
+                    return None
             progress = None
             if report.HasField("progress"):
                 sent = report.progress

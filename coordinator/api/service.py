@@ -33,7 +33,7 @@ from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
 from sarcomm.coordinator.domain.elastic import waiting
 from sarcomm.coordinator.domain.membership import Membership
-from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState, Progress
+from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState, Progress, WorkerEndpoint
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -282,6 +282,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # every known member's secret, before the first report is recorded.
             validation.report_count(len(request.reports))
             checked: list[tuple[str, str, Progress | None, str, float]] = []
+            workers: dict[str, tuple[WorkerEndpoint, ...]] = {}
             for i, report in enumerate(request.reports):
                 field = f"reports[{i}]"
                 member_id = validation.member_id(report.member_id, f"{field}.member_id")
@@ -294,6 +295,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
                 age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
                 checked.append((member_id, secret, progress, address, age))
+                if report.HasField("worker_endpoints"):
+                    listed, where = report.worker_endpoints.endpoints, f"{field}.worker_endpoints.endpoints"
+                    workers[member_id] = validation.worker_endpoints(listed, where)
             known: list[tuple[str, str, Progress | None, str, float]] = []
             for i, report_fields in enumerate(checked):
                 try:
@@ -307,11 +311,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     validation.own_metrics_address(
                         report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
                     )
+                endpoints = workers.get(member.member_id)
+                if endpoints is not None and endpoints != member.worker_endpoints:
+                    # The rule of the member's own endpoint, checked once per list.
+                    for j, endpoint in enumerate(endpoints):
+                        validation.own_metrics_address(
+                            endpoint.address,
+                            f"reports[{i}].worker_endpoints.endpoints[{j}].metrics_address",
+                            member.host,
+                            member.interfaces,
+                        )
                 known.append(report_fields)
             elastic: dict[str, Job] = {}
             for member_id, secret, progress, address, age in known:
                 job, _ = self._membership.heartbeat(
-                    member_id, secret, progress, address, age=age, stream=state.token
+                    member_id,
+                    secret,
+                    progress,
+                    address,
+                    age=age,
+                    stream=state.token,
+                    worker_endpoints=workers.get(member_id),
                 )
                 if job.elastic is not None:
                     elastic[job.name] = job

@@ -16,7 +16,7 @@ from sarcomm.common.addresses import parse_address
 from sarcomm.common.constants import JOB_NAME_RULE, is_job_name
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind, interface_with_address, usable_addresses
-from sarcomm.common.messages import Progress
+from sarcomm.common.messages import Progress, WorkerEndpoint
 from sarcomm.coordinator.api.views import MemberSelection
 from sarcomm.coordinator.config import Limits
 from sarcomm.coordinator.domain.model import (
@@ -41,6 +41,8 @@ MAX_ADDRESS_CHARS = 64
 MAX_SECRET_CHARS = 256
 # One heartbeat carries the reports of one agent's local ranks.
 MAX_REPORTS = 4096
+# A member's workers' endpoints in one report (a torchrun node's workers: one per local rank).
+MAX_WORKER_ENDPOINTS = 1024
 _OP_NAME = re.compile(r"[A-Za-z0-9_.:-]*")
 MAX_RESTARTS = 1_000_000
 # An elastic world's last call, at most (seconds): an hour is already far beyond any use.
@@ -345,6 +347,33 @@ def metrics_address(value: str, field: str) -> str:
     ):
         raise invalid(field, value, "must be IP:PORT of the rank's metrics endpoint")
     return value
+
+
+def worker_endpoints(values: Sequence[pb.WorkerEndpoint], field: str) -> tuple[WorkerEndpoint, ...]:
+    """A report's ``worker_endpoints.endpoints``: at most :data:`MAX_WORKER_ENDPOINTS`, each with a
+    rank and local rank >= 0 (ranks distinct) and an ``IP:PORT`` (:func:`metrics_address`, never
+    empty). ``field`` names the list."""
+    if len(values) > MAX_WORKER_ENDPOINTS:
+        raise invalid(
+            field, f"<{len(values)} entries>", f"must hold at most {MAX_WORKER_ENDPOINTS} endpoints"
+        )
+    result: list[WorkerEndpoint] = []
+    ranks: set[int] = set()
+    for i, value in enumerate(values):
+        if value.rank < 0 or value.rank in ranks:
+            raise invalid(
+                f"{field}[{i}].rank", value.rank, "must be a worker's global rank: >= 0 and distinct"
+            )
+        if value.local_rank < 0:
+            raise invalid(f"{field}[{i}].local_rank", value.local_rank, "must be >= 0")
+        if not value.metrics_address:
+            raise invalid(
+                f"{field}[{i}].metrics_address", "", "must be IP:PORT of the worker's metrics endpoint"
+            )
+        address = metrics_address(value.metrics_address, f"{field}[{i}].metrics_address")
+        ranks.add(value.rank)
+        result.append(WorkerEndpoint(value.rank, value.local_rank, address))
+    return tuple(result)
 
 
 _JOIN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -22,7 +22,7 @@ from sarcomm.common.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from sarcomm.common.messages import Progress
+from sarcomm.common.messages import Progress, WorkerEndpoint
 from sarcomm.coordinator.domain import liveness, rejoin
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
@@ -352,17 +352,25 @@ class Membership:
         metrics_address: str,
         age: float = 0.0,
         stream: object | None = None,
+        worker_endpoints: tuple[WorkerEndpoint, ...] | None = None,
     ) -> tuple[Job, Member]:
         """Record a report about a member; returns its job and member.
 
         ``age`` is how many seconds ago the member itself last showed a sign of life (0: now; an
         agent reports a rank's own alive stamp, which stops moving when the rank is stopped or
         wedged). ``stream`` identifies the stream that carried the report (see :meth:`stream_lost`).
+        ``worker_endpoints``: the full list of its workers' endpoints (replaces the last one; None:
+        unchanged).
         """
         job, member = self.authenticate(member_id, secret)
         liveness.note_report(member, self._clock.monotonic(), self._clock.wall(), progress, age, stream)
+        changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
+        if changed and worker_endpoints is not None:
+            member.worker_endpoints = worker_endpoints
         if metrics_address and metrics_address != member.metrics_address:
             member.metrics_address = metrics_address
+            changed = True
+        if changed:
             self._persist(job)
         return job, member
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.interfaces import InterfaceInfo
-from sarcomm.common.messages import Progress
+from sarcomm.common.messages import Progress, WorkerEndpoint
 
 __all__ = [
     "MAX_HISTORY",
@@ -37,6 +37,7 @@ __all__ = [
     "Progress",
     "Stall",
     "Ticket",
+    "WorkerEndpoint",
 ]
 
 #: Earlier generations kept per job name, for ``status``; older ones stay in the state store only.
@@ -172,6 +173,9 @@ class Member:
     last_report: float = 0.0
     progress: Progress = field(default_factory=Progress)
     metrics_address: str = ""
+    # The /metrics endpoints of the workers it started that are not members (a torchrun node's
+    # workers), as its last report listed them; persisted. /sd lists one target per endpoint.
+    worker_endpoints: tuple[WorkerEndpoint, ...] = ()
     # Monotonic time of the last sign of life; not persisted (a restarted coordinator restarts it).
     last_seen: float = 0.0
     # False from the world's formation until the member's Join was answered (its state written):

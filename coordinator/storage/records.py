@@ -13,6 +13,7 @@ from typing import Any
 
 from sarcomm.common.constants import FailureReason
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
+from sarcomm.common.messages import WorkerEndpoint
 from sarcomm.coordinator.domain.model import ElasticRange, Job, JobState, Member, MemberState, StoredState
 from sarcomm.coordinator.storage.store import MEMBERS_PER_PIECE, JobRow, StateStore, encode_job
 
@@ -58,6 +59,7 @@ def member_record(member: Member) -> dict[str, Any]:
         "last_heartbeat": member.last_heartbeat,
         "metrics_address": member.metrics_address,
         "join_digest": member.join_digest,
+        "worker_endpoints": [list(e) for e in member.worker_endpoints],
     }
 
 
@@ -89,6 +91,7 @@ def member_from_record(record: dict[str, Any]) -> Member:
         last_heartbeat=record["last_heartbeat"],
         metrics_address=record["metrics_address"],
         join_digest=record.get("join_digest", ""),
+        worker_endpoints=tuple(WorkerEndpoint(*e) for e in record.get("worker_endpoints", ())),
     )
 
 
@@ -153,7 +156,7 @@ def _member_key(member: Member) -> tuple[Any, ...]:
         member.member_id, member.secret_digest, member.host, member.local_rank, member.requested_rank,
         member.store_port, member.interfaces, member.peer_address, member.socket_name, member.joined_at,
         member.state, member.rank, member.interface, member.address, member.exit_code, member.reason,
-        member.failure, member.metrics_address, member.join_digest,
+        member.failure, member.metrics_address, member.join_digest, member.worker_endpoints,
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from sarcomm.common.messages import JoinResult
 from sarcomm.common.ports import check_extra_ports
 from sarcomm.common.tls import ClientTls
 from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, Tee, check_output_tag
-from sarcomm.worker.launch_env import member_environment, metrics_host
+from sarcomm.worker.launch_env import member_environment, metrics_host, rank_metrics_port
 
 __all__ = [
     "METRICS_ANY_PORT",
@@ -184,12 +184,6 @@ class AgentConfig:
     def ranks(self) -> list[int] | None:
         """Requested global ranks of the local ranks, or None."""
         return None if self.rank is None else list(range(self.rank, self.rank + self.nproc_per_node))
-
-
-def rank_metrics_port(first_port: int, local_rank: int) -> int:
-    """``SAR_METRICS_PORT`` of a local rank: ``first_port + local_rank`` for a fixed first port,
-    else ``first_port`` itself (0: any free port, -1: none)."""
-    return first_port + local_rank if first_port > 0 else first_port
 
 
 def omp_threads(local_ranks: int) -> int:

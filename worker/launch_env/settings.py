@@ -25,6 +25,7 @@ from sarcomm.common.constants import (
     COLLECTIVE_TIMEOUT_VARIABLE,
     COORD_VARIABLE,
     DEFAULT_HEARTBEAT_INTERVAL,
+    ENDPOINTS_DIR_VARIABLE,
     EXIT_TIMEOUT_VARIABLE,
     GENERATION_VARIABLE,
     GLOO_INTERFACE_VARIABLE,
@@ -60,6 +61,7 @@ __all__ = [
     "backend_setting",
     "client_tls_setting",
     "collective_timeout_setting",
+    "endpoints_dir_setting",
     "exit_timeout_setting",
     "heartbeat_interval_setting",
     "interface_setting",
@@ -69,8 +71,10 @@ __all__ = [
     "metrics_host_setting",
     "metrics_port_setting",
     "metrics_report_host",
+    "node_worker_metrics_port",
     "progress_settings",
     "rank_identity",
+    "rank_metrics_port",
     "registration_settings",
     "required_master_port",
     "socket_environment",
@@ -229,6 +233,42 @@ def metrics_port_setting(environ: Mapping[str, str], member: bool) -> int | None
             "(0: any free port, -1: no metrics endpoint)."
         )
     return None if port == -1 else port
+
+
+def rank_metrics_port(first_port: int, local_rank: int) -> int:
+    """The ``/metrics`` port of local rank ``local_rank`` for a first port ``first_port``
+    (``sar-worker --metrics-port``, ``SAR_METRICS_PORT`` under torchrun): ``first_port +
+    local_rank`` for a fixed first port, else ``first_port`` itself (0: any free port, -1: none)."""
+    return first_port + local_rank if first_port > 0 else first_port
+
+
+def endpoints_dir_setting(environ: Mapping[str, str]) -> Path | None:
+    """``SAR_ENDPOINTS_DIR``: the node's directory where a torchrun worker notes its ``/metrics``
+    endpoint for its agent (torchrun's sarcomm rendezvous sets it), or None when unset."""
+    raw = environ.get(ENDPOINTS_DIR_VARIABLE, "").strip()
+    return Path(raw) if raw else None
+
+
+def node_worker_metrics_port(environ: Mapping[str, str]) -> int | None:
+    """The port a torchrun worker of the sarcomm rendezvous serves ``/metrics`` on, or None for
+    none: every worker of a node inherits one ``SAR_METRICS_PORT``, so, as with ``sar-worker
+    --metrics-port P``, local rank i serves on P + i (``LOCAL_RANK``); unset or 0 any free port,
+    -1 none.
+
+    Raises:
+        InvalidArgumentError: a malformed variable, or P + i beyond 65535.
+    """
+    port = metrics_port_setting(environ, member=True)
+    if port is None:
+        return None
+    local_rank = local_rank_setting(environ) or 0
+    mine = rank_metrics_port(port, local_rank)
+    if mine > 65535:
+        raise InvalidArgumentError(
+            f"{METRICS_PORT_VARIABLE}={port} gives local rank {local_rank} port {mine}, beyond 65535: "
+            "set a first port of at most 65536 minus --nproc-per-node (or 0: any free port)."
+        )
+    return mine
 
 
 #: Where a rank's ``/metrics`` endpoint listens unless told: every IPv4 interface.

@@ -10,7 +10,10 @@ agent, and the ``/metrics`` endpoint.
   :func:`~sarcomm.worker.launch_env.metrics_host_setting` and
   :func:`~sarcomm.worker.launch_env.metrics_port_setting` say (``SAR_METRICS_HOST``,
   ``SAR_METRICS_PORT``), and notes the bound port in the record, from where the heartbeats carry
-  it to the coordinator.
+  it to the coordinator. Under ``torchrun --rdzv-backend=sarcomm`` (``SAR_ENDPOINTS_DIR`` set) a
+  worker serves on ``SAR_METRICS_PORT`` + ``LOCAL_RANK`` (any free port when unset) and notes its
+  endpoint in that directory (:mod:`sarcomm.worker.endpoints`), from where its torchrun agent's
+  heartbeats carry it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from sarcomm.worker.endpoints import EndpointNote, note_endpoint
 from sarcomm.worker.launch_env import (
+    RankIdentity,
+    endpoints_dir_setting,
+    local_rank_setting,
     metrics_host_setting,
     metrics_port_setting,
+    node_worker_metrics_port,
     process_environ,
     progress_settings,
     rank_identity,
@@ -141,7 +149,11 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     if progress is not None:
         writer = install_progress(progress.path, progress.interval, progress.agent_pid, progress.rank_label)
     identity = rank_identity(env)
-    port = metrics_port_setting(env, member=bool(identity.member_id))
+    endpoints = endpoints_dir_setting(env)
+    if endpoints is not None:
+        port = node_worker_metrics_port(env)
+    else:
+        port = metrics_port_setting(env, member=bool(identity.member_id))
     if port is None:
         return
     host = metrics_host_setting(env)
@@ -158,3 +170,18 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     if writer is not None:
         # The stamping thread (or this process's heartbeats) carries it from the next interval on.
         writer.metrics_port = bound
+    if endpoints is not None:
+        _note_for_agent(endpoints, identity, local_rank_setting(env) or 0, host, bound)
+
+
+def _note_for_agent(directory: Path, identity: RankIdentity, local_rank: int, host: str, port: int) -> None:
+    """Note this torchrun worker's endpoint where its agent reads it (logged, not raised, when it
+    cannot: the endpoint then goes unlisted, the training on)."""
+    try:
+        rank, generation = int(identity.rank or ""), int(identity.generation or "0")
+        note_endpoint(directory, EndpointNote(rank, local_rank, host, port, generation))
+    except (OSError, ValueError) as exc:
+        log.warning(
+            "rank %s: cannot note its /metrics endpoint (port %d) for its torchrun agent in %s (%s); "
+            "the coordinator's /sd will not list it", identity.rank_label, port, directory, exc,
+        )  # fmt: skip

@@ -17,7 +17,9 @@ What sarcomm does for each (one sarcomm member per node, the agent):
   is returned (torch's agents and, ``use_agent_store``, their workers use it; no key of an earlier
   generation is in it). The
   interface the coordinator chose, and ``SAR_COORD``/``SAR_JOB``/``SAR_GENERATION``, go into the
-  environment the workers inherit. A re-rendezvous re-joins with the node's member of the running
+  environment the workers inherit, with ``SAR_ENDPOINTS_DIR``: the node's directory where the
+  workers note their ``/metrics`` endpoints, which the heartbeats report (the coordinator's
+  ``/sd`` lists every worker). A re-rendezvous re-joins with the node's member of the running
   generation, which ends that generation as a re-rendezvous (not a failure) for every node.
 - ``num_nodes_waiting()`` answers from what the heartbeat stream brought: the nodes parked for the
   next generation (scale-up), or at least 1 once the generation ended (a node was lost, another
@@ -39,10 +41,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from torch._C._distributed_c10d import Store, TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -61,6 +66,7 @@ from torch.distributed.elastic.rendezvous import (
 from sarcomm.common import netinfo
 from sarcomm.common.constants import (
     COORD_VARIABLE,
+    ENDPOINTS_DIR_VARIABLE,
     GENERATION_VARIABLE,
     INTERFACE_VARIABLES,
     JOB_VARIABLE,
@@ -75,6 +81,7 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
 )
 from sarcomm.common.messages import JoinResult
+from sarcomm.worker.endpoints import clear_notes
 from sarcomm.worker.launch_env import socket_name_setting
 from sarcomm.worker.torchrun.session import RendezvousSession
 from sarcomm.worker.torchrun.settings import BACKEND, RendezvousSettings
@@ -109,6 +116,9 @@ class SarcommRendezvousHandler(RendezvousHandler):
         self._spare: TCPStore | None = None
         self._closed = ""
         self._left = False
+        # Where this node's workers note their /metrics endpoints (SAR_ENDPOINTS_DIR), made at the
+        # first rendezvous, emptied at each, removed at shutdown.
+        self._endpoints: Path | None = None
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> SarcommRendezvousHandler:
@@ -174,6 +184,7 @@ class SarcommRendezvousHandler(RendezvousHandler):
             rejoin = (member.member_id, member.secret)
         self._session.stop_heartbeats()
         self._store = None  # the previous generation's store (its server, on node rank 0) goes
+        self._clear_endpoints()  # the previous generation's workers are stopped
         server = self._spare if self._spare is not None else self._serve_store()
         with _torch_errors(s.run_id):
             result = self._session.join(server.port, rejoin)
@@ -184,7 +195,7 @@ class SarcommRendezvousHandler(RendezvousHandler):
             store, self._spare = self._connect_store(result), server
         self._result, self._store = result, store
         self._export(result)
-        self._session.watch(result)
+        self._session.watch(result, self._endpoints)
         node_rank = result.assignments[0].rank
         log.info(
             "job=%s node_rank=%d generation=%d: world of %d node(s) formed; store %s:%d; interface %s (%s)",
@@ -238,6 +249,8 @@ class SarcommRendezvousHandler(RendezvousHandler):
         finally:
             self._store = self._spare = None
             self._session.close()
+            if self._endpoints is not None:
+                shutil.rmtree(self._endpoints, ignore_errors=True)
         return heard
 
     # -- the store and the workers' environment ---------------------------------------------------
@@ -276,8 +289,21 @@ class SarcommRendezvousHandler(RendezvousHandler):
                 f"within read_timeout {self._settings.read_timeout:g} s: {exc}"
             ) from exc
 
+    def _clear_endpoints(self) -> None:
+        """Make the node's endpoints directory, or empty it of the last workers' notes."""
+        if self._endpoints is None:
+            try:
+                self._endpoints = Path(tempfile.mkdtemp(prefix=f"sarcomm-{self._settings.run_id}-"))
+            except OSError as exc:  # the workers' endpoints go unlisted; the job runs
+                log.warning(
+                    "job=%s: no directory for the workers' /metrics endpoints: %s", self._settings.run_id, exc
+                )
+        else:
+            clear_notes(self._endpoints)
+
     def _export(self, result: JoinResult) -> None:
-        """What the workers read: the coordinator's interface and job (``sar.init()``, metrics)."""
+        """What the workers read: the coordinator's interface and job (``sar.init()``, metrics),
+        and where they note their ``/metrics`` endpoints (``/sd``)."""
         env = self._environ
         env.update(
             {
@@ -287,6 +313,8 @@ class SarcommRendezvousHandler(RendezvousHandler):
                 SOCKET_NAME_VARIABLE: result.interface,
             }
         )
+        if self._endpoints is not None:
+            env[ENDPOINTS_DIR_VARIABLE] = str(self._endpoints)
         env.update({name: result.interface for name in INTERFACE_VARIABLES if name not in self._user_set})
 
 

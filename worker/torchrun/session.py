@@ -19,16 +19,27 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sarcomm.common import netinfo
+from sarcomm.common.addresses import host_port
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.client.heartbeats import HeartbeatStream
 from sarcomm.common.client.loop_thread import LoopThread
 from sarcomm.common.constants import EventKind
 from sarcomm.common.errors import SarcommError
 from sarcomm.common.interfaces import InterfaceInfo
-from sarcomm.common.messages import Event, HeartbeatReply, JoinResult, MemberReport, paced_interval
+from sarcomm.common.messages import (
+    Event,
+    HeartbeatReply,
+    JoinResult,
+    MemberReport,
+    WorkerEndpoint,
+    paced_interval,
+)
 from sarcomm.common.tls import ClientTls
+from sarcomm.worker.endpoints import EndpointNote, read_notes
+from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.torchrun.settings import RendezvousSettings
 
 __all__ = ["News", "RendezvousSession"]
@@ -54,6 +65,41 @@ class News:
     waiting: int = 0
     closed: bool = False
     ended: str = ""
+
+
+class _WorkerReports:
+    """The node's report with its workers' endpoints, read afresh from their notes each interval
+    (a few small files; the report is made again only when they changed)."""
+
+    def __init__(self, report: MemberReport, directory: Path | None, result: JoinResult) -> None:
+        self._report, self._directory, self._result = report, directory, result
+        self._notes: list[EndpointNote] = []
+        # A node with a directory always sends its list (empty: none yet); the coordinator reads an
+        # absent one as unchanged.
+        self._reports = [report if directory is None else dataclasses.replace(report, worker_endpoints=())]
+
+    def __call__(self) -> list[MemberReport]:
+        if self._directory is None:
+            return self._reports
+        notes = read_notes(self._directory, self._result.generation)
+        if notes != self._notes:
+            self._notes = notes
+            endpoints = _endpoints(notes, self._result)
+            self._reports = [dataclasses.replace(self._report, worker_endpoints=endpoints)]
+        return self._reports
+
+
+def _endpoints(notes: list[EndpointNote], result: JoinResult) -> tuple[WorkerEndpoint, ...]:
+    """What the coordinator is told of ``notes``: a wildcard listener at the node's address (the
+    one it handed this node), any other where it listens."""
+    endpoints = []
+    for note in notes:
+        try:
+            host = metrics_report_host(note.host, result.address)
+        except ValueError:  # not an IP address: not a note the library wrote
+            continue
+        endpoints.append(WorkerEndpoint(note.rank, note.local_rank, host_port(host, note.port)))
+    return tuple(endpoints)
 
 
 _Key = tuple[str, str | None, ClientTls | None]
@@ -150,12 +196,14 @@ class RendezvousSession:
         self._client.open()
         await self._client.list_jobs(self.settings.run_id)
 
-    def watch(self, result: JoinResult) -> None:
-        """Heartbeat for the node's member of ``result`` and keep the news of its generation."""
+    def watch(self, result: JoinResult, endpoints: Path | None = None) -> None:
+        """Heartbeat for the node's member of ``result`` and keep the news of its generation. Each
+        report carries the ``/metrics`` endpoints its workers noted in ``endpoints`` (the node's
+        ``SAR_ENDPOINTS_DIR``), for the coordinator's ``/sd``."""
         member = result.assignments[0]
-        report = [MemberReport(member.member_id, member.secret)]
+        reports = _WorkerReports(MemberReport(member.member_id, member.secret), endpoints, result)
         interval = paced_interval(HEARTBEAT_INTERVAL_S, result.heartbeat_interval)
-        self._stream = stream = self._client.heartbeats(lambda: report, interval)
+        self._stream = stream = self._client.heartbeats(reports, interval)
         self._watcher = self._thread.submit(self._watch(stream, result))
 
     async def _watch(self, stream: HeartbeatStream, result: JoinResult) -> None:

@@ -377,6 +377,7 @@ class MemberReport(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     AGE_SECONDS_FIELD_NUMBER: _builtins.int
     CLOSE_JOB_FIELD_NUMBER: _builtins.int
+    WORKER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     secret: _builtins.str
     metrics_address: _builtins.str
@@ -392,6 +393,14 @@ class MemberReport(_message.Message):
     """
     @_builtins.property
     def progress(self) -> Global___Progress: ...
+    @_builtins.property
+    def worker_endpoints(self) -> Global___WorkerEndpoints:
+        """The /metrics endpoints of the processes this member started that are not members themselves:
+        a torchrun node (one member, the torchrun agent) reports its workers' here. Present: the full
+        list, replacing the last one (empty: none serves one yet); absent: unchanged. A message, not a
+        bare repeated field, so that the reports of every other member cost one presence check.
+        """
+
     def __init__(
         self,
         *,
@@ -401,14 +410,66 @@ class MemberReport(_message.Message):
         metrics_address: _builtins.str = ...,
         age_seconds: _builtins.float = ...,
         close_job: _builtins.bool = ...,
+        worker_endpoints: Global___WorkerEndpoints | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "worker_endpoints", b"worker_endpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "close_job", b"close_job", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "close_job", b"close_job", "member_id", b"member_id", "metrics_address", b"metrics_address", "progress", b"progress", "secret", b"secret", "worker_endpoints", b"worker_endpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MemberReport: _TypeAlias = MemberReport  # noqa: Y015
+
+@_typing.final
+class WorkerEndpoints(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerEndpoint]: ...
+    def __init__(
+        self,
+        *,
+        endpoints: _abc.Iterable[Global___WorkerEndpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEndpoints: _TypeAlias = WorkerEndpoints  # noqa: Y015
+
+@_typing.final
+class WorkerEndpoint(_message.Message):
+    """One worker's Prometheus endpoint, reported by the member that started it (see MemberReport)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """The worker's global rank in its own world (torchrun's RANK) and its rank on the node."""
+    local_rank: _builtins.int
+    metrics_address: _builtins.str
+    """host:port of its /metrics: an address of the member's own host, or 0.0.0.0 (read as the
+    member's address).
+    """
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        local_rank: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_rank", b"local_rank", "metrics_address", b"metrics_address", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEndpoint: _TypeAlias = WorkerEndpoint  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):

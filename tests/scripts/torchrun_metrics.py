@@ -1,0 +1,69 @@
+"""A torchrun worker that trains through sarcomm's library, for the ``/sd`` tests: ``sar.init()``
+(which serves ``/metrics`` and notes it for the torchrun agent), then ``sar.all_reduce`` steps,
+each counted in the library's collective metrics.
+
+Usage: ``torchrun ... torchrun_metrics.py OUT_DIR [--step-s S]``.
+
+Each step all-reduces ``rank + 1`` (the sum must be ``W (W + 1) / 2``) and a stop flag (set once
+``OUT_DIR/stop`` exists, on any rank: all ranks stop at the same step), and appends one JSON line
+to ``OUT_DIR/<pid>.jsonl`` with the rank, node, generation, the interface torchrun's sarcomm
+rendezvous exported and the metrics port the library bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import sarcomm.worker as sar
+from sarcomm.worker.library import metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--step-s", type=float, default=0.2)
+    args = parser.parse_args()
+    env = os.environ
+    info = sar.init(backend="gloo")
+    rank, world = info.rank, info.world_size
+    record = {
+        "pid": os.getpid(),
+        "rank": rank,
+        "world": world,
+        "local_rank": int(env["LOCAL_RANK"]),
+        "group_rank": int(env["GROUP_RANK"]),
+        "generation": int(env.get("SAR_GENERATION", "0")),
+        "job": env.get("SAR_JOB", ""),
+        "gloo_ifname": env.get("GLOO_SOCKET_IFNAME", ""),
+        "metrics_port": metrics.serving_port(),
+    }
+    out = (args.out / f"{os.getpid()}.jsonl").open("a", buffering=1)
+    expected = world * (world + 1) / 2
+    step = 0
+    while True:
+        value = torch.tensor([float(rank + 1)])
+        sar.all_reduce(value)
+        stop = torch.tensor([1.0 if (args.out / "stop").exists() else 0.0])
+        sar.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+        step += 1
+        out.write(
+            json.dumps({**record, "step": step, "time": time.time(), "ok": value.item() == expected}) + "\n"
+        )
+        if stop.item():
+            break
+        time.sleep(args.step_s)
+    out.write(json.dumps({**record, "step": step, "time": time.time(), "done": True}) + "\n")
+    out.close()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
