@@ -312,6 +312,11 @@ def _profile(coordinator: Coordinator, args: argparse.Namespace, name: str, seco
     )  # fmt: skip
 
 
+def _spread(ordered: list[float]) -> list[float] | None:
+    """[p50, max] of sorted seconds."""
+    return [ordered[len(ordered) // 2], ordered[-1]] if ordered else None
+
+
 def _timed_get(url: str) -> float:
     began = time.monotonic()
     _get(url)
@@ -371,6 +376,8 @@ def run_beats(
     events = [t for b in beat for t in b["events"].values()]
     streams = sum(b["streams"] for b in beat)
     cpu_per_report = (cpu1 - cpu0) / processed if processed else None
+    first_written = sorted(t for b in beat for t in b["first_written_s"])
+    first_acked = sorted(t for b in beat for t in b["first_acked_s"])
     return {
         "code": code.name, "store": "etcd" if store else "sqlite", "agents": agents,
         "ranks": agents * members,
@@ -387,6 +394,10 @@ def run_beats(
         # The load generator's own CPU (all its processes), as a share of one core.
         "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
+        # Each agent's first beat after its Join answer: written (the load generator's pace) and
+        # acknowledged (the coordinator's), p50 / max seconds.
+        "first_beat_written_s": _spread(first_written),
+        "first_beat_acked_s": _spread(first_acked),
         "members_failed_in_window": int(failed),
         "probe_ack_p50_ms": round(1000 * statistics.median(probe), 2) if probe else None,
         "probe_ack_p99_ms": round(1000 * probe[int(0.99 * (len(probe) - 1))], 2) if probe else None,
@@ -425,7 +436,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--procs", type=int, default=4, help="load client processes (besides the probe)")
     p.add_argument("--probes", type=int, default=32, help="agents of the probe process")
     p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
-    p.add_argument("--misses", type=int, default=3, help="the coordinator's --heartbeat-misses")
+    p.add_argument(
+        "--misses",
+        type=int,
+        default=10,
+        help="the coordinator's --heartbeat-misses (10, as heartbeat_load.py: the simulated agents share the "
+        "coordinator's 2 cores and answer a join burst of thousands slowly)",
+    )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of beats before measuring")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds")
     p.add_argument("--after", type=float, default=4.0, help="seconds of beats after the window")

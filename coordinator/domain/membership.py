@@ -463,6 +463,7 @@ class Membership:
         check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
         if check_stalls:
             self._stall_checked = now
+        heard_since = now - self._liveness_timeout
         for job in list(self._jobs.values()):
             if job.state is JobState.FORMING:
                 self.elastic.form_if_ready(job)  # an elastic world's last call (its Joins look too)
@@ -474,6 +475,10 @@ class Membership:
             changed = False
             for member in job.members:
                 if member.state is not MemberState.RUNNING:
+                    continue
+                # What silence_verdict finds for a member heard from within the timeout, asked
+                # without a call: 32,768 members swept four times a second.
+                if member.last_seen >= heard_since and member.lost_at is None and member.answered:
                     continue
                 verdict = liveness.silence_verdict(
                     member, now, self._liveness_timeout, self._lost_grace, self.answer_timeout
