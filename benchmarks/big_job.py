@@ -312,6 +312,19 @@ def _profile(coordinator: Coordinator, args: argparse.Namespace, name: str, seco
     )  # fmt: skip
 
 
+GC_SUM = "sar_coordinator_gc_pause_seconds_sum"
+LAG = "sar_coordinator_event_loop_lag_seconds_bucket"
+
+
+def _held(before: str, after: str) -> list[int]:
+    """How often the loop was held over 0.1 s and over 0.5 s between two scrapes."""
+
+    def over(metrics: str, bound: str) -> float:
+        return _sample(metrics, f'{LAG}{{le="+Inf"}}') - _sample(metrics, f'{LAG}{{le="{bound}"}}')
+
+    return [int(over(after, b) - over(before, b)) for b in ("0.1", "0.5")]
+
+
 def _spread(ordered: list[float]) -> list[float] | None:
     """[p50, max] of sorted seconds."""
     return [ordered[len(ordered) // 2], ordered[-1]] if ordered else None
@@ -335,6 +348,7 @@ def run_beats(
         formed = form(
             coordinator, group, _profile(coordinator, args, f"beatform-{code.name.split()[0]}", None)
         )
+        start_metrics = coordinator.metrics()
         began = time.monotonic()
         window = (began + args.warmup, began + args.warmup + args.duration)
         until = window[1] + args.after
@@ -342,6 +356,7 @@ def run_beats(
         starting = _profile(coordinator, args, f"beatstart-{code.name.split()[0]}", args.warmup - 1)
         group.answer_all("beating")
         time.sleep(max(0.0, window[0] - time.monotonic()))
+        warm_metrics = coordinator.metrics()
         profiler = _profile(coordinator, args, f"beat-{code.name.split()[0]}", args.duration)
         cpu0, beats0 = coordinator.cpu(), _sample(coordinator.metrics(), "sar_coordinator_heartbeats_total")
         user0, clients0 = coordinator.user_cpu(), group.cpu()
@@ -394,6 +409,12 @@ def run_beats(
         # The load generator's own CPU (all its processes), as a share of one core.
         "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
+        # While the streams started (formation to the window): how often the coordinator's loop
+        # was held over 0.1 s and over 0.5 s, and its garbage collections (its own metrics).
+        "start_loop_held": _held(start_metrics, warm_metrics),
+        "start_gc_s": round(_sample(warm_metrics, GC_SUM) - _sample(start_metrics, GC_SUM), 3),
+        "window_loop_held": _held(warm_metrics, metrics),
+        "window_gc_s": round(_sample(metrics, GC_SUM) - _sample(warm_metrics, GC_SUM), 3),
         # Each agent's first beat after its Join answer: written (the load generator's pace) and
         # acknowledged (the coordinator's), p50 / max seconds.
         "first_beat_written_s": _spread(first_written),

@@ -166,10 +166,8 @@ class Agents:
             "events": {str(k): v for k, v in self.events.items()},
             "streams": len(tasks),
             # Seconds from each agent's Join answer to its first beat written, and to its first ack.
-            "first_written_s": [
-                round(w - a, 3) for a, w in zip(self.answered, self.first_written) if a and w
-            ],
-            "first_acked_s": [round(k - a, 3) for a, k in zip(self.answered, self.first_acked) if a and k],
+            "first_written_s": _since(self.answered, self.first_written),
+            "first_acked_s": _since(self.answered, self.first_acked),
         }
 
     async def _stream(
@@ -241,6 +239,11 @@ class Agents:
             self.errors.append(f"Leave: {error.code().name}: {error.details()}"[:200])
             return 0.0
         return sent
+
+
+def _since(starts: list[float], ends: list[float]) -> list[float]:
+    """Seconds from each start to its end, where both happened."""
+    return [round(end - start, 3) for start, end in zip(starts, ends, strict=True) if start and end]
 
 
 def _say(message: dict[str, Any]) -> None:
