@@ -528,8 +528,12 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append({"phase": "beat", **result})
                         print(json.dumps(runs[-1]), flush=True)
     doc = {
-        "benchmark": "big_job",
+        # report.py reads a result under its file's name.
+        "benchmark": args.json.stem if args.json else "big_job",
+        "title": "One head node for a big job: " + ", ".join(sorted(phases)) + " (" + ", ".join(stores) + ")",
         "command": "python benchmarks/big_job.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "headline": headline(runs),
+        "rows": [flat(r) for r in runs],
         "machine": describe("grpcio", "protobuf", load_at="end"),
         "runs": runs,
     }
@@ -537,8 +541,59 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def flat(run: dict[str, Any]) -> dict[str, Any]:
+    """One run as a row of plain values (report.py's generic table and plot)."""
+    row: dict[str, Any] = {
+        "ranks": run["ranks"],
+        "phase": run["phase"],
+        "store": run["store"],
+        "code": run["code"],
+    }
+    if run["phase"] == "beat":
+        row.update(
+            us_cpu_per_report=run["coordinator_cpu_us_per_report"],
+            processed_per_s=run["processed_reports_per_s"],
+            offered_per_s=run["offered_reports_per_s"],
+            members_failed=run["members_failed_in_window"],
+            probe_p99_ms=run["probe_ack_p99_ms"],
+            formation_view_s=run["formation"]["coordinator_view_s"],
+        )
+    else:
+        row.update(
+            coordinator_view_s=run["coordinator_view_s"],
+            last_answer_s=run["last_answer_s"],
+            coordinator_cpu_s=run["coordinator_cpu_s"],
+            join_errors=run["join_errors"],
+        )
+    return row
+
+
+def headline(runs: list[dict[str, Any]]) -> list[str]:
+    """Current against the baseline and the gRPC floor, per phase, store and size."""
+    lines = []
+    by = {(r["phase"], r["store"], r["ranks"], r["code"].split()[0]): r for r in runs}
+    for phase, store, ranks, code in by:
+        if code != "current":
+            continue
+        now, base, floor = (by.get((phase, store, ranks, c)) for c in ("current", "baseline", "grpc-floor"))
+        assert now is not None
+        key = "coordinator_cpu_us_per_report" if phase == "beat" else "coordinator_view_s"
+        unit = "us of coordinator CPU per report" if phase == "beat" else "s, coordinator's view"
+        parts = [f"{phase} {ranks} ranks ({store}): {now[key]} {unit}"]
+        for name, other in (("baseline", base), ("gRPC floor", floor)):
+            if other is not None and other.get(key) and now.get(key):
+                parts.append(f"{name} {other[key]} ({other[key] / now[key]:.2f}x current's)")
+        if phase == "beat":
+            parts.append(
+                f"failed {now['members_failed_in_window']}"
+                + (f" (baseline {base['members_failed_in_window']})" if base else "")
+            )
+        lines.append("; ".join(parts))
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# One head node for a big job", "", f"`{doc['command']}`", ""]
+    lines = [f"# {doc['title']}", "", f"`{doc['command']}`", "", *[f"- {h}" for h in doc["headline"]], ""]
     forms = [r for r in doc["runs"] if r["phase"] in ("agents", "singles")]
     if forms:
         lines += ["| phase | store | ranks | code | coordinator view s | last answer s | coordinator CPU s "
