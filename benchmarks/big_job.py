@@ -84,12 +84,13 @@ class Code:
 
 
 def baseline_tree(ref: str, work: Path) -> Path:
-    """A checkout of ``ref`` laid out as it installs (its own scripts/linktree.sh); the path to put
-    on PYTHONPATH."""
+    """The files of commit ``ref`` (``git archive``: nothing registered in the repository) laid out
+    as they install (that commit's scripts/linktree.sh); the path to put on PYTHONPATH."""
     checkout = work / f"baseline-{ref}"
     if not checkout.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(checkout), ref], cwd=REPOSITORY,
-                       check=True, capture_output=True)  # fmt: skip
+        checkout.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", ref], cwd=REPOSITORY, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive.stdout, check=True)
     tree = subprocess.run(
         ["bash", "scripts/linktree.sh"], cwd=checkout, check=True, capture_output=True, text=True
     )
