@@ -217,7 +217,8 @@ class Agents:
             await call.write(pb.HeartbeatRequest(closing=True).SerializeToString())
             await call.done_writing()
             await asyncio.wait_for(reader, 30)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as error:
+            # (InvalidStateError: a write after the coordinator ended the stream.)
             self.errors.append(f"Heartbeat: {error!r}"[:200])
         finally:
             reader.cancel()
