@@ -204,7 +204,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while True:
                 event = await events.get()
                 async with writing:
-                    await context.write(self._event_answer(event))
+                    try:
+                        await context.write(self._event_answer(event))
+                    except Exception:  # the call ended meanwhile: its reading side settles it
+                        log.debug("an event for a Heartbeat stream that had ended was dropped")
+                        return
 
         forwarder = asyncio.create_task(forward_events())
         try:
