@@ -69,7 +69,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._join_waiters = 0
         # The answer to a report that brings no news (shared: nothing changes it once built).
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
-        self._event_answers: dict[JobEvent, pb.HeartbeatResponse] = {}
+        self._event_answers: dict[tuple[JobEvent, ...], pb.HeartbeatResponse] = {}
         self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
 
     async def Join(
@@ -202,10 +202,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         async def forward_events() -> None:
             while True:
-                event = await events.get()
+                # Every event queued goes in one answer: a failure is announced as MEMBER_FAILED
+                # and JOB_FAILED together, one write per stream instead of two.
+                pushed = [await events.get()]
+                while not events.empty():
+                    pushed.append(events.get_nowait())
                 async with writing:
                     try:
-                        await context.write(self._event_answer(event))
+                        await context.write(self._event_answer(tuple(pushed)))
                     except Exception:  # the call ended meanwhile: its reading side settles it
                         log.debug("an event for a Heartbeat stream that had ended was dropped")
                         return
@@ -235,15 +239,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif state.reported:
                 self._membership.stream_closed(state.token, state.reported)
 
-    def _event_answer(self, event: JobEvent) -> pb.HeartbeatResponse:
-        """The answer that pushes ``event`` to a reporter: built once for every stream it reaches
+    def _event_answer(self, pushed: tuple[JobEvent, ...]) -> pb.HeartbeatResponse:
+        """The answer that pushes ``pushed`` to a reporter: built once for every stream they reach
         (a failure in a 4096-agent job reaches 4096 streams at once)."""
-        answer = self._event_answers.get(event)
+        answer = self._event_answers.get(pushed)
         if answer is None:
             if len(self._event_answers) >= EVENT_ANSWERS:
                 self._event_answers.clear()
-            answer = self._event_answers[event] = pb.HeartbeatResponse(
-                events=[event_message(event)], heartbeat_interval_seconds=self._config.heartbeat_interval
+            answer = self._event_answers[pushed] = pb.HeartbeatResponse(
+                events=[event_message(e) for e in pushed],
+                heartbeat_interval_seconds=self._config.heartbeat_interval,
             )
         return answer
 
