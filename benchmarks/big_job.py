@@ -85,12 +85,13 @@ class Code:
 
 
 def baseline_tree(ref: str, work: Path) -> Path:
-    """A checkout of ``ref`` laid out as it installs (its own scripts/linktree.sh); the path to put
-    on PYTHONPATH."""
+    """The files of commit ``ref`` (``git archive``: nothing registered in the repository) laid out
+    as they install (that commit's scripts/linktree.sh); the path to put on PYTHONPATH."""
     checkout = work / f"baseline-{ref}"
     if not checkout.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(checkout), ref], cwd=REPOSITORY,
-                       check=True, capture_output=True)  # fmt: skip
+        checkout.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", ref], cwd=REPOSITORY, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive.stdout, check=True)
     tree = subprocess.run(
         ["bash", "scripts/linktree.sh"], cwd=checkout, check=True, capture_output=True, text=True
     )
@@ -313,6 +314,24 @@ def _profile(coordinator: Coordinator, args: argparse.Namespace, name: str, seco
     )  # fmt: skip
 
 
+GC_SUM = "sar_coordinator_gc_pause_seconds_sum"
+LAG = "sar_coordinator_event_loop_lag_seconds_bucket"
+
+
+def _held(before: str, after: str) -> list[int]:
+    """How often the loop was held over 0.1 s and over 0.5 s between two scrapes."""
+
+    def over(metrics: str, bound: str) -> float:
+        return _sample(metrics, f'{LAG}{{le="+Inf"}}') - _sample(metrics, f'{LAG}{{le="{bound}"}}')
+
+    return [int(over(after, b) - over(before, b)) for b in ("0.1", "0.5")]
+
+
+def _spread(ordered: list[float]) -> list[float] | None:
+    """[p50, max] of sorted seconds."""
+    return [ordered[len(ordered) // 2], ordered[-1]] if ordered else None
+
+
 def _timed_get(url: str) -> float:
     began = time.monotonic()
     _get(url)
@@ -331,6 +350,7 @@ def run_beats(
         formed = form(
             coordinator, group, _profile(coordinator, args, f"beatform-{code.name.split()[0]}", None)
         )
+        start_metrics = coordinator.metrics()
         began = time.monotonic()
         window = (began + args.warmup, began + args.warmup + args.duration)
         until = window[1] + args.after
@@ -338,6 +358,7 @@ def run_beats(
         starting = _profile(coordinator, args, f"beatstart-{code.name.split()[0]}", args.warmup - 1)
         group.answer_all("beating")
         time.sleep(max(0.0, window[0] - time.monotonic()))
+        warm_metrics = coordinator.metrics()
         profiler = _profile(coordinator, args, f"beat-{code.name.split()[0]}", args.duration)
         cpu0, beats0 = coordinator.cpu(), _sample(coordinator.metrics(), "sar_coordinator_heartbeats_total")
         user0, clients0 = coordinator.user_cpu(), group.cpu()
@@ -372,6 +393,8 @@ def run_beats(
     events = [t for b in beat for t in b["events"].values()]
     streams = sum(b["streams"] for b in beat)
     cpu_per_report = (cpu1 - cpu0) / processed if processed else None
+    first_written = sorted(t for b in beat for t in b["first_written_s"])
+    first_acked = sorted(t for b in beat for t in b["first_acked_s"])
     return {
         "code": code.name, "store": "etcd" if store else "sqlite", "agents": agents,
         "ranks": agents * members,
@@ -388,6 +411,16 @@ def run_beats(
         # The load generator's own CPU (all its processes), as a share of one core.
         "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
+        # While the streams started (formation to the window): how often the coordinator's loop
+        # was held over 0.1 s and over 0.5 s, and its garbage collections (its own metrics).
+        "start_loop_held": _held(start_metrics, warm_metrics),
+        "start_gc_s": round(_sample(warm_metrics, GC_SUM) - _sample(start_metrics, GC_SUM), 3),
+        "window_loop_held": _held(warm_metrics, metrics),
+        "window_gc_s": round(_sample(metrics, GC_SUM) - _sample(warm_metrics, GC_SUM), 3),
+        # Each agent's first beat after its Join answer: written (the load generator's pace) and
+        # acknowledged (the coordinator's), p50 / max seconds.
+        "first_beat_written_s": _spread(first_written),
+        "first_beat_acked_s": _spread(first_acked),
         "members_failed_in_window": int(failed),
         "probe_ack_p50_ms": round(1000 * statistics.median(probe), 2) if probe else None,
         "probe_ack_p99_ms": round(1000 * probe[int(0.99 * (len(probe) - 1))], 2) if probe else None,
@@ -426,7 +459,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--procs", type=int, default=4, help="load client processes (besides the probe)")
     p.add_argument("--probes", type=int, default=32, help="agents of the probe process")
     p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
-    p.add_argument("--misses", type=int, default=3, help="the coordinator's --heartbeat-misses")
+    p.add_argument(
+        "--misses",
+        type=int,
+        default=10,
+        help="the coordinator's --heartbeat-misses (10, as heartbeat_load.py: the simulated agents share the "
+        "coordinator's 2 cores and answer a join burst of thousands slowly)",
+    )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of beats before measuring")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds")
     p.add_argument("--after", type=float, default=4.0, help="seconds of beats after the window")
@@ -491,13 +530,68 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append({"phase": "beat", **result})
                         print(json.dumps(runs[-1]), flush=True)
     doc = {
-        "benchmark": "big_job",
+        # report.py reads a result under its file's name.
+        "benchmark": args.json.stem if args.json else "big_job",
+        "title": "One head node for a big job: " + ", ".join(sorted(phases)) + " (" + ", ".join(stores) + ")",
         "command": "python benchmarks/big_job.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "headline": headline(runs),
+        "rows": [flat(r) for r in runs],
         "machine": describe("grpcio", "protobuf", load_at="end"),
         "runs": runs,
     }
     write_results(doc, big_job_page.section, args.json, args.markdown)
     return 0
+
+
+def flat(run: dict[str, Any]) -> dict[str, Any]:
+    """One run as a row of plain values (report.py's generic table and plot)."""
+    row: dict[str, Any] = {
+        "ranks": run["ranks"],
+        "phase": run["phase"],
+        "store": run["store"],
+        "code": run["code"],
+    }
+    if run["phase"] == "beat":
+        row.update(
+            us_cpu_per_report=run["coordinator_cpu_us_per_report"],
+            processed_per_s=run["processed_reports_per_s"],
+            offered_per_s=run["offered_reports_per_s"],
+            members_failed=run["members_failed_in_window"],
+            probe_p99_ms=run["probe_ack_p99_ms"],
+            formation_view_s=run["formation"]["coordinator_view_s"],
+        )
+    else:
+        row.update(
+            coordinator_view_s=run["coordinator_view_s"],
+            last_answer_s=run["last_answer_s"],
+            coordinator_cpu_s=run["coordinator_cpu_s"],
+            join_errors=run["join_errors"],
+        )
+    return row
+
+
+def headline(runs: list[dict[str, Any]]) -> list[str]:
+    """Current against the baseline and the gRPC floor, per phase, store and size."""
+    lines = []
+    by = {(r["phase"], r["store"], r["ranks"], r["code"].split()[0]): r for r in runs}
+    for phase, store, ranks, code in by:
+        if code != "current":
+            continue
+        now, base, floor = (by.get((phase, store, ranks, c)) for c in ("current", "baseline", "grpc-floor"))
+        assert now is not None
+        key = "coordinator_cpu_us_per_report" if phase == "beat" else "coordinator_view_s"
+        unit = "us of coordinator CPU per report" if phase == "beat" else "s, coordinator's view"
+        parts = [f"{phase} {ranks} ranks ({store}): {now[key]} {unit}"]
+        for name, other in (("baseline", base), ("gRPC floor", floor)):
+            if other is not None and other.get(key) and now.get(key):
+                parts.append(f"{name} {other[key]} ({other[key] / now[key]:.2f}x current's)")
+        if phase == "beat":
+            parts.append(
+                f"failed {now['members_failed_in_window']}"
+                + (f" (baseline {base['members_failed_in_window']})" if base else "")
+            )
+        lines.append("; ".join(parts))
+    return lines
 
 
 if __name__ == "__main__":

@@ -105,6 +105,10 @@ class Agents:
         ]
         self.requests = [join_request(config, i) for i in range(count)]
         self.answers: list[pb.JoinResponse | None] = [None] * count
+        # When each agent got its Join answer, wrote its first beat, and had its first ack.
+        self.answered = [0.0] * count
+        self.first_written = [0.0] * count
+        self.first_acked = [0.0] * count
         self.written: list[float] = []
         self.acked: list[float] = []
         self.latencies: list[tuple[float, float]] = []
@@ -130,7 +134,8 @@ class Agents:
             except grpc.aio.AioRpcError as error:
                 self.errors.append(f"Join: {error.code().name}: {error.details()}"[:200])
                 return -1.0
-            return time.monotonic()
+            self.answered[i] = time.monotonic()
+            return self.answered[i]
 
         return await asyncio.gather(*(one(i) for i in range(len(self.requests))))
 
@@ -160,6 +165,9 @@ class Agents:
             "latencies": [round(lat, 6) for at, lat in self.latencies if start <= at < end],
             "events": {str(k): v for k, v in self.events.items()},
             "streams": len(tasks),
+            # Seconds from each agent's Join answer to its first beat written, and to its first ack.
+            "first_written_s": _since(self.answered, self.first_written),
+            "first_acked_s": _since(self.answered, self.first_acked),
         }
 
     async def _stream(
@@ -176,6 +184,8 @@ class Agents:
                 if data == self.ack_bytes:
                     now = time.monotonic()
                     self.acked.append(now)
+                    if not self.first_acked[agent]:
+                        self.first_acked[agent] = now
                     if sent:
                         at = sent.pop(0)
                         if timed:
@@ -197,6 +207,8 @@ class Agents:
                 now = time.monotonic()
                 sent.append(now)
                 self.written.append(now)
+                if not self.first_written[agent]:
+                    self.first_written[agent] = now
                 await call.write(variants[beat % 2])
                 beat += 1
                 next_at += interval
@@ -205,7 +217,8 @@ class Agents:
             await call.write(pb.HeartbeatRequest(closing=True).SerializeToString())
             await call.done_writing()
             await asyncio.wait_for(reader, 30)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as error:
+            # (InvalidStateError: a write after the coordinator ended the stream.)
             self.errors.append(f"Heartbeat: {error!r}"[:200])
         finally:
             reader.cancel()
@@ -227,6 +240,11 @@ class Agents:
             self.errors.append(f"Leave: {error.code().name}: {error.details()}"[:200])
             return 0.0
         return sent
+
+
+def _since(starts: list[float], ends: list[float]) -> list[float]:
+    """Seconds from each start to its end, where both happened."""
+    return [round(end - start, 3) for start, end in zip(starts, ends, strict=True) if start and end]
 
 
 def _say(message: dict[str, Any]) -> None:

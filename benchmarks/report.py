@@ -97,6 +97,15 @@ def load(path: Path) -> tuple[dict[str, Any] | None, str]:
     return doc, ""
 
 
+def _family(name: str) -> Renderer | None:
+    """The renderer of a benchmark recorded under another name (``big_job.py --json
+    results/big_job_formation.json``): the benchmark's name, then ``_`` and a label."""
+    for known, renderer in OPTIONAL_RENDERERS.items():
+        if name.startswith(known + "_"):
+            return renderer
+    return None
+
+
 def rerun(name: str) -> str:
     """How to (re)make ``name``'s JSON, for the benchmarks run_all.py runs; nothing for others."""
     return f"; run `benchmarks/run_all.sh --only {name}`" if name in run_all.NAMES else ""
@@ -125,7 +134,7 @@ def build(ctx: Context) -> str:
             gaps.append(f"- **{name}**: {why}{rerun(name)}.")
             continue
         declared = doc.get("benchmark")
-        renderer = RENDERERS.get(name) or OPTIONAL_RENDERERS.get(name)
+        renderer = RENDERERS.get(name) or OPTIONAL_RENDERERS.get(name) or _family(name)
         try:
             if declared not in (None, name):
                 raise ValueError(f"the file says it holds {declared!r}")

@@ -140,6 +140,26 @@ def test_job_encoder_writes_exactly_the_full_encoding_as_members_change() -> Non
     same()
 
 
+def test_job_encoder_cut_from_one_whole_encoding_matches_across_the_stores_pieces() -> None:
+    """When most members changed, the encoder encodes the member list once and cuts it into the
+    members' JSON: the row must still equal encode_job's, over several MEMBERS_PER_PIECE chunks,
+    and the kept pieces must serve the next, partial, change."""
+    clock = FakeClock()
+    membership = Membership(liveness_timeout=3.0, clock=clock)
+    encoder = JobEncoder()
+    tickets = [membership.join(spec(f"h{i}", *([None] * 8), job="big", world_size=600)) for i in range(75)]
+    job = tickets[0].job
+    assert job.state.value == "RUNNING"
+    assert encoder.encode(job) == encode_job(job_record(job))  # every member new: the whole way
+    members = [(m.member_id, s) for t in tickets for m, s in zip(t.members, t.secrets, strict=True)]
+    # A fifth of them change (member by member), then three fifths (the whole way again).
+    for step, count in enumerate((120, 360)):
+        clock.advance(1.0)
+        for i, (member_id, secret) in enumerate(members[:count]):
+            membership.heartbeat(member_id, secret, None, f"127.0.0.1:{10000 + 1000 * step + i}")
+        assert encoder.encode(job) == encode_job(job_record(job))
+
+
 async def test_a_change_nobody_waits_for_gathers_longer_and_an_answer_brings_its_flush_forward(
     store: CountingStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

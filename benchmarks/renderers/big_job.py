@@ -69,4 +69,5 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             )
         )
     body = "\n\n".join(tables) or "(no runs recorded)"
-    return Section.of(doc, "big_job", TITLE, their_headline(doc), body)
+    name = str(doc.get("benchmark") or "big_job")
+    return Section.of(doc, name, str(doc.get("title") or TITLE), their_headline(doc), body)

@@ -39,12 +39,9 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-_END_OF_STREAM = object()
 # How long the end of a heartbeat stream that was not announced (``closing``) waits for grpc to
 # cancel the call, which tells a dead reporter from a half-close.
 _CANCEL_GRACE_S = 0.25
-# Answers a Heartbeat stream may hold that its client has not read yet.
-OUTBOX_CREDIT = 64
 # Events whose Heartbeat answers are kept for the next streams they reach.
 EVENT_ANSWERS = 64
 
@@ -72,7 +69,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._join_waiters = 0
         # The answer to a report that brings no news (shared: nothing changes it once built).
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
-        self._event_answers: dict[JobEvent, pb.HeartbeatResponse] = {}
+        self._event_answers: dict[tuple[JobEvent, ...], pb.HeartbeatResponse] = {}
         self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
 
     async def Join(
@@ -183,55 +180,50 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_interval_seconds=self._config.heartbeat_interval,
         )
 
-    async def Heartbeat(
+    # The reader-writer form of a streaming handler (it writes with context.write and returns
+    # None), which grpc.aio serves but the generated stub does not type.
+    async def Heartbeat(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[pb.HeartbeatRequest],
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.HeartbeatResponse]:
-        # Acks and pushed events share one outbox so a failure reaches the reporter at once,
-        # not at its next beat.
-        outbox: asyncio.Queue[object] = asyncio.Queue()
-        # Answers not yet taken by the client: a client that writes but never reads stops being
-        # read once OUTBOX_CREDIT are pending (HTTP/2 flow control then holds it back), instead of
-        # growing the outbox without bound. The end-of-stream mark needs no credit.
-        credit = asyncio.Semaphore(OUTBOX_CREDIT)
+    ) -> None:
+        # Each request is read, handled and answered in this one task (the reader-writer form of a
+        # gRPC handler): an answer is written before the next request is read, so a client that
+        # writes but never reads stops being read once HTTP/2 flow control holds the answers back.
+        # Pushed events are written by a task of their own, so a failure reaches the reporter at
+        # once, not at its next beat; one write at a time (gRPC allows no more).
         events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
         # This stream's identity and the members it reported: if it breaks (cancelled, connection
         # gone) instead of ending in order, those members' reporter most likely died.
         state = StreamReports()
+        writing = asyncio.Lock()
         broken = True
         closing = False  # the reporter said it ends the stream in order
 
-        async def read_reports() -> None:
-            nonlocal closing
-            try:
-                async for request in request_iterator:
-                    closing = closing or request.closing
-                    await credit.acquire()
-                    outbox.put_nowait(self._handle_reports(request, state, events))
-            finally:
-                outbox.put_nowait(_END_OF_STREAM)
-
         async def forward_events() -> None:
             while True:
-                event = await events.get()
-                await credit.acquire()
-                outbox.put_nowait(self._event_answer(event))
+                # Every event queued goes in one answer: a failure is announced as MEMBER_FAILED
+                # and JOB_FAILED together, one write per stream instead of two.
+                pushed = [await events.get()]
+                while not events.empty():
+                    pushed.append(events.get_nowait())
+                async with writing:
+                    try:
+                        await context.write(self._event_answer(tuple(pushed)))
+                    except Exception:  # the call ended meanwhile: its reading side settles it
+                        log.debug("an event for a Heartbeat stream that had ended was dropped")
+                        return
 
-        reader = asyncio.create_task(read_reports())
         forwarder = asyncio.create_task(forward_events())
         try:
-            while True:
-                item = await outbox.get()
-                if item is _END_OF_STREAM:
-                    break
-                credit.release()
-                if isinstance(item, BaseException):
+            async for request in request_iterator:
+                closing = closing or request.closing
+                answer = self._handle_reports(request, state, events)
+                if isinstance(answer, SarcommError):
                     broken = False  # our own refusal ends it; the reporter is alive
-                    raise item
-                assert isinstance(item, pb.HeartbeatResponse)
-                yield item
-            await reader
+                    raise answer
+                async with writing:
+                    await context.write(answer)
             if not closing:
                 # grpc ends the requests of a client whose connection died just like a half-close,
                 # and cancels the call a moment later: a client that did not say it was closing
@@ -239,7 +231,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await asyncio.sleep(_CANCEL_GRACE_S)
             broken = False  # the reporter half-closed: an orderly end
         finally:
-            reader.cancel()
             forwarder.cancel()
             for job in state.watched:
                 self._events.unsubscribe(job, events)
@@ -248,15 +239,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif state.reported:
                 self._membership.stream_closed(state.token, state.reported)
 
-    def _event_answer(self, event: JobEvent) -> pb.HeartbeatResponse:
-        """The answer that pushes ``event`` to a reporter: built once for every stream it reaches
+    def _event_answer(self, pushed: tuple[JobEvent, ...]) -> pb.HeartbeatResponse:
+        """The answer that pushes ``pushed`` to a reporter: built once for every stream they reach
         (a failure in a 4096-agent job reaches 4096 streams at once)."""
-        answer = self._event_answers.get(event)
+        answer = self._event_answers.get(pushed)
         if answer is None:
             if len(self._event_answers) >= EVENT_ANSWERS:
                 self._event_answers.clear()
-            answer = self._event_answers[event] = pb.HeartbeatResponse(
-                events=[event_message(event)], heartbeat_interval_seconds=self._config.heartbeat_interval
+            answer = self._event_answers[pushed] = pb.HeartbeatResponse(
+                events=[event_message(e) for e in pushed],
+                heartbeat_interval_seconds=self._config.heartbeat_interval,
             )
         return answer
 

@@ -3,9 +3,9 @@
 :class:`Membership` joins members into forming worlds, records their reports, their leaving and
 their silence, and names stalls. It decides; :mod:`transitions` makes every state change (checked
 against the diagram there) and emits the events; :mod:`ranks` lays out a world;
-:mod:`liveness` holds the judging rules. What it needs from storage is given to it at start
-(:class:`model.StoredState`), and every job whose stored record changed is handed to
-``persist`` before the method returns. Time comes from a :class:`clock.Clock`. A restored member
+:mod:`liveness` holds the judging rules, which :mod:`sweep` applies. What it needs from storage
+is given to it at start (:class:`model.StoredState`), and every job whose stored record changed is
+handed to ``persist`` before the method returns. Time comes from a :class:`clock.Clock`. A restored member
 gets ``restore_grace`` to reconnect before it is judged. All methods are synchronous (the event
 loop's thread); the service's Join waits for the WORLD_FORMED event.
 """
@@ -39,11 +39,10 @@ from sarcomm.coordinator.domain.model import (
     Stall,
     StoredState,
     Ticket,
-    member_rank,
     new_members,
-    rank_list,
 )
 from sarcomm.coordinator.domain.ranks import Plan, host_key, plan_world
+from sarcomm.coordinator.domain.sweep import LivenessSweep
 from sarcomm.coordinator.domain.transitions import EventListener, StateMachine
 
 log = logging.getLogger(__name__)
@@ -53,9 +52,6 @@ __all__ = [
     "EventKind", "EventListener", "Job", "JobEvent", "JobState", "JoinSpec", "Member", "MemberRequest",
     "MemberState", "Membership", "Progress", "Stall", "Ticket",
 ]  # fmt: skip
-
-#: How often the liveness sweep looks for stalls to log (seconds of the monotonic clock).
-STALL_CHECK_PERIOD_S = 1.0
 
 
 class Membership:
@@ -101,12 +97,13 @@ class Membership:
         # not in _jobs): numbering continues after a job is forgotten in memory (max_ended_jobs)
         # or was only in the store. A few bytes a name.
         self._generations: dict[str, int] = {}
-        self._stall_checked = float("-inf")
         # The Joins sent with a join id, so that a resend gets its own members and nobody else's.
         self._join_ids = rejoin.JoinIds(self._jobs.get, self._persist)
         self._machine.add_listener(self._join_ids.forget_ended)
         # Elastic jobs (torchrun's --nnodes MIN:MAX): their joins, re-joins, closing (see .elastic).
         self.elastic = ElasticRendezvous(self)
+        # Broken and ended streams, the sweep of silent members, stalls (see .sweep).
+        self._sweep = LivenessSweep(self)
         self._restore(stored or StoredState())
 
     def jobs(self) -> list[Job]:
@@ -425,88 +422,23 @@ class Membership:
         self.elastic.close(job, f"rank {member.rank} on host {member.host} closed it")
         return job
 
+    # -- liveness (see .sweep) ---------------------------------------------------------------------
+
     def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
-        """The stream ``stream``, which carried reports of ``member_ids``, broke without an orderly
-        end: its process (or the agent reporting for it) most likely died, since the kernel closes
-        a dead process's connections. Each of those members that no newer stream reports fails
-        once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
-        now = self._clock.monotonic()
-        lost: list[Member] = []
-        for member_id in member_ids:
-            found = self._members.get(member_id)
-            if found is None:
-                continue
-            member = found[1]
-            if member.stream is stream and member.state is MemberState.RUNNING and member.lost_at is None:
-                member.lost_at = now
-                lost.append(member)
-        if lost:
-            ranks = rank_list(sorted(member_rank(m) for m in lost))
-            log.info(
-                "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
-                "report again", ranks, lost[0].host, self._lost_grace,
-            )  # fmt: skip
+        """See :meth:`.sweep.LivenessSweep.stream_lost`: the members of a stream that broke."""
+        self._sweep.stream_lost(stream, member_ids)
 
     def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
-        """The stream ``stream`` ended in order: its members are judged by their reports alone
-        from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
-        for member_id in member_ids:
-            found = self._members.get(member_id)
-            if found is not None and found[1].stream is stream:
-                found[1].stream = None
+        """See :meth:`.sweep.LivenessSweep.stream_closed`: the members of a stream that ended."""
+        self._sweep.stream_closed(stream, member_ids)
 
     def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
-        """Fail every running member silent for longer than the liveness timeout, or whose stream
-        broke ``lost_grace`` ago without a report since; log stalls (once each).
-
-        ``excused``: seconds the coordinator itself was not listening since the last sweep (its
-        loop or process held up: see :func:`liveness.excuse`); they do not count as silence."""
-        now = self._clock.monotonic()
-        failed: list[tuple[Job, Member]] = []
-        if excused > 0:
-            for _, member in self._members.values():
-                liveness.excuse(member, excused)
-        # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
-        # four times an interval, and comparing every rank's progress is the costly part of them).
-        check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
-        if check_stalls:
-            self._stall_checked = now
-        for job in list(self._jobs.values()):
-            if job.state is JobState.FORMING:
-                self.elastic.form_if_ready(job)  # an elastic world's last call (its Joins look too)
-                continue
-            # A failed job's silent members are judged too: otherwise a rank that died after (or
-            # while) another failed stays RUNNING and the job never ends.
-            if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
-                continue
-            changed = False
-            for member in job.members:
-                if member.state is not MemberState.RUNNING:
-                    continue
-                verdict = liveness.silence_verdict(
-                    member, now, self._liveness_timeout, self._lost_grace, self.answer_timeout
-                )
-                if verdict is None:
-                    continue
-                failure, reason = verdict
-                self._machine.member_to(job, member, MemberState.FAILED, reason, failure)
-                failed.append((job, member))
-                changed = True
-            if changed:
-                self._changed(job)
-            elif job.state is JobState.RUNNING and check_stalls:
-                self._log_stall(job)
-        return failed
+        """See :meth:`.sweep.LivenessSweep.sweep`: fail the silent members, log stalls."""
+        return self._sweep.sweep(excused)
 
     def stall(self, job: Job) -> Stall | None:
-        """The ranks of running ``job`` that the others wait for, or None (see
-        :func:`liveness.find_stall`; the threshold is ``stall_threshold``)."""
-        return liveness.find_stall(job, self._clock.wall(), self.stall_threshold)
-
-    def _log_stall(self, job: Job) -> None:
-        line = liveness.new_stall_line(job, self.stall(job))
-        if line:
-            log.warning("%s", line)
+        """See :meth:`.sweep.LivenessSweep.stall`: the ranks of ``job`` the others wait for."""
+        return self._sweep.stall(job)
 
     def _changed(self, job: Job) -> None:
         """After members of ``job`` changed: settle it, let an elastic job's next generation go on

@@ -10,6 +10,7 @@ operations that make them are in :mod:`membership`; the stored form is in :mod:`
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import hmac
@@ -302,17 +303,28 @@ class Ticket:
     resent: bool = False
 
 
+#: Random bytes of a member secret and of a member id.
+SECRET_BYTES = 24
+MEMBER_ID_BYTES = 8
+RANDOM_BYTES_PER_MEMBER = SECRET_BYTES + MEMBER_ID_BYTES
+
+
 def new_members(
     spec: JoinSpec, joined_at: float, join_call: int, join_id: str
 ) -> tuple[list[Member], list[str]]:
     """The members a Join brings, in request order, and their secrets (only digests are kept)."""
     members: list[Member] = []
     issued: list[str] = []
-    for request in spec.members:
-        secret = secrets.token_urlsafe(24)
+    # The randomness of every member at once: two reads of the OS's random source per member were
+    # 65,536 system calls for a 4096 x 8 world. Each secret and id is what secrets.token_urlsafe(24)
+    # and token_hex(8) would make of the same bytes.
+    random = secrets.token_bytes(RANDOM_BYTES_PER_MEMBER * len(spec.members))
+    for i, request in enumerate(spec.members):
+        own = random[i * RANDOM_BYTES_PER_MEMBER : (i + 1) * RANDOM_BYTES_PER_MEMBER]
+        secret = base64.urlsafe_b64encode(own[:SECRET_BYTES]).rstrip(b"=").decode("ascii")
         members.append(
             Member(
-                member_id=secrets.token_hex(8),
+                member_id=own[SECRET_BYTES:].hex(),
                 secret_digest=digest(secret),
                 host=spec.host,
                 local_rank=request.local_rank,

@@ -36,12 +36,25 @@ def _streaming(name: str) -> Callable[..., Any]:
     return route
 
 
+def _reader_writer(name: str) -> Callable[..., Any]:
+    """A streaming RPC that the service serves in the reader-writer form (it writes its answers
+    with ``context.write`` and returns None; see CoordinatorService.Heartbeat)."""
+
+    async def route(self: Any, request_iterator: Any, context: Context) -> None:
+        term = self._serving()
+        with term.call(self._not_leader):
+            await getattr(term.service, name)(request_iterator, context)
+
+    return route
+
+
 class LeaderRouter(pb_grpc.CoordinatorServicer):
     """``term()`` is the current term (None while standing by); ``not_leader()`` the error then.
 
     Every method of the ``Coordinator`` service is routed the same way: one router per kind of
-    call (unary, server-streaming), named below once per RPC (tests/test_router.py checks that
-    every RPC of the service descriptor is routed, so a new RPC cannot be forgotten here)."""
+    call (unary, server-streaming, reader-writer streaming), named below once per RPC
+    (tests/test_router.py checks that every RPC of the service descriptor is routed, in the form
+    the service serves it, so a new RPC cannot be forgotten here)."""
 
     def __init__(self, term: Callable[[], Term | None], not_leader: Callable[[], NotLeaderError]) -> None:
         self._term = term
@@ -56,5 +69,5 @@ class LeaderRouter(pb_grpc.CoordinatorServicer):
     Join = _unary("Join")
     Leave = _unary("Leave")
     ListJobs = _unary("ListJobs")
-    Heartbeat = _streaming("Heartbeat")
+    Heartbeat = _reader_writer("Heartbeat")
     Watch = _streaming("Watch")

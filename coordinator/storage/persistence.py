@@ -53,11 +53,13 @@ FLUSH_DELAY_S = 0.002
 COST_FACTOR = 2.0
 MAX_FLUSH_DELAY_S = 0.1
 #: The same pacing for changes no answer waits for (a rank's metrics endpoint, a verdict of the
-#: liveness sweep), which may gather longer: a 32,768-member job's first reports (each names its
-#: endpoint) came over seconds, and a flush every 0.1 s that each took ~0.1 s held half the loop
-#: while 4096 new streams waited for their first answers. An answer that then waits (Join, Leave)
-#: brings the flush forward to MAX_FLUSH_DELAY_S's pace.
-MAX_UNANSWERED_DELAY_S = 1.0
+#: liveness sweep), with a loop share under 1 / (1 + UNANSWERED_COST_FACTOR): a 32,768-member job's
+#: first reports (each names its endpoint) come over tens of seconds, and flushes that each took
+#: 0.1 to 0.3 s held a third to a half of the loop while 4096 new streams waited for their first
+#: answers (gRPC takes a new call only when the loop comes round). An answer that then waits (a
+#: Join, a Leave) brings the flush forward to the pace of COST_FACTOR and MAX_FLUSH_DELAY_S.
+UNANSWERED_COST_FACTOR = 8.0
+MAX_UNANSWERED_DELAY_S = 2.0
 #: Jobs whose encoders are kept between flushes at most (see records.JobEncoder).
 MAX_ENCODERS = 256
 #: After a failed write (disk full, I/O error), how long until the marked jobs are tried again.
@@ -101,10 +103,10 @@ class WriteBehind:
             self._write_now([job])
             return
         self._dirty[(job.name, job.generation)] = job
-        self._schedule(self._paced(MAX_UNANSWERED_DELAY_S), unanswered=True)
+        self._schedule(self._paced(UNANSWERED_COST_FACTOR, MAX_UNANSWERED_DELAY_S), unanswered=True)
 
-    def _paced(self, longest: float) -> float:
-        return max(self._delay, min(longest, COST_FACTOR * self._last_cost))
+    def _paced(self, factor: float, longest: float) -> float:
+        return max(self._delay, min(longest, factor * self._last_cost))
 
     def _schedule(self, delay: float, unanswered: bool = False) -> None:
         loop = asyncio.get_running_loop()
@@ -128,7 +130,7 @@ class WriteBehind:
         waiting = self._next if self._dirty else self._in_flight
         if waiting is not None:
             if self._dirty and self._timer is not None:
-                self._schedule(self._paced(MAX_FLUSH_DELAY_S))
+                self._schedule(self._paced(COST_FACTOR, MAX_FLUSH_DELAY_S))
             try:
                 # Shielded: a caller that gives up must not cancel the batch for everyone else.
                 await asyncio.shield(waiting)

@@ -184,25 +184,62 @@ class JobEncoder:
     def encode(self, job: Job) -> JobRow:
         """The row of ``job``'s record (as :func:`encode_job` makes it); call on the event loop."""
         kept = self._members
-        fresh: dict[str, tuple[tuple[Any, ...], str, str]] = {}
-        pieces: list[str] = []
-        for member in job.members:
-            key = _member_key(member)
-            entry = kept.get(member.member_id)
-            if entry is None or entry[0] != key:
-                encoded = json.dumps(member_record(member))
-                before, marker, after = encoded.partition(', "last_heartbeat": ')
-                head = before + marker
-                # The number ends where the next key, metrics_address, begins.
-                tail = after[after.index(', "metrics_address": ') :]
-                entry = (key, head, tail)
-            fresh[member.member_id] = entry
-            pieces.append(entry[1] + _json_number(member.last_heartbeat) + entry[2])
-        # Members that left the record (a withdrawn join) are dropped with the old map.
-        self._members = fresh
+        keys = [_member_key(m) for m in job.members]
+        changed = sum(
+            1 for m, key in zip(job.members, keys, strict=True) if _stale(kept.get(m.member_id), key)
+        )
+        if changed * 2 > len(keys):
+            # Most members changed (a world just formed, or every member reported at once): one
+            # encoding of the whole member list is cheaper than one per member, and it is cut into
+            # the members' pieces for the next time.
+            pieces = self._encode_whole(job, keys)
+        else:
+            fresh: dict[str, tuple[tuple[Any, ...], str, str]] = {}
+            pieces = []
+            for member, key in zip(job.members, keys, strict=True):
+                entry = kept.get(member.member_id)
+                if entry is None or entry[0] != key:
+                    entry = (key, *_halves(json.dumps(member_record(member))))
+                fresh[member.member_id] = entry
+                pieces.append(entry[1] + _json_number(member.last_heartbeat) + entry[2])
+            # Members that left the record (a withdrawn join) are dropped with the old map.
+            self._members = fresh
         # In the store's pieces of MEMBERS_PER_PIECE (etcd keeps each chunk of pieces apart).
         chunks = tuple(
             "[" + ", ".join(pieces[start : start + MEMBERS_PER_PIECE]) + "]"
             for start in range(0, len(pieces), MEMBERS_PER_PIECE)
         )
         return JobRow(job.name, job.generation, job.state.value, json.dumps(job_record_head(job)), chunks)
+
+    def _encode_whole(self, job: Job, keys: list[tuple[Any, ...]]) -> list[str]:
+        """Every member's JSON, from one encoding of the member list; kept in halves for next time."""
+        fresh: dict[str, tuple[tuple[Any, ...], str, str]] = {}
+        pieces: list[str] = []
+        if job.members:
+            # Each member's JSON starts with its id, and no string inside one can hold the
+            # unescaped '}, {"member_id": ' that separates two (json escapes every quote in one).
+            parts = json.dumps([member_record(m) for m in job.members])[1:-1].split("}, " + _MEMBER_START)
+            last = len(parts) - 1
+            pieces = [
+                (_MEMBER_START if i else "") + part + ("}" if i < last else "")
+                for i, part in enumerate(parts)
+            ]
+            for member, key, piece in zip(job.members, keys, pieces, strict=True):
+                fresh[member.member_id] = (key, *_halves(piece))
+        self._members = fresh
+        return pieces
+
+
+#: How a member's JSON starts (member_record's first field).
+_MEMBER_START = '{"member_id": '
+
+
+def _stale(entry: tuple[tuple[Any, ...], str, str] | None, key: tuple[Any, ...]) -> bool:
+    return entry is None or entry[0] != key
+
+
+def _halves(member_json: str) -> tuple[str, str]:
+    """A member's JSON before ``last_heartbeat``'s value (its key included) and after it."""
+    before, marker, after = member_json.partition(', "last_heartbeat": ')
+    # The number ends where the next key, metrics_address, begins.
+    return before + marker, after[after.index(', "metrics_address": ') :]

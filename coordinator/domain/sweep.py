@@ -1,0 +1,135 @@
+"""The liveness side of the membership: streams that broke or ended, the sweep that fails silent
+members, and stalls.
+
+:class:`LivenessSweep` applies the rules of :mod:`liveness` to the membership's own jobs and
+members; it is kept in a module of its own for size, and changes states only through the
+membership's state machine. :class:`~sarcomm.coordinator.domain.membership.Membership` offers its
+methods under the same names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from sarcomm.coordinator.domain import liveness
+from sarcomm.coordinator.domain.model import (
+    Job,
+    JobState,
+    Member,
+    MemberState,
+    Stall,
+    member_rank,
+    rank_list,
+)
+
+if TYPE_CHECKING:  # the membership owns this object; only its type is needed here
+    from sarcomm.coordinator.domain.membership import Membership
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STALL_CHECK_PERIOD_S", "LivenessSweep"]
+
+#: How often the liveness sweep looks for stalls to log (seconds of the monotonic clock).
+STALL_CHECK_PERIOD_S = 1.0
+
+
+class LivenessSweep:
+    """The liveness part of a :class:`~sarcomm.coordinator.domain.membership.Membership`."""
+
+    def __init__(self, membership: Membership) -> None:
+        self._m = membership
+        self._stall_checked = float("-inf")
+
+    def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream``, which carried reports of ``member_ids``, broke without an orderly
+        end: its process (or the agent reporting for it) most likely died, since the kernel closes
+        a dead process's connections. Each of those members that no newer stream reports fails
+        once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
+        m = self._m
+        now = m._clock.monotonic()
+        lost: list[Member] = []
+        for member_id in member_ids:
+            found = m._members.get(member_id)
+            if found is None:
+                continue
+            member = found[1]
+            if member.stream is stream and member.state is MemberState.RUNNING and member.lost_at is None:
+                member.lost_at = now
+                lost.append(member)
+        if lost:
+            ranks = rank_list(sorted(member_rank(m) for m in lost))
+            log.info(
+                "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
+                "report again", ranks, lost[0].host, m._lost_grace,
+            )  # fmt: skip
+
+    def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
+        """The stream ``stream`` ended in order: its members are judged by their reports alone
+        from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
+        m = self._m
+        for member_id in member_ids:
+            found = m._members.get(member_id)
+            if found is not None and found[1].stream is stream:
+                found[1].stream = None
+
+    def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
+        """Fail every running member silent for longer than the liveness timeout, or whose stream
+        broke ``lost_grace`` ago without a report since; log stalls (once each).
+
+        ``excused``: seconds the coordinator itself was not listening since the last sweep (its
+        loop or process held up: see :func:`liveness.excuse`); they do not count as silence."""
+        m = self._m
+        now = m._clock.monotonic()
+        failed: list[tuple[Job, Member]] = []
+        if excused > 0:
+            for _, member in m._members.values():
+                liveness.excuse(member, excused)
+        # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
+        # four times an interval, and comparing every rank's progress is the costly part of them).
+        check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
+        if check_stalls:
+            self._stall_checked = now
+        heard_since = now - m._liveness_timeout
+        for job in list(m._jobs.values()):
+            if job.state is JobState.FORMING:
+                m.elastic.form_if_ready(job)  # an elastic world's last call (its Joins look too)
+                continue
+            # A failed job's silent members are judged too: otherwise a rank that died after (or
+            # while) another failed stays RUNNING and the job never ends.
+            if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
+                continue
+            changed = False
+            for member in job.members:
+                if member.state is not MemberState.RUNNING:
+                    continue
+                # What silence_verdict finds for a member heard from within the timeout, asked
+                # without a call: 32,768 members swept four times a second.
+                if member.last_seen >= heard_since and member.lost_at is None and member.answered:
+                    continue
+                verdict = liveness.silence_verdict(
+                    member, now, m._liveness_timeout, m._lost_grace, m.answer_timeout
+                )
+                if verdict is None:
+                    continue
+                failure, reason = verdict
+                m._machine.member_to(job, member, MemberState.FAILED, reason, failure)
+                failed.append((job, member))
+                changed = True
+            if changed:
+                m._changed(job)
+            elif job.state is JobState.RUNNING and check_stalls:
+                self._log_stall(job)
+        return failed
+
+    def stall(self, job: Job) -> Stall | None:
+        """The ranks of running ``job`` that the others wait for, or None (see
+        :func:`liveness.find_stall`; the threshold is ``stall_threshold``)."""
+        m = self._m
+        return liveness.find_stall(job, m._clock.wall(), m.stall_threshold)
+
+    def _log_stall(self, job: Job) -> None:
+        line = liveness.new_stall_line(job, self.stall(job))
+        if line:
+            log.warning("%s", line)
