@@ -264,7 +264,8 @@ def _caused_elsewhere(state: RunState, event: Event) -> Failure | None:
     failed_ranks = ", ".join(
         str(rank) for rank, code in zip(state.ranks, state.returncodes, strict=True) if code not in (None, 0)
     )
-    what = dataclasses.replace(event, kind=EventKind.MEMBER_FAILED).describe()
+    # A job's failure names its cause itself ("rank R on host H failed: ...").
+    what = event.reason if event.kind is EventKind.JOB_FAILED else event.describe()
     return Failure(EXIT_PEER_FAILED, f"{state.prefix}: {what}; local rank(s) {failed_ranks} failed after it")
 
 
@@ -438,11 +439,11 @@ def _finished(state: RunState) -> list[Action]:
 
 def _restarting(state: RunState, event: Event) -> tuple[RunState, list[Action]]:
     """Rule 7: the coordinator ended the generation for a re-rendezvous."""
-    if state.rerendezvous or not state.elastic:
-        return state, []
+    if state.rerendezvous or not state.elastic or state.interrupted is not None:
+        return state, []  # an interrupted run ends as the user's signal makes it
     why = event.reason or "the coordinator ended the generation"
-    if state.interrupted is not None or state.closed or (state.failure is not None and not state.held):
-        # No new world for this agent: a closed rendezvous or an interrupted run ends here.
+    if state.closed or (state.failure is not None and not state.held):
+        # No new world for this agent: a closed rendezvous, or a failure already reported.
         if state.closed:
             why += "; the rendezvous is closed (a rank finished), so the world does not re-form"
         return _peer_failed(state, dataclasses.replace(event, kind=EventKind.JOB_FAILED, reason=why))
