@@ -133,8 +133,8 @@ _OPTIONS: tuple[Option, ...] = (
             "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
             required=True),
     Option("--job", nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
-    Option("--world-size", WorldSize.parse, "an integer >= 1", "ranks in the whole job; MIN:MAX for an "
-            "elastic world of MIN to MAX ranks that re-forms when agents come or go", metavar="N|MIN:MAX",
+    Option("--world-size", WorldSize.parse, "an integer >= 1", "ranks in the whole job, or MIN:MAX for an "
+            "elastic world of MIN to MAX ranks that re-forms when agents come or go", metavar="N",
             required=True),
     Option("--rank", *integer(0), "global rank of local rank 0 (default: the coordinator deals "
             "contiguous ranks per host)", metavar="R"),
