@@ -1,13 +1,13 @@
 """A rank of an elastic ``sar-worker`` job: gloo all_reduces with checked values, per generation.
 
-Usage: ``elastic_rank.py OUT_DIR [--step-s S]``.
+Usage: ``elastic_rank.py OUT_DIR [--step-s S] [--fail-rank R]``.
 
 Initialises torch.distributed from what the agent set (``RANK``, ``WORLD_SIZE``, ``MASTER_*``);
 each step all-reduces ``rank + 1`` (the sum must be ``W (W + 1) / 2``) and a stop flag (set once the
 file ``OUT_DIR/stop`` exists, on any rank: all ranks then stop at the same step). Every step is one
 JSON line in ``OUT_DIR/<agent>-<pid>.jsonl`` (``TEST_AGENT`` names the agent) with the rank, world,
 generation, restart count and whether the value was right; the last line of a rank that stopped
-says ``done``.
+says ``done``. ``--fail-rank R``: global rank R exits with code 3 after its third step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--step-s", type=float, default=0.1)
+    parser.add_argument("--fail-rank", type=int, default=-1)
     args = parser.parse_args()
     env = os.environ
     dist.init_process_group("gloo")
@@ -53,6 +54,10 @@ def main() -> int:
         )
         if stop.item():
             break
+        if rank == args.fail_rank and step >= 3:
+            print(f"rank {rank} fails on purpose with code 3", file=sys.stderr, flush=True)
+            out.close()
+            os._exit(3)
         time.sleep(args.step_s)
     out.write(json.dumps({**record, "step": step, "time": time.time(), "done": True}) + "\n")
     out.close()
