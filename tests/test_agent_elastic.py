@@ -133,7 +133,8 @@ def test_a_third_agent_makes_the_running_agents_re_form_a_larger_world(
     state = job_state(coordinator, "elastic")
     assert (state["state"], state["world_size"], state["generation"]) == ("FINISHED", 3, 2)
     assert (state["restart_count"], state["rerendezvous_count"]) == (0, 1)
-    [record] = state["history"]  # type: ignore[misc]
+    history: list[dict[str, Any]] = state["history"]  # type: ignore[assignment]
+    [record] = history
     assert record["state"] == "RESTARTED"
     assert "1 member(s) wait to join" in record["reason"]
 
@@ -165,7 +166,8 @@ def test_sigkill_of_an_agent_and_its_ranks_makes_the_others_re_form_at_min_and_f
     state = job_state(coordinator, "elastic")
     assert (state["state"], state["world_size"], state["generation"]) == ("FINISHED", 2, 2)
     assert (state["restart_count"], state["rerendezvous_count"]) == (0, 1)
-    [record] = state["history"]  # type: ignore[misc]
+    history: list[dict[str, Any]] = state["history"]  # type: ignore[assignment]
+    [record] = history
     assert record["state"] == "RESTARTED"
     assert "connection lost" in record["reason"]
 

@@ -362,8 +362,8 @@ def _peer_failed(state: RunState, event: Event) -> tuple[RunState, list[Action]]
         return state, []
     if state.held:  # the verdict is a failure: report the held exits now
         state, released = dataclasses.replace(state, held=()), list(state.held)
-        later, actions = _peer_failed(state, event)
-        return later, released + actions
+        later, after = _peer_failed(state, event)
+        return later, released + after
     if state.failure is None and state.stopping is None and not state.finishing:
         what = (
             event.describe()
