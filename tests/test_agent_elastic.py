@@ -193,3 +193,30 @@ def test_a_rank_that_fails_by_itself_still_fails_an_elastic_job_with_its_exit_co
     assert (state["state"], state["restart_count"], state["rerendezvous_count"]) == ("FAILED", 0, 0)
     assert "rank 1" in str(state["reason"])
     assert "exited with code 3" in str(state["reason"])
+
+
+def test_an_agent_beyond_max_waits_and_exits_0_when_the_job_finishes_without_it(
+    agents: Agents, coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    command = [sys.executable, RANK_SCRIPT, str(tmp_path)]
+    flags = ("--world-size", "1:2", "--backend", "gloo")
+    procs = {name: agents.start(name, "full", *flags, command=command) for name in ("a", "b", "c")}
+    # Two of the three form a world of MAX at once; the third waits beyond MAX, uncounted.
+    steps = wait_for(
+        lambda: next(
+            (s for s in [_records(tmp_path)] if {r["rank"] for r in s if r.get("ok")} == {0, 1}), None
+        ),
+        WORLD_DEADLINE_S,
+        what="a world of 2",
+    )
+    running = {r["agent"] for r in steps}
+    [beyond] = set(procs) - running
+    errs = dict(
+        zip(sorted(running), _finish(agents, tmp_path, [procs[n] for n in sorted(running)]), strict=True)
+    )
+    code, stderr = agents.wait(procs[beyond])
+    assert code == 0, stderr
+    assert "this host waited beyond --world-size 1:2 and exits" in stderr
+    assert all("waited beyond" not in e for e in errs.values())
+    assert not list(tmp_path.glob(f"{beyond}-*.jsonl"))  # its command never ran
+    assert job_state(coordinator, "full")["state"] == "FINISHED"
