@@ -95,10 +95,10 @@ __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds (at least) an elastic job's local rank exit is held for the coordinator's verdict (rule
-#: 7 of :mod:`~sarcomm.worker.agent.decisions`): a dead peer's broken stream is judged after one
-#: coordinator heartbeat interval (1 s by default), a silent one after interval x misses (3 s);
-#: held past that (the longer of the two, plus an interval), a failure is the rank's own.
+#: Seconds an elastic job's local rank exit is held for the coordinator's verdict (rule 7 of
+#: :mod:`~sarcomm.worker.agent.decisions`), or (misses + 1) coordinator intervals if longer: a dead
+#: peer's broken stream is judged after one interval (1 s by default), a silent peer after interval
+#: x misses (3 s); no verdict by then, and the failure is the rank's own.
 VERDICT_WAIT_S = 5.0
 
 
