@@ -30,6 +30,7 @@ __all__ = [
     "env_name",
     "integer",
     "nonempty",
+    "nonnegative_seconds",
     "resolve",
     "resolve_all",
     "seconds",
@@ -160,6 +161,14 @@ def seconds(text: str) -> float:
     """A positive, finite number of seconds."""
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
+        raise ValueError
+    return value
+
+
+def nonnegative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
         raise ValueError
     return value
 

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,16 @@ from pathlib import Path
 
 from sarcomm import __version__
 from sarcomm.common.errors import CoordinatorFailedError, InvalidArgumentError, SarcommError
-from sarcomm.common.flags import Option, add_options, integer, nonempty, resolve_all, seconds, switch
+from sarcomm.common.flags import (
+    Option,
+    add_options,
+    integer,
+    nonempty,
+    nonnegative_seconds,
+    resolve_all,
+    seconds,
+    switch,
+)
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import CoordinatorConfig, Limits
@@ -45,14 +53,6 @@ def _leader_ttl(text: str) -> int:
 def _ranks(text: str) -> tuple[tuple[int, int], ...]:
     """``status --members``: ranks and ranges, ``0-15,100`` (its errors name the part at fault)."""
     return status.parse_ranks(text)
-
-
-def _seconds_or_zero(text: str) -> float:
-    """A finite number of seconds >= 0."""
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError
-    return value
 
 
 _LIMITS = Limits()
@@ -84,10 +84,10 @@ SERVER_OPTIONS: tuple[Option, ...] = (
            default=3),
     Option("--stall-threshold", seconds, _SECONDS, "seconds ranks wait in one collective before status "
            "names the ranks they wait for", default=30.0),
-    Option("--reconnect-grace", _seconds_or_zero, "a number of seconds >= 0", "seconds members restored "
+    Option("--reconnect-grace", nonnegative_seconds, "a number of seconds >= 0", "seconds members restored "
            "from --state get to reconnect before they are judged", default=10.0),
     Option("--join-timeout", seconds, _SECONDS, "seconds a join waits for its world to form", default=600.0),
-    Option("--shutdown-grace", _seconds_or_zero, "a number of seconds >= 0", "seconds in-flight calls get "
+    Option("--shutdown-grace", nonnegative_seconds, "a number of seconds >= 0", "seconds in-flight calls get "
            "on SIGTERM/SIGINT", default=5.0),
     Option("--token-file", Path, "a path", "file holding the shared token clients must send"),
     Option("--tls-cert", Path, "a path", "PEM certificate for gRPC and HTTP"),

@@ -113,6 +113,67 @@ def test_main_returns_usage_status_for_bad_settings_without_exiting(
     assert cli.main(["--help"]) == 0
 
 
+# -- elastic ranges (--world-size MIN:MAX) ------------------------------------------------------
+
+
+ELASTIC = ["--coord", "127.0.0.1:1", "--job", "gnn"]
+
+
+def test_parse_reads_an_elastic_range_and_its_last_call() -> None:
+    config, *_ = cli.parse([*ELASTIC, "--world-size", "4:6", "--nproc-per-node", "2", "--", "x"], {})
+    assert (config.elastic, config.min_world_size, config.world_size, config.world_text) == (
+        True,
+        4,
+        6,
+        "4:6",
+    )
+    assert config.last_call_timeout == 3.0  # torchrun's sarcomm plugin's default
+    env = {"SARCOMM_WORLD_SIZE": "2:3", "SARCOMM_LAST_CALL_TIMEOUT": "0"}
+    config, *_ = cli.parse([*ELASTIC, "--", "x"], env)
+    assert (config.min_world_size, config.world_size, config.last_call_timeout) == (2, 3, 0.0)
+    config, *_ = cli.parse([*ELASTIC, "--world-size", "5", "--", "x"], env)
+    assert (config.elastic, config.min_world_size, config.world_size) == (False, None, 5)
+
+
+BAD_RANGES: list[tuple[list[str], str]] = [
+    (["--world-size", "3:2"],
+     "--world-size '3:2': MIN 3 must be at most MAX 2: an elastic world has MIN to MAX ranks (e.g. 2:3)."),
+    (["--world-size", "0:2"],
+     "--world-size '0:2': MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."),
+    (["--world-size", "2:"],
+     "--world-size '2:': MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."),
+    (["--world-size", "3:6", "--nproc-per-node", "2"],
+     "--world-size 3:6 with --nproc-per-node 2: MIN and MAX count ranks and each agent brings its 2, so "
+     "both must be multiples of 2 (e.g. --world-size 4:6)."),
+    (["--world-size", "4:5", "--nproc-per-node", "2"],
+     "--world-size 4:5 with --nproc-per-node 2: MIN and MAX count ranks and each agent brings its 2, so "
+     "both must be multiples of 2 (e.g. --world-size 4:4)."),
+    (["--world-size", "2:3", "--nproc-per-node", "4"], "--nproc-per-node 4 must be in 1..--world-size (3)."),
+    (["--world-size", "2:4", "--rank", "0"],
+     "--rank 0 cannot be used with --world-size 2:4: the coordinator deals the ranks of an elastic world; "
+     "leave --rank out."),
+    (["--world-size", "2:4", "--last-call-timeout", "-1"],
+     "--last-call-timeout '-1' must be a number of seconds >= 0."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_RANGES)
+def test_main_refuses_a_bad_elastic_range_with_one_line_before_any_connection(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nothing listens on 127.0.0.1:1: an agent that tried to connect would say so, and wait.
+    assert cli.main([*ELASTIC, *flags, "--", "true"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == f"sar-worker: error: {message}\n"
+
+
+def test_bench_refuses_an_elastic_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*ELASTIC, "--world-size", "2:4", "bench"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "sar-worker: error: bench: --world-size 2:4 must be a fixed N: a benchmark measures one world, "
+        "which an elastic job re-forms\n"
+    )
+
+
 def test_subcommands_plug_in_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[tuple[AgentConfig, object]] = []
 

@@ -226,6 +226,24 @@ def test_member_loss_restarts_generation_if_elastic(
     assert [assigned_rank(t.members[0]) for t in (a2, b2)] == [0, 1]
 
 
+def test_leave_nonzero_restarts_generation_if_a_member_of_it_was_lost_first(
+    membership: Membership, clock: FakeClock, events: list[JobEvent]
+) -> None:
+    # A survivor's collective fails at once when a peer dies (gloo); its exit can come before the
+    # peer's broken stream is judged. The loss is the cause: the generation re-forms.
+    a, _, c = running_world(membership, clock, "a", "b", "c")
+    stream = object()
+    c.members[0].stream = stream
+    membership.stream_lost(stream, [c.members[0].member_id])
+    membership.leave(a.members[0].member_id, a.secrets[0], 1, "exited with code 1")
+    job = a.job
+    assert job.state is JobState.RESTARTED
+    assert [m.state for m in job.members] == [MemberState.LEFT, MemberState.LEFT, MemberState.FAILED]
+    assert kinds(events)[1:] == [(EventKind.MEMBER_FAILED, 1), (EventKind.JOB_RESTARTING, 1)]
+    assert [m.host for m in job.survivors] == ["a", "b"]
+    assert not job.closed
+
+
 def test_member_loss_fails_job_if_fixed(
     membership: Membership, clock: FakeClock, events: list[JobEvent]
 ) -> None:

@@ -406,7 +406,10 @@ class Membership:
                 if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
                     blame, text = liveness.connection_lost_blame(member.rank, member.host, own_reason)
                     self._machine.member_to(job, other, MemberState.FAILED, text, blame)
-            self._machine.member_to(job, member, MemberState.FAILED, own_reason, failure)
+            # In an elastic job that loss ended the generation for a re-rendezvous, which let this
+            # member go (LEFT) with the other survivors: its exit is the loss's doing.
+            if member.state is MemberState.RUNNING:
+                self._machine.member_to(job, member, MemberState.FAILED, own_reason, failure)
         self.elastic.left(job, member)
         self._changed(job)
         return job

@@ -391,6 +391,10 @@ class BenchCommand:
         except InvalidArgumentError as exc:
             print(f"sar-worker: error: bench: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        if config.elastic:
+            print(f"sar-worker: error: bench: --world-size {config.world_text} must be a fixed N: a "
+                  "benchmark measures one world, which an elastic job re-forms", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
         command = (sys.executable, "-m", RANK_MODULE, *settings.argv())
         # Rank 0 prints the table: untagged, so it reads (and parses) as nccl-tests' does.
         return run_agent(dataclasses.replace(config, command=command, output_tag=""))

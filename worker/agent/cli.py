@@ -2,15 +2,20 @@
 
 ::
 
-    sar-worker --coord HOST:PORT --job NAME --world-size N [--rank R] [--nproc-per-node K]
+    sar-worker --coord HOST:PORT --job NAME --world-size N|MIN:MAX [--rank R] [--nproc-per-node K]
                [--backend auto|gloo|nccl|ccl|mpi|ucc] [--socket-name IFACE] [--max-restarts M]
                [--metrics-port P] [--metrics-host HOST] [--extra-ports K] [--join-timeout S]
                [--heartbeat-interval S] [--token-file PATH] [--tls-ca PATH] [--tls-cert PATH --tls-key PATH]
-               -- COMMAND [ARGS...]
+               [--last-call-timeout S] -- COMMAND [ARGS...]
     sar-worker --coord ... --job ... --world-size N SUBCOMMAND [...]
 
 Every flag falls back to ``SARCOMM_<FLAG>`` (``--world-size`` -> ``SARCOMM_WORLD_SIZE``); a flag on
 the command line wins. ``--socket-name`` also falls back to ``SAR_SOCKET_NAME``, as SAR documents.
+
+``--world-size MIN:MAX`` asks for an elastic world of MIN to MAX ranks (each agent brings its
+``--nproc-per-node`` ranks): it forms at MAX at once, or with MIN or more once
+``--last-call-timeout`` seconds pass without a new arrival, and re-forms, without counting a
+restart, when an agent is lost or a new one waits (see :mod:`sarcomm.worker.agent.decisions`).
 
 Subcommands (``bench``, ...) plug in through :func:`register_subcommand`: an object with ``name``,
 ``help``, ``add_arguments(parser)`` and ``run(config, args) -> int``, where ``config`` is the
@@ -30,12 +35,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sarcomm.common.addresses import parse_targets, validate_target
-from sarcomm.common.constants import BACKENDS, MAX_EXTRA_PORTS, SOCKET_NAME_VARIABLE
+from sarcomm.common.constants import (
+    BACKENDS,
+    DEFAULT_LAST_CALL_TIMEOUT,
+    MAX_EXTRA_PORTS,
+    SOCKET_NAME_VARIABLE,
+)
 from sarcomm.common.errors import InvalidArgumentError, shorten
-from sarcomm.common.flags import Option, add_options, integer, nonempty, resolve_all, seconds
+from sarcomm.common.flags import (
+    Option,
+    add_options,
+    integer,
+    nonempty,
+    nonnegative_seconds,
+    resolve_all,
+    seconds,
+)
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.agent import bench
-from sarcomm.worker.agent.config import AgentConfig
+from sarcomm.worker.agent.config import AgentConfig, WorldSize
 from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee, check_log_dir
 from sarcomm.worker.agent.runner import EXIT_COORDINATOR, EXIT_USAGE, run_agent
 from sarcomm.worker.launch_env import SlurmTask, metrics_host, slurm_task
@@ -115,7 +133,9 @@ _OPTIONS: tuple[Option, ...] = (
             "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
             required=True),
     Option("--job", nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
-    Option("--world-size", *integer(1), "ranks in the whole job", metavar="N", required=True),
+    Option("--world-size", WorldSize.parse, "an integer >= 1", "ranks in the whole job, or MIN:MAX for an "
+            "elastic world of MIN to MAX ranks that re-forms when agents come or go", metavar="N",
+            required=True),
     Option("--rank", *integer(0), "global rank of local rank 0 (default: the coordinator deals "
             "contiguous ranks per host)", metavar="R"),
     Option("--nproc-per-node", *integer(1), "local ranks to run", default=1, metavar="K"),
@@ -135,6 +155,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--join-timeout", seconds, "a positive number of seconds", "seconds to wait for the "
             "world to form, reaching the coordinator included (default: the coordinator's "
             "--join-timeout)", metavar="S"),
+    Option("--last-call-timeout", nonnegative_seconds, "a number of seconds >= 0", "with --world-size "
+            "MIN:MAX: once MIN ranks have joined, the world forms when this long passes without a new "
+            "arrival", default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S"),
     Option("--heartbeat-interval", seconds, "a positive number of seconds", "seconds between "
             "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
     Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
@@ -214,6 +237,7 @@ def parse(
         )
     log_dir: Path | None = values.pop("log_dir")
     tee: Tee | None = values.pop("tee")
+    world: WorldSize = values.pop("world_size")
     # Every other option's dest is the AgentConfig field of the same name.
     config = AgentConfig(
         command=tuple(command),
@@ -221,6 +245,8 @@ def parse(
         tls=tls,
         log_dir=log_dir,
         tee=tee or (Tee.BOTH if log_dir is not None else Tee.CONSOLE),
+        world_size=world.high,
+        min_world_size=world.low if world.elastic else None,
         **values,
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
     )

@@ -6,6 +6,7 @@ rank's variables from the join's answer. Neither touches processes, the network 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKENDS,
+    DEFAULT_LAST_CALL_TIMEOUT,
     HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
     METRICS_HOST_VARIABLE,
@@ -34,6 +36,7 @@ __all__ = [
     "METRICS_OFF",
     "STOP_GRACE_S",
     "AgentConfig",
+    "WorldSize",
     "omp_threads",
     "rank_environment",
     "rank_metrics_port",
@@ -48,6 +51,45 @@ METRICS_OFF = -1
 
 
 @dataclass(frozen=True)
+class WorldSize:
+    """``--world-size``: ``N`` ranks (``low == high``, fixed), or ``MIN:MAX`` (``elastic``: the
+    world forms with MIN to MAX ranks and re-forms when agents come or go)."""
+
+    low: int
+    high: int
+    elastic: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> WorldSize:
+        """``N`` or ``MIN:MAX``.
+
+        Raises:
+            ValueError: ``N`` is no integer >= 1 (the flag's rule says so).
+            InvalidArgumentError: a range that breaks its rule (the message says which).
+        """
+        if ":" not in text:
+            value = int(text.strip())
+            if value < 1:
+                raise ValueError
+            return cls(value, value)
+        low_text, _, high_text = text.partition(":")
+        try:
+            low, high = int(low_text.strip()), int(high_text.strip())
+        except ValueError:
+            low = high = 0
+        if low < 1 or high < 1:
+            raise InvalidArgumentError(
+                "MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."
+            )
+        if low > high:
+            raise InvalidArgumentError(
+                f"MIN {low} must be at most MAX {high}: an elastic world has MIN to MAX ranks "
+                f"(e.g. {high}:{low})."
+            )
+        return cls(low, high, elastic=True)
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Settings of one agent, validated when built (messages name the flag, value and rule).
 
@@ -55,7 +97,14 @@ class AgentConfig:
         coord: coordinator address ``HOST:PORT``, or its replicas' separated by commas (the
             ranks get it whole in ``SAR_COORD``).
         job: job name.
-        world_size: ranks in the whole job (>= 1).
+        world_size: ranks in the whole job (>= 1); in an elastic job (``min_world_size`` set) the
+            most, MAX of ``--world-size MIN:MAX``.
+        min_world_size: None for a fixed world (the default); else the fewest ranks an elastic
+            world forms with (MIN of ``--world-size MIN:MAX``). Ranks are counted, and each agent
+            brings its ``nproc_per_node``, so MIN and MAX are multiples of it.
+        last_call_timeout: in an elastic job, seconds without a new arrival after which a world
+            of MIN or more ranks forms (default :data:`DEFAULT_LAST_CALL_TIMEOUT`, torchrun's
+            plugin's).
         command: the program and arguments each local rank runs (empty only for subcommands).
         rank: global rank of local rank 0 (its ranks are ``rank..rank+nproc_per_node-1``);
             None lets the coordinator deal them (contiguous per host).
@@ -109,6 +158,8 @@ class AgentConfig:
     log_dir: Path | None = None
     tee: Tee = Tee.CONSOLE
     extra_ports: int = 0
+    min_world_size: int | None = None
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
 
     def __post_init__(self) -> None:
         # One form of a list (no spaces around its items): the ranks get it in SAR_COORD.
@@ -123,6 +174,8 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--nproc-per-node {self.nproc_per_node} must be in 1..--world-size ({self.world_size})."
             )
+        if self.min_world_size is not None:
+            self._check_elastic(self.min_world_size)
         if self.rank is not None and not 0 <= self.rank <= self.world_size - self.nproc_per_node:
             raise InvalidArgumentError(
                 f"--rank {self.rank} must be in 0..{self.world_size - self.nproc_per_node}: the ranks "
@@ -169,6 +222,38 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--tee {self.tee.value} writes the ranks' output to files: give --log-dir DIR too."
             )
+
+    def _check_elastic(self, low: int) -> None:
+        """An elastic range must be one whole agents fill: each brings ``nproc_per_node`` ranks."""
+        world, k = f"{low}:{self.world_size}", self.nproc_per_node
+        if not 1 <= low <= self.world_size:
+            raise InvalidArgumentError(f"--world-size {world}: MIN must be in 1..MAX ({self.world_size}).")
+        if low % k or self.world_size % k:
+            fit_low = -(-low // k) * k
+            fit_high = max(fit_low, self.world_size // k * k)
+            raise InvalidArgumentError(
+                f"--world-size {world} with --nproc-per-node {k}: MIN and MAX count ranks and each agent "
+                f"brings its {k}, so both must be multiples of {k} (e.g. --world-size {fit_low}:{fit_high})."
+            )
+        if self.rank is not None:
+            raise InvalidArgumentError(
+                f"--rank {self.rank} cannot be used with --world-size {world}: the coordinator deals the "
+                "ranks of an elastic world; leave --rank out."
+            )
+        if not (math.isfinite(self.last_call_timeout) and self.last_call_timeout >= 0):
+            raise InvalidArgumentError(
+                f"--last-call-timeout {self.last_call_timeout} must be a number of seconds >= 0."
+            )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the world is elastic (``--world-size MIN:MAX``)."""
+        return self.min_world_size is not None
+
+    @property
+    def world_text(self) -> str:
+        """``--world-size`` as the user gave it: ``N`` or ``MIN:MAX``."""
+        return f"{self.min_world_size}:{self.world_size}" if self.elastic else str(self.world_size)
 
     @property
     def node_ranks(self) -> int:

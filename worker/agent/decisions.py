@@ -2,10 +2,12 @@
 
 :func:`decide` takes the state of one generation's run and one event (a rank started, failed to
 start or exited, the coordinator reported a failure, the heartbeat stream broke, the agent got a
-signal, the ranks are all done, the run is over) and returns the new state and the actions to take
-(log a line, stop or signal the ranks, report a rank's ``Leave``, wait for the coordinator's
-verdict, restart, exit). No I/O happens here: :mod:`sarcomm.worker.agent.supervisor` carries the actions out,
-so every rule below is unit-tested without processes or a coordinator.
+signal, the ranks are all done, the run is over; in an elastic job the generation re-forms or ranks
+wait to join) and returns the new state and the actions to take (log a line, stop or signal the
+ranks, report a rank's ``Leave``, wait for the coordinator's verdict, restart, join again, exit);
+both are in :mod:`sarcomm.worker.agent.events`, re-exported here. No I/O happens here:
+:mod:`sarcomm.worker.agent.supervisor` carries the actions out, so every rule below is
+unit-tested without processes or a coordinator.
 
 The rules:
 
@@ -31,12 +33,23 @@ The rules:
    gone). The stamp needs the rank's Python, the kernel's word does not: a rank whose Python holds
    the GIL for minutes (a long C call, 8 ranks on 2 cores) is alive, a stopped or dead one is not.
    The stamp alone still tells progress and stalls.
+7. Elastic worlds (``--world-size MIN:MAX``), as torchrun's agent does it: when the coordinator
+   ends the generation on purpose (:class:`Restarting`: a peer was lost, another agent re-joins)
+   or agents wait to join (:class:`RendezvousNews` with ``waiting`` > 0: scale-up), the agent
+   stops its ranks, reports no ``Leave`` for them, and joins the next generation naming its
+   member (:class:`Rejoin`); ``--max-restarts`` is not spent. A local rank's non-zero exit is
+   held (:class:`HoldExit`: no ``Leave`` yet, the rank still vouched for) until the coordinator's
+   verdict: a peer's death fails gloo collectives at once, before the coordinator has judged the
+   peer lost, and a ``Leave`` with a non-zero code would fail the job instead of re-forming it.
+   When the verdict is a re-rendezvous the held exits are dropped; when none comes in time
+   (:class:`VerdictDue`) they are reported, and the failure is the run's (rules 1, 5). A closed
+   rendezvous (a member finished: a local rank exited 0, or the news says closed) or an
+   interrupted run never re-forms: a re-rendezvous then fails the run like a peer's failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import signal
 from collections.abc import Sequence
@@ -45,6 +58,33 @@ from typing import TypeVar
 
 from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event
+from sarcomm.worker.agent.events import (
+    Action,
+    AgentEvent,
+    AgentResult,
+    AwaitVerdict,
+    Exit,
+    Finished,
+    HoldExit,
+    Log,
+    PeerFailed,
+    RankExited,
+    RanksDone,
+    RankStarted,
+    Rejoin,
+    RendezvousNews,
+    ReportLeave,
+    Restart,
+    Restarting,
+    ShowTail,
+    SignalRanks,
+    SpawnFailed,
+    StopRanks,
+    StopReason,
+    StopRequested,
+    StreamBroke,
+    VerdictDue,
+)
 
 __all__ = [
     "EXIT_PEER_FAILED",
@@ -56,13 +96,17 @@ __all__ = [
     "Exit",
     "Failure",
     "Finished",
+    "HoldExit",
     "Log",
     "PeerFailed",
     "RankExited",
     "RankStarted",
     "RanksDone",
+    "Rejoin",
+    "RendezvousNews",
     "ReportLeave",
     "Restart",
+    "Restarting",
     "RunState",
     "ShowTail",
     "SignalRanks",
@@ -71,6 +115,7 @@ __all__ = [
     "StopReason",
     "StopRequested",
     "StreamBroke",
+    "VerdictDue",
     "decide",
     "describe_exit",
     "exit_code_of",
@@ -102,14 +147,6 @@ def liveness_age(now: float, stamp: float | None, seen_running: float) -> float:
     return max(0.0, now - newest)
 
 
-@dataclass(frozen=True)
-class AgentResult:
-    """How a run ended: the exit code, and one line naming the failure ("" on success)."""
-
-    exit_code: int
-    message: str = ""
-
-
 def exit_code_of(returncode: int) -> int:
     """A process exit code as a shell reports it: the code, or 128+N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -126,147 +163,12 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-class StopReason(enum.Enum):
-    """Why the agent is stopping its ranks."""
-
-    RANK_FAILED = "a local rank failed"
-    PEER_FAILED = "the coordinator reported a failed rank"
-    SIGNAL = "the agent got a signal"
-
-
 @dataclass(frozen=True)
 class Failure:
     """The failure that decides the run's exit code, and its one-line message."""
 
     exit_code: int
     message: str
-
-
-# -- events ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankStarted:
-    """Local rank ``index``'s process was started."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class SpawnFailed:
-    """Local rank ``index``'s command could not be started; ``reason`` says why."""
-
-    index: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class RankExited:
-    """Local rank ``index`` exited with ``returncode`` (negative: killed by that signal)."""
-
-    index: int
-    returncode: int
-
-
-@dataclass(frozen=True)
-class PeerFailed:
-    """The coordinator reported a ``MEMBER_FAILED`` or ``JOB_FAILED`` of this generation."""
-
-    event: Event
-
-
-@dataclass(frozen=True)
-class StreamBroke:
-    """The heartbeat stream ended with an error (``reason``); the ranks keep running."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class StopRequested:
-    """The agent got signal ``signum`` (SIGINT or SIGTERM)."""
-
-    signum: int
-
-
-@dataclass(frozen=True)
-class RanksDone:
-    """No local rank runs any more."""
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The run's loose ends (Leave calls, the heartbeat stream) are tied up: decide its end."""
-
-
-AgentEvent = (
-    RankStarted | SpawnFailed | RankExited | PeerFailed | StreamBroke | StopRequested | RanksDone | Finished
-)
-
-
-# -- actions -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Log:
-    """Log ``text`` at ``level`` (a :mod:`logging` level)."""
-
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class StopRanks:
-    """Stop the running ranks: ``signum`` to each one's process group, SIGKILL after the grace."""
-
-    reason: StopReason
-    signum: int
-
-
-@dataclass(frozen=True)
-class SignalRanks:
-    """Send ``signum`` to each running rank's process group now."""
-
-    signum: int
-
-
-@dataclass(frozen=True)
-class ReportLeave:
-    """Report local rank ``index``'s ``Leave`` with ``exit_code`` and ``reason``."""
-
-    index: int
-    exit_code: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class ShowTail:
-    """Print local rank ``index``'s last lines of output under its failure line."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class AwaitVerdict:
-    """Let the Leave calls finish and the stream bring a verdict on a peer that failed first."""
-
-
-@dataclass(frozen=True)
-class Restart:
-    """Join again for ``generation`` as restart number ``restarts``."""
-
-    restarts: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class Exit:
-    """End the agent with ``result``."""
-
-    result: AgentResult
-
-
-Action = Log | ShowTail | StopRanks | SignalRanks | ReportLeave | AwaitVerdict | Restart | Exit
 
 
 # -- state -------------------------------------------------------------------------------------
@@ -280,7 +182,9 @@ class RunState:
     process was started, ``returncodes`` its return code once it exited (None while it runs or
     before it started). ``local_blame`` says whether ``failure`` blames a local rank's own exit
     (rule 3); ``interrupted`` is the first signal the agent got; ``finishing`` is set once all ranks
-    are done.
+    are done. Rule 7 (``elastic``): ``held`` are the ``Leave`` reports that wait for the verdict,
+    ``rerendezvous`` says why the generation re-forms ("" while it does not), ``closed`` that it
+    never will.
     """
 
     job: str
@@ -297,6 +201,10 @@ class RunState:
     stopping: StopReason | None = None
     interrupted: int | None = None
     finishing: bool = False
+    elastic: bool = False
+    held: tuple[ReportLeave, ...] = ()
+    rerendezvous: str = ""
+    closed: bool = False
 
     def __post_init__(self) -> None:
         if not self.started:
@@ -321,6 +229,18 @@ class RunState:
     def prefix(self) -> str:
         return f"job {self.job} generation {self.generation}"
 
+    def vouched(self, index: int) -> bool:
+        """Whether local rank ``index`` no longer runs but is still reported alive: its exit is
+        held, or it was stopped for a re-rendezvous (rule 7)."""
+        if self.running(index) or not self.started[index]:
+            return False
+        return bool(self.rerendezvous) or any(leave.index == index for leave in self.held)
+
+    @property
+    def settled(self) -> bool:
+        """No local rank runs and no exit waits for the verdict."""
+        return not self.any_running and not self.held
+
 
 def _with(sequence: Sequence[_V], index: int, value: _V) -> tuple[_V, ...]:
     items = list(sequence)
@@ -338,14 +258,15 @@ def _stop(state: RunState, reason: StopReason, signum: int = signal.SIGTERM) -> 
 def _caused_elsewhere(state: RunState, event: Event) -> Failure | None:
     """The failure to report instead of a local rank's own exit, when the coordinator names a rank
     of another host as its generation's first failure (rule 3); None otherwise."""
-    if event.kind is not EventKind.MEMBER_FAILED or event.rank < 0 or event.rank in state.ranks:
+    failed = EventKind.JOB_FAILED if state.elastic else EventKind.MEMBER_FAILED
+    if event.kind is not failed or event.rank < 0 or event.rank in state.ranks:
         return None
-    failed = ", ".join(
+    failed_ranks = ", ".join(
         str(rank) for rank, code in zip(state.ranks, state.returncodes, strict=True) if code not in (None, 0)
     )
-    return Failure(
-        EXIT_PEER_FAILED, f"{state.prefix}: {event.describe()}; local rank(s) {failed} failed after it"
-    )
+    # A job's failure names its cause itself ("rank R on host H failed: ...").
+    what = event.reason if event.kind is EventKind.JOB_FAILED else event.describe()
+    return Failure(EXIT_PEER_FAILED, f"{state.prefix}: {what}; local rank(s) {failed_ranks} failed after it")
 
 
 def decide(state: RunState, event: AgentEvent) -> tuple[RunState, list[Action]]:
@@ -365,6 +286,12 @@ def decide(state: RunState, event: AgentEvent) -> tuple[RunState, list[Action]]:
         ]
     if isinstance(event, StopRequested):
         return _stop_requested(state, event.signum)
+    if isinstance(event, Restarting):
+        return _restarting(state, event.event)
+    if isinstance(event, RendezvousNews):
+        return _news(state, event)
+    if isinstance(event, VerdictDue):
+        return dataclasses.replace(state, held=()), list(state.held)
     if isinstance(event, RanksDone):
         verdict: list[Action] = [AwaitVerdict()] if state.local_blame and state.interrupted is None else []
         return dataclasses.replace(state, finishing=True), verdict
@@ -393,8 +320,14 @@ def _rank_exited(state: RunState, event: RankExited) -> tuple[RunState, list[Act
     state = dataclasses.replace(state, returncodes=_with(state.returncodes, event.index, code))
     reason = describe_exit(code)
     actions: list[Action] = []
+    if state.stopping is StopReason.RERENDEZVOUS:
+        # The coordinator lets it go with its generation (rule 7): no Leave, which would end it.
+        return state, [
+            Log(logging.INFO, f"{state.label}: rank {rank} {reason}, stopped to re-form the world")
+        ]
     if code == 0:
         actions.append(Log(logging.INFO, f"{state.label}: rank {rank} exited with code 0"))
+        state = dataclasses.replace(state, closed=state.closed or state.elastic)
     elif state.stopping in (StopReason.RANK_FAILED, StopReason.PEER_FAILED):
         reason = f"{reason}, stopped by sar-worker because {state.stopping.value}"
         actions.append(Log(logging.INFO, f"{state.label}: rank {rank} {reason}"))
@@ -408,11 +341,29 @@ def _rank_exited(state: RunState, event: RankExited) -> tuple[RunState, list[Act
             state = dataclasses.replace(state, failure=failure, local_blame=True)
         state, stop = _stop(state, StopReason.RANK_FAILED)
         actions += stop
-    actions.append(ReportLeave(event.index, code, reason))
-    return state, actions
+    leave = ReportLeave(event.index, code, reason)
+    if code == 0 or not state.elastic:
+        return state, [*actions, leave]
+    if state.interrupted is not None:
+        # Rule 7: an interrupted agent takes its ranks out of the world (a node taken away): the
+        # coordinator judges them gone and the others re-form without them, as torchrun's do.
+        return state, actions
+    if state.held or state.local_blame:
+        # Rule 7: a lost peer may be the cause; the verdict decides whether this is a failure.
+        return dataclasses.replace(state, held=(*state.held, leave)), [*actions, HoldExit(event.index)]
+    return state, [*actions, leave]
 
 
 def _peer_failed(state: RunState, event: Event) -> tuple[RunState, list[Action]]:
+    if state.elastic and event.kind is EventKind.MEMBER_FAILED:
+        # What follows it decides: JOB_FAILED (a failure) or JOB_RESTARTING (the world re-forms).
+        return state, []
+    if state.rerendezvous:
+        return state, []
+    if state.held:  # the verdict is a failure: report the held exits now
+        state, released = dataclasses.replace(state, held=()), list(state.held)
+        later, after = _peer_failed(state, event)
+        return later, released + after
     if state.failure is None and state.stopping is None and not state.finishing:
         what = (
             event.describe()
@@ -444,7 +395,13 @@ def _stop_requested(state: RunState, signum: int) -> tuple[RunState, list[Action
             Log(logging.WARNING, f"{state.label}: got {name} again; killing the ranks"),
             SignalRanks(signal.SIGKILL),
         ]
-    state = dataclasses.replace(state, interrupted=signum)
+    state = dataclasses.replace(state, interrupted=signum, held=())  # rule 7: held exits go unreported
+    if state.rerendezvous and state.failure is None:
+        # The ranks exit as the stop makes them: the interruption is the run's end.
+        failure = Failure(
+            exit_code_of(-signum), f"{state.prefix}: interrupted by {name} while the world re-forms"
+        )
+        state = dataclasses.replace(state, failure=failure)
     actions: list[Action] = [Log(logging.WARNING, f"{state.label}: got {name}; forwarding it to the ranks")]
     if state.stopping is None:
         state, stop = _stop(state, StopReason.SIGNAL, signum)
@@ -454,6 +411,12 @@ def _stop_requested(state: RunState, signum: int) -> tuple[RunState, list[Action
 
 def _finished(state: RunState) -> list[Action]:
     failure = state.failure
+    if state.rerendezvous and failure is None:
+        return [
+            Log(logging.WARNING, f"{state.label}: joining the next generation ({state.rerendezvous}); "
+                f"no restart counted"),
+            Rejoin(),
+        ]  # fmt: skip
     if failure is None:
         return [
             Log(logging.INFO, f"{state.label}: every local rank exited with code 0"),
@@ -472,3 +435,47 @@ def _finished(state: RunState) -> list[Action]:
             restart,
         ]
     return [Exit(AgentResult(failure.exit_code, failure.message))]
+
+
+def _restarting(state: RunState, event: Event) -> tuple[RunState, list[Action]]:
+    """Rule 7: the coordinator ended the generation for a re-rendezvous."""
+    if state.rerendezvous or not state.elastic or state.interrupted is not None:
+        return state, []  # an interrupted run ends as the user's signal makes it
+    why = event.reason or "the coordinator ended the generation"
+    if state.closed or (state.failure is not None and not state.held):
+        # No new world for this agent: a closed rendezvous, or a failure already reported.
+        if state.closed:
+            why += "; the rendezvous is closed (a rank finished), so the world does not re-form"
+        return _peer_failed(state, dataclasses.replace(event, kind=EventKind.JOB_FAILED, reason=why))
+    stopped = ", ".join(str(rank) for i, rank in enumerate(state.ranks) if state.running(i))
+    state = dataclasses.replace(state, rerendezvous=why, held=(), failure=None, local_blame=False)
+    if not stopped:
+        return state, [Log(logging.WARNING, f"{state.label}: {why}; the world re-forms")]
+    line = Log(logging.WARNING, f"{state.label}: {why}; stopping local rank(s) {stopped} to re-form it")
+    state, stop = _re_form(state)
+    return state, [line, *stop]
+
+
+def _news(state: RunState, news: RendezvousNews) -> tuple[RunState, list[Action]]:
+    """Rule 7: ranks that wait to join make the running world re-form larger (scale-up)."""
+    if not state.elastic:
+        return state, []
+    state = dataclasses.replace(state, closed=state.closed or news.closed)
+    quiet = state.failure is None and state.stopping is None and not state.held and not state.finishing
+    if news.waiting <= 0 or state.closed or state.interrupted is not None or not quiet:
+        return state, []
+    why = f"{news.waiting} rank(s) wait to join"
+    stopped = ", ".join(str(rank) for i, rank in enumerate(state.ranks) if state.running(i))
+    state = dataclasses.replace(state, rerendezvous=why)
+    line = Log(
+        logging.WARNING, f"{state.label}: {why}; stopping local rank(s) {stopped} to re-form a larger world"
+    )
+    state, stop = _re_form(state)
+    return state, [line, *stop]
+
+
+def _re_form(state: RunState) -> tuple[RunState, list[Action]]:
+    """Stop the ranks for a re-rendezvous (a stop already under way goes on as it is)."""
+    if state.stopping is not None:
+        return dataclasses.replace(state, stopping=StopReason.RERENDEZVOUS), []
+    return _stop(state, StopReason.RERENDEZVOUS)

@@ -12,7 +12,11 @@ One agent per host (or per group of local ranks):
    ``Leave`` for each rank that exits;
 5. stops its other ranks (SIGTERM, then after a grace period the launcher kills the rank's whole
    tree) when a rank fails or the coordinator reports a failure elsewhere, and optionally joins
-   again (``--max-restarts``).
+   again (``--max-restarts``);
+6. in an elastic job (``--world-size MIN:MAX``), stops its ranks when the coordinator ends the
+   generation on purpose (a peer lost, another agent re-joining) or agents wait to join, and
+   joins the next generation naming its member, without spending a restart (torchrun's agent's
+   re-rendezvous; see rule 7 of :mod:`sarcomm.worker.agent.decisions`).
 
 A rank's end is its launcher's exit, not the end of its pipes: a helper of the rank that left its
 tree (killed launcher) may hold them open for ever; the agent reads them a bounded time longer.
@@ -41,8 +45,8 @@ from pathlib import Path
 
 from sarcomm.common import netinfo
 from sarcomm.common.client.coordinator_client import CoordinatorClient
-from sarcomm.common.constants import EventKind
-from sarcomm.common.errors import InvalidArgumentError, SarcommError, shorten
+from sarcomm.common.constants import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES, EventKind
+from sarcomm.common.errors import InvalidArgumentError, JobClosedError, SarcommError, shorten
 from sarcomm.common.messages import JoinResult, MemberReport, paced_interval
 from sarcomm.common.ports import PortBlock
 from sarcomm.worker.agent.config import AgentConfig, rank_environment
@@ -53,13 +57,17 @@ from sarcomm.worker.agent.decisions import (
     AwaitVerdict,
     Exit,
     Finished,
+    HoldExit,
     Log,
     PeerFailed,
     RankExited,
     RanksDone,
     RankStarted,
+    Rejoin,
+    RendezvousNews,
     ReportLeave,
     Restart,
+    Restarting,
     RunState,
     ShowTail,
     SignalRanks,
@@ -67,6 +75,7 @@ from sarcomm.worker.agent.decisions import (
     StopRanks,
     StopRequested,
     StreamBroke,
+    VerdictDue,
     decide,
 )
 from sarcomm.worker.agent.local_rank import LocalRank, rank_processes, signal_ranks
@@ -85,6 +94,12 @@ from sarcomm.worker.progress import ProgressReader
 __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds an elastic job's local rank exit is held for the coordinator's verdict (rule 7 of
+#: :mod:`~sarcomm.worker.agent.decisions`), or (misses + 1) coordinator intervals if longer: a dead
+#: peer's broken stream is judged after one interval (1 s by default), a silent peer after interval
+#: x misses (3 s); no verdict by then, and the failure is the rank's own.
+VERDICT_WAIT_S = 5.0
 
 
 class Agent:
@@ -120,17 +135,30 @@ class Agent:
             make_log_dir(config.log_dir)
         generation = 0
         restarts = 0
+        rejoin: tuple[str, str] | None = None
         self._console = Console() if config.tee.console else None
         try:
             async with CoordinatorClient(config.coord, config.token, tls=config.tls) as client:
                 while True:
-                    joined = await self._join(client, generation)
+                    try:
+                        joined = await self._join(client, generation, rejoin)
+                    except JobClosedError as exc:
+                        if not exc.beyond_max or rejoin is not None:
+                            raise
+                        # torchrun's agent beyond --nnodes MAX exits gracefully too: the job ran
+                        # (and finished) without this host.
+                        log.warning("job=%s: %s; this host waited beyond --world-size %s and exits",
+                                    config.job, exc, config.world_text)  # fmt: skip
+                        return AgentResult(0)
                     self._follow_coordinator_interval(joined)
                     for action in await self._run_generation(client, joined, restarts):
                         if isinstance(action, Log):
                             log.log(action.level, "%s", action.text)
                         elif isinstance(action, Restart):
-                            restarts, generation = action.restarts, action.generation
+                            restarts, generation, rejoin = action.restarts, action.generation, None
+                        elif isinstance(action, Rejoin):
+                            member = joined.assignments[0]
+                            generation, rejoin = 0, (member.member_id, member.secret)
                         elif isinstance(action, Exit):
                             return action.result
         finally:
@@ -150,7 +178,11 @@ class Agent:
             )  # fmt: skip
             self.config = dataclasses.replace(self.config, heartbeat_interval=interval)
 
-    async def _join(self, client: CoordinatorClient, generation: int) -> JoinResult:
+    async def _join(
+        self, client: CoordinatorClient, generation: int, rejoin: tuple[str, str] | None = None
+    ) -> JoinResult:
+        """Join for ``generation`` (0: the forming one); in an elastic job ``rejoin`` names this
+        agent's member of the generation that re-forms (None: join as a newcomer)."""
         config = self.config
         # The store port is held from before Join until the answer, so no other process takes the
         # port rank 0's TCPStore will listen on if rank 0 lands here; the extra ports (SAR's
@@ -158,9 +190,10 @@ class Agent:
         self._ports.close()
         self._ports = PortBlock.reserve(config.extra_ports)
         try:
+            elastic = config.min_world_size is not None
             joined = await client.join_many(
                 config.job,
-                config.world_size,
+                0 if elastic else config.world_size,
                 nproc=config.nproc_per_node,
                 ranks=config.ranks,
                 local_ranks=config.local_ranks,
@@ -172,6 +205,10 @@ class Agent:
                 join_timeout=config.join_timeout,
                 backend=config.backend,
                 max_restarts=config.max_restarts,
+                min_members=config.min_world_size or 0,
+                max_members=config.world_size if elastic else 0,
+                last_call_timeout=config.last_call_timeout if elastic else 0.0,
+                rejoin=rejoin,
             )
         except BaseException:
             self._ports.close()
@@ -258,6 +295,7 @@ class _Run:
             ranks=tuple(r.rank for r in self.ranks),
             restarts=restarts,
             max_restarts=config.max_restarts,
+            elastic=config.elastic,
         )
         # The rank's library stamps every interval; past two missed stamps the agent logs it (the
         # coordinator judges it, by the age each report carries).
@@ -265,10 +303,16 @@ class _Run:
         self.happenings: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self.background: set[asyncio.Task[None]] = set()
         self.stop_task: asyncio.Task[None] | None = None
+        self.verdict_timer: asyncio.TimerHandle | None = None
 
     def reports(self) -> list[MemberReport]:
         now = time.time()
-        return [r.report(now, self.stale_after, self.label) for r in self.ranks if r.running]
+        reports = [r.report(now, self.stale_after, self.label) for r in self.ranks if r.running]
+        # Rule 7: a rank whose exit is held, or stopped for a re-rendezvous, is not gone: the
+        # coordinator must not judge it lost before the verdict or the re-join.
+        return reports + [
+            MemberReport(r.member_id, r.secret, age=0.0) for r in self.ranks if self.state.vouched(r.index)
+        ]
 
     def apply(self, event: AgentEvent) -> list[Action]:
         """Decide on ``event`` and carry out the actions but the run's end (returned)."""
@@ -296,6 +340,8 @@ class _Run:
                 r = self.ranks[action.index]
                 leave = self.agent._leave(self.client, r, action.exit_code, action.reason, self.label)
                 self.background.add(asyncio.ensure_future(leave))
+            elif isinstance(action, HoldExit):
+                self._hold()
             else:
                 rest.append(action)
         return rest
@@ -326,8 +372,10 @@ class _Run:
                 self.apply(RankStarted(r.index))
                 self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
 
-            while any(r.running for r in self.ranks):
+            while not self.state.settled:
                 self.apply(await self.happenings.get())
+        if self.verdict_timer is not None:
+            self.verdict_timer.cancel()
 
         for action in self.apply(RanksDone()):
             if isinstance(action, AwaitVerdict):
@@ -367,6 +415,18 @@ class _Run:
         except OSError as exc:
             return f"could not start {shorten(command[0])}: {exc}"
 
+    def _hold(self) -> None:
+        """Send :class:`VerdictDue` once the coordinator had time to judge a lost peer (once)."""
+        if self.verdict_timer is not None:
+            return
+        interval = self.joined.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL
+        wait = max(VERDICT_WAIT_S, (DEFAULT_HEARTBEAT_MISSES + 1) * interval)
+        log.info(
+            "%s: holding the failed rank's Leave up to %g s: a lost peer may be the cause", self.label, wait
+        )
+        loop = asyncio.get_running_loop()
+        self.verdict_timer = loop.call_later(wait, self.happenings.put_nowait, VerdictDue())
+
     async def _show_tail(self, r: LocalRank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
         await r.output.drained()
@@ -396,18 +456,26 @@ class _Run:
         joined, label = self.joined, self.label
         mine = {a.member_id for a in joined.assignments}
         warned_unknown = False
+        news = RendezvousNews(0, False)
         try:
             async with self.client.heartbeats(self.reports, self.agent.config.heartbeat_interval) as stream:
                 async for reply in stream:
                     for event in reply.events:
-                        if (
-                            event.job == joined.job
-                            and event.generation == joined.generation
-                            and event.kind in (EventKind.MEMBER_FAILED, EventKind.JOB_FAILED)
-                        ):
+                        if event.job != joined.job or event.generation != joined.generation:
+                            continue
+                        if event.kind in (EventKind.MEMBER_FAILED, EventKind.JOB_FAILED):
                             self.happenings.put_nowait(PeerFailed(event))
+                        elif event.kind is EventKind.JOB_RESTARTING:
+                            self.happenings.put_nowait(Restarting(event))
+                    said = next(
+                        (RendezvousNews(r.waiting, r.closed) for r in reply.rendezvous
+                         if r.job == joined.job and r.generation == joined.generation), news,
+                    )  # fmt: skip
+                    if said != news:
+                        news = said
+                        self.happenings.put_nowait(said)
                     unknown = mine.intersection(reply.unknown_members)
-                    if unknown and not warned_unknown:
+                    if unknown and not warned_unknown and not self.state.rerendezvous:
                         warned_unknown = True
                         log.warning(
                             "%s: the coordinator no longer knows %d local member(s); ranks keep running",
