@@ -87,7 +87,10 @@ BENCHMARKS = {
             ("--methods", "sarcomm", "--sizes", "256,1024", "--repeats", "3", "--procs", "4"),
             _rendezvous,
         ),
-        Benchmark("heartbeat_load", "heartbeat_load.py", ("--quick",), _heartbeat_load),
+        # A generous budget for joins and leaves: a loaded 2-core host takes longer than the default.
+        Benchmark(
+            "heartbeat_load", "heartbeat_load.py", ("--quick", "--join-budget", "240"), _heartbeat_load
+        ),
     )
 }
 
@@ -108,6 +111,15 @@ def run_once(tree: Path, python: Path, bench: Benchmark, workdir: Path, timeout:
     return bench.figures(json.loads(out.read_text()))
 
 
+def _run_with_retry(tree: Path, python: Path, bench: Benchmark, workdir: Path, timeout: float) -> Figures:
+    """One run, and one more when the first fails (a loaded host can miss a benchmark's own budget)."""
+    try:
+        return run_once(tree, python, bench, workdir, timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        print(f"{bench.name} in {tree}: {error}; running it again", file=sys.stderr, flush=True)
+        return run_once(tree, python, bench, workdir, timeout)
+
+
 def compare(
     bench: Benchmark, trees: dict[str, tuple[Path, Path]], rounds: int, workdir: Path, timeout: float
 ) -> dict[str, Any]:
@@ -118,7 +130,7 @@ def compare(
         for side in order if index % 2 == 0 else reversed(order):
             tree, python = trees[side]
             print(f"{bench.name}: round {index + 1} of {rounds}, {side}", file=sys.stderr, flush=True)
-            samples[side].append(run_once(tree, python, bench, workdir, timeout))
+            samples[side].append(_run_with_retry(tree, python, bench, workdir, timeout))
     rows = []
     for name in samples["after"][0]:
         if not all(name in figures for side in samples.values() for figures in side):
@@ -160,17 +172,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not base_python.exists():
         parser.error(f"--baseline-tree {baseline}: no .venv/bin/python there (make one and install the tree)")
     trees = {"before": (baseline, base_python), "after": (HERE.parent, Path(sys.executable))}
-    with tempfile.TemporaryDirectory(prefix="before-after-") as work:
-        results = [compare(BENCHMARKS[n], trees, args.rounds, Path(work), args.timeout) for n in names]
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "before_after",
         "command": " ".join(["python", "benchmarks/before_after.py", *(argv or sys.argv[1:])]),
-        "machine": recording.describe("torch", "grpcio", load_at="end"),
+        "machine": recording.describe("torch", "grpcio"),
         "baseline": _commit(baseline),
         "tree": _commit(HERE.parent),
         "rounds": args.rounds,
-        "benchmarks": results,
+        "benchmarks": [],
     }
+    with tempfile.TemporaryDirectory(prefix="before-after-") as work:
+        for name in names:
+            doc["benchmarks"].append(compare(BENCHMARKS[name], trees, args.rounds, Path(work), args.timeout))
+            # Written after each benchmark: a later one that fails costs none of the earlier figures.
+            if args.json:
+                args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["machine"] = recording.describe("torch", "grpcio", load_at="end")
     recording.write_results(doc, before_after.section, args.json, args.markdown)
     return 0
 
