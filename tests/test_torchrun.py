@@ -158,7 +158,11 @@ def test_lost_node_survivors_reform_and_train_on(
     assert lost in record["reason"]
 
 
-def test_third_node_scales_world_up_without_restart(nodes: Nodes) -> None:
+def test_third_node_scales_world_up_without_restart_and_a_fourth_waits_beyond_max(nodes: Nodes) -> None:
+    """--nnodes 2:3: a third node started while a world of 2 trains is counted waiting, and the
+    running nodes re-form at 3 (scale-up) without spending a restart. MAX reached: a fourth node
+    then waits uncounted (the world does not re-form), and is sent away once the job finishes
+    (its rendezvous closed)."""
     job = "scale-up"
     started = [nodes.start(job, "2:3", nproc=1) for _ in range(2)]
     wait_for_training(nodes.out, 1, 2)
@@ -166,8 +170,21 @@ def test_third_node_scales_world_up_without_restart(nodes: Nodes) -> None:
     started.append(nodes.start(job, "2:3", nproc=1))
     reformed = wait_for_training(nodes.out, 2, 3)
     print(f"\nscale-up: a world of 3 trained {reformed - joined_at:.1f} s after the third node started")
+    extra = nodes.start(job, "2:3", nproc=1)
+    wait_for(
+        lambda: job_status(nodes.coord, job)["parked_members"] == 1,
+        SLOW_S,
+        what="the fourth node to be parked behind the running world",
+    )
+    status = job_status(nodes.coord, job)
+    assert (status["generation"], status["waiting_members"]) == (2, 0)  # beyond MAX: not counted
+    wait_for_more_steps(nodes.out, 2, 3, more=5)
+    assert job_status(nodes.coord, job)["generation"] == 2
     nodes.stop_training()
     assert [node.wait() for node in started] == [0, 0, 0], nodes.logs()
+    extra.wait()  # exits 1 on torch 2.13: its launcher fails on the graceful exit's empty result
+    assert "waited beyond --nnodes MAX and exits" in extra.log(), extra.log()
+    assert not steps(nodes.out, 3)
     made = steps(nodes.out, 2)
     assert all(r["ok"] for r in made)
     assert {(r["world"], r["restart_count"]) for r in made} == {(3, 0)}
@@ -176,7 +193,7 @@ def test_third_node_scales_world_up_without_restart(nodes: Nodes) -> None:
     assert status["history"][0]["reason"].endswith("re-joins; 1 member(s) wait to join")
 
 
-# -- a worker that fails, the most nodes, closing -------------------------------------------------------
+# -- a worker that fails ------------------------------------------------------------------------------
 
 
 def test_failed_worker_ends_job_with_its_exit_code(nodes: Nodes) -> None:
@@ -195,29 +212,6 @@ def test_failed_worker_ends_job_with_its_exit_code(nodes: Nodes) -> None:
     status = job_status(nodes.coord, job)
     assert status["state"] == "FAILED"
     assert "exited with code 3" in status["reason"], status["reason"]
-
-
-def test_node_beyond_max_waits_then_exits_when_job_is_closed(nodes: Nodes) -> None:
-    """MAX reached: a third node on a running world of --nnodes 1:2 waits uncounted (the world
-    does not re-form), and is sent away once the job finishes (its rendezvous closed)."""
-    job = "beyond-max"
-    started = [nodes.start(job, "1:2", nproc=1) for _ in range(2)]
-    wait_for_training(nodes.out, 1, 2)
-    extra = nodes.start(job, "1:2", nproc=1)
-    wait_for(
-        lambda: job_status(nodes.coord, job)["parked_members"] == 1,
-        SLOW_S,
-        what="the third node to be parked behind the running world",
-    )
-    status = job_status(nodes.coord, job)
-    assert (status["generation"], status["waiting_members"]) == (1, 0)  # beyond MAX: not counted
-    wait_for_more_steps(nodes.out, 1, 2, more=5)
-    assert job_status(nodes.coord, job)["generation"] == 1
-    nodes.stop_training()
-    assert [node.wait() for node in started] == [0, 0], nodes.logs()
-    extra.wait()  # exits 1 on torch 2.13: its launcher fails on the graceful exit's empty result
-    assert "waited beyond --nnodes MAX and exits" in extra.log(), extra.log()
-    assert not steps(nodes.out, 2)
 
 
 # -- replicas on etcd: the leader dies mid-job --------------------------------------------------------
