@@ -81,6 +81,11 @@ def steps(out: Path, generation: int) -> list[dict[str, Any]]:
     return [r for r in records(out) if r["generation"] == generation and "ok" in r]
 
 
+def every_value_right(out: Path) -> bool:
+    """Whether every all_reduce of every generation gave the right value."""
+    return all(r["ok"] for r in records(out) if "ok" in r)
+
+
 def wait_for_more_steps(out: Path, generation: int, ranks: int, more: int) -> None:
     """Block until each of the ``ranks`` ranks of ``generation`` made ``more`` steps beyond the
     furthest step made so far (the generation trains on, with nothing ending it meanwhile)."""
@@ -141,8 +146,8 @@ def test_lost_node_survivors_reform_and_train_on(
     assert (nodes.group_rank(first, 2), nodes.group_rank(last, 2)) == (0, 1)
     nodes.stop_training()
     assert [first.wait(), last.wait()] == [0, 0], nodes.logs()
+    assert every_value_right(nodes.out)
     made = steps(nodes.out, 2)
-    assert all(r["ok"] for r in made)
     assert {r["world"] for r in made} == {2}
     torch_restarts = {r["restart_count"] for r in made}
     print(f"{sig.name}: torch's restart count in the re-formed world: {sorted(torch_restarts)}")
@@ -185,8 +190,8 @@ def test_third_node_scales_world_up_without_restart_and_a_fourth_waits_beyond_ma
     extra.wait()  # exits 1 on torch 2.13: its launcher fails on the graceful exit's empty result
     assert "waited beyond --nnodes MAX and exits" in extra.log(), extra.log()
     assert not steps(nodes.out, 3)
+    assert every_value_right(nodes.out)
     made = steps(nodes.out, 2)
-    assert all(r["ok"] for r in made)
     assert {(r["world"], r["restart_count"]) for r in made} == {(3, 0)}
     status = job_status(nodes.coord, job)
     assert (status["state"], status["world_size"], status["restart_count"]) == ("FINISHED", 3, 0)
@@ -209,6 +214,7 @@ def test_failed_worker_ends_job_with_its_exit_code(nodes: Nodes) -> None:
     assert all(code != 0 for code in codes), nodes.logs()
     failing = next(n for n in started if "exitcode  : 3" in n.log())
     assert "rank 1 fails on purpose with code 3" in failing.log()
+    assert every_value_right(nodes.out)
     status = job_status(nodes.coord, job)
     assert status["state"] == "FAILED"
     assert "exited with code 3" in status["reason"], status["reason"]
@@ -244,7 +250,7 @@ def test_job_trains_through_leader_loss_and_handles_a_later_node_loss(
         wait_for_training(nodes.out, 2, 2)
         nodes.stop_training()
         assert [first.wait(), last.wait()] == [0, 0], nodes.logs()
-        assert all(r["ok"] for r in records(nodes.out) if "ok" in r)
+        assert every_value_right(nodes.out)
         status = job_status(standby, job)
         assert (status["state"], status["generation"], status["rerendezvous_count"]) == ("FINISHED", 2, 1)
         assert status["history"][0]["state"] == "RESTARTED"
