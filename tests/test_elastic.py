@@ -192,6 +192,29 @@ def test_abandon_drops_parked_generation_if_last_parked_member_withdrew(
     assert a.job.successor is None
 
 
+def test_parked_join_sent_again_gets_its_ticket_and_world_reforms_at_max(
+    membership: Membership, clock: FakeClock
+) -> None:
+    """A parked Join sent again (its join_id: the client got no answer) waits on its first try's
+    member instead of parking a second one, even once that try gave up; the survivors then
+    re-join into a world of max_members."""
+    a, b = running_world(membership, clock, "a", "b")
+    join_id = "c" * 32
+    c = membership.join(espec("c"), join_id)
+    again = membership.join(espec("c"), join_id)
+    assert again.resent
+    assert again.members == c.members
+    assert len(c.job.members) == 1
+    assert waiting(a.job) == 1
+    membership.abandon(c)  # the first try gave up: the resend still waits on the member
+    assert c.job.members == list(again.members)
+    a2 = membership.join(espec("a", rejoin=a))
+    b2 = membership.join(espec("b", rejoin=b))
+    assert state(again) is JobState.RUNNING
+    assert again.job.world_size == 3
+    assert [assigned_rank(t.members[0]) for t in (a2, b2, again)] == [0, 1, 2]
+
+
 # -- rule 3: members that go ----------------------------------------------------------------------------
 
 

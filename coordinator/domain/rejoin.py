@@ -188,6 +188,8 @@ class JoinIds:
         if job is None or not members:
             self._drop(key)
             return None
+        if entry.ticket is not None:
+            job = entry.ticket.job  # the current generation, or the one parked behind it
         differences = JoinIdentity.of_members(job, members).differences(JoinIdentity.of_spec(spec))
         if differences:
             log.warning(
@@ -209,11 +211,13 @@ class JoinIds:
         return dataclasses.replace(entry.ticket, resent=True)
 
     def _members(self, entry: _Entry, job: Job | None, key: str) -> Sequence[Member]:
-        """The members ``entry``'s Join brought into ``job``, or none once that generation is over."""
+        """The members ``entry``'s Join brought into ``job`` (or, parked, into the generation
+        waiting behind it: an elastic job's successor), or none once that generation is over."""
         if job is None or job.state.ended:
             return ()
         if entry.ticket is not None:
-            return entry.ticket.members if entry.ticket.job is job else ()
+            mine = entry.ticket.job
+            return entry.ticket.members if mine is job or mine is job.successor else ()
         if job.state is not JobState.RUNNING:
             return ()
         return [m for m in job.members if m.join_digest == key]
