@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from harness import free_port
 from recording import describe, write_results
 from renderers import big_job as big_job_page
 
@@ -98,12 +98,6 @@ def baseline_tree(ref: str, work: Path) -> Path:
     return checkout / tree.stdout.strip()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 60) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return str(response.read().decode())
@@ -121,7 +115,7 @@ class Coordinator:
     """A ``sar-coordinator`` process of ``code``; a context manager that stops it."""
 
     def __init__(self, code: Code, work: Path, store: str | None, interval: float, misses: int) -> None:
-        self.grpc_port, self.http_port = _free_port(), _free_port()
+        self.grpc_port, self.http_port = free_port(), free_port()
         env = dict(os.environ)
         if code.path is not None:
             env["PYTHONPATH"] = str(code.path)
