@@ -13,14 +13,15 @@ says ``done``. ``--fail-rank R``: global rank R exits with code 3 after its thir
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+
+# Run as a file (its own folder on sys.path): the repository root makes the shared loop importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.checked_steps import run_steps
 
 
 def main() -> int:
@@ -40,27 +41,9 @@ def main() -> int:
         "generation": int(env["SAR_GENERATION"]),
         "restart_count": int(env["SAR_RESTART_COUNT"]),
     }
-    out = (args.out / f"{record['agent']}-{os.getpid()}.jsonl").open("a", buffering=1)
-    expected = world * (world + 1) / 2
-    step = 0
-    while True:
-        value = torch.tensor([float(rank + 1)])
-        dist.all_reduce(value)
-        stop = torch.tensor([1.0 if (args.out / "stop").exists() else 0.0])
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        step += 1
-        out.write(
-            json.dumps({**record, "step": step, "time": time.time(), "ok": value.item() == expected}) + "\n"
-        )
-        if stop.item():
-            break
-        if rank == args.fail_rank and step >= 3:
-            print(f"rank {rank} fails on purpose with code 3", file=sys.stderr, flush=True)
-            out.close()
-            os._exit(3)
-        time.sleep(args.step_s)
-    out.write(json.dumps({**record, "step": step, "time": time.time(), "done": True}) + "\n")
-    out.close()
+    fail_at = lambda step: 3 if rank == args.fail_rank and step >= 3 else None  # noqa: E731
+    with (args.out / f"{record['agent']}-{os.getpid()}.jsonl").open("a", buffering=1) as out:
+        run_steps(dist.all_reduce, args.out, out, record, step_s=args.step_s, fail_at=fail_at)
     dist.destroy_process_group()
     return 0
 

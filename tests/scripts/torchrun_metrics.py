@@ -13,16 +13,18 @@ rendezvous exported and the metrics port the library bound.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import sarcomm.worker as sar
 from sarcomm.worker.library import metrics
+
+# Run as a file (its own folder on sys.path): the repository root makes the shared loop importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.checked_steps import run_steps
 
 
 def main() -> int:
@@ -44,23 +46,8 @@ def main() -> int:
         "gloo_ifname": env.get("GLOO_SOCKET_IFNAME", ""),
         "metrics_port": metrics.serving_port(),
     }
-    out = (args.out / f"{os.getpid()}.jsonl").open("a", buffering=1)
-    expected = world * (world + 1) / 2
-    step = 0
-    while True:
-        value = torch.tensor([float(rank + 1)])
-        sar.all_reduce(value)
-        stop = torch.tensor([1.0 if (args.out / "stop").exists() else 0.0])
-        sar.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
-        step += 1
-        out.write(
-            json.dumps({**record, "step": step, "time": time.time(), "ok": value.item() == expected}) + "\n"
-        )
-        if stop.item():
-            break
-        time.sleep(args.step_s)
-    out.write(json.dumps({**record, "step": step, "time": time.time(), "done": True}) + "\n")
-    out.close()
+    with (args.out / f"{os.getpid()}.jsonl").open("a", buffering=1) as out:
+        run_steps(sar.all_reduce, args.out, out, record, step_s=args.step_s)
     torch.distributed.destroy_process_group()
     return 0
 

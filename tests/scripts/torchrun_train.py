@@ -14,14 +14,15 @@ rank R exits with ``--fail-code`` after ``--fail-after`` steps of its first gene
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+
+# Run as a file (its own folder on sys.path): the repository root makes the shared loop importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.checked_steps import run_steps
 
 
 def main() -> int:
@@ -56,26 +57,13 @@ def main() -> int:
         "gloo_ifname": env.get("GLOO_SOCKET_IFNAME", ""),
         "use_agent_store": env.get("TORCHELASTIC_USE_AGENT_STORE", ""),
     }
-    out = (args.out / f"{os.getpid()}.jsonl").open("a", buffering=1)
-    expected = world * (world + 1) / 2
-    step = 0
-    while True:
-        value = torch.tensor([float(rank + 1)])
-        dist.all_reduce(value)
-        stop = torch.tensor([1.0 if (args.out / "stop").exists() else 0.0])
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        step += 1
-        ok = value.item() == expected
-        out.write(json.dumps({**record, "step": step, "time": time.time(), "ok": ok}) + "\n")
-        if stop.item():
-            break
-        if rank == args.fail_rank and step >= args.fail_after and record["restart_count"] == 0:
-            print(f"rank {rank} fails on purpose with code {args.fail_code}", file=sys.stderr, flush=True)
-            out.close()
-            os._exit(args.fail_code)
-        time.sleep(args.step_s)
-    out.write(json.dumps({**record, "step": step, "time": time.time(), "done": True}) + "\n")
-    out.close()
+
+    def fail_at(step: int) -> int | None:
+        first = record["restart_count"] == 0
+        return args.fail_code if rank == args.fail_rank and step >= args.fail_after and first else None
+
+    with (args.out / f"{os.getpid()}.jsonl").open("a", buffering=1) as out:
+        run_steps(dist.all_reduce, args.out, out, record, step_s=args.step_s, fail_at=fail_at)
     dist.destroy_process_group()
     if not args.sar_init:
         # Done and closed: skip the interpreter's teardown of torch (about half a second of CPU
