@@ -35,9 +35,17 @@ VERDICT_S = 10.0
 
 
 @pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def clean_environment() -> Iterator[None]:
+    """No exported variable before a test, and the environment as it was after it: a handler
+    exports into this process's environment (as into torchrun's agent), and a later test's child
+    processes would inherit it (``SAR_SOCKET_NAME=lo`` would pin their nodes to loopback).
+    monkeypatch.delenv cannot do this: it forgets a variable that was not set before."""
+    saved = dict(os.environ)
     for name in (*EXPORTED, "SARCOMM_TOKEN_FILE"):
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 Make = Callable[..., RendezvousHandler]

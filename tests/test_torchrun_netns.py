@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import CoordinatorProcess, StartCoordinator, netns_unavailable
 from tests.helpers import free_port, sd_groups
 from tests.test_torchrun_sd import MetricsNodes, check_scraped_metrics, wait_for_workers_in_sd
-from tests.torchrun_nodes import records, wait_for_training
+from tests.torchrun_nodes import records
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(600)]
 
@@ -85,7 +85,7 @@ def test_node_in_a_namespace_gets_its_veth_and_the_workers_train_over_it(
     endpoint, job = f"{HOST_SIDE}:{port}", "netns2"
     on_host = metrics_nodes.start(endpoint, job, "2")
     in_ns = metrics_nodes.start(endpoint, job, "2", prefix=["ip", "netns", "exec", ns])
-    wait_for_training(metrics_nodes.out, 1, 4, steps=3)
+    metrics_nodes.wait_for_training(coord, 4, steps=3)
     groups = wait_for_workers_in_sd(coord, job, 4)
 
     # The coordinator's choice per node: never lo; in the namespace its veth, eth0.

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CoordinatorProcess
-from tests.helpers import free_port_run, sd_groups, wait_for
+from tests.helpers import WaitTimeout, free_port_run, sd_groups, wait_for
 from tests.torchrun_nodes import SLOW_S, TRAIN, Node, records, torchrun_args, wait_for_training
 
 pytestmark = pytest.mark.timeout(600)
@@ -80,6 +80,14 @@ class MetricsNodes:
     def logs(self, coord: CoordinatorProcess) -> str:
         text = "\n".join(f"--- {n.name}\n{n.log()}" for n in self.started)
         return f"{text}\n--- coordinator\n{coord.log()}"
+
+    def wait_for_training(self, coord: CoordinatorProcess, ranks: int, steps: int) -> None:
+        """Every one of ``ranks`` workers of generation 1 made ``steps`` steps; on a timeout the
+        error carries every node's log and the coordinator's."""
+        try:
+            wait_for_training(self.out, 1, ranks, steps=steps)
+        except WaitTimeout as error:
+            raise AssertionError(f"{error}\n{self.logs(coord)}") from None
 
     def stop(self) -> None:
         for node in self.started:
@@ -141,7 +149,7 @@ def test_sd_lists_every_torchrun_worker_and_each_scrape_is_that_ranks_metrics(
     first = free_port_run(2)
     node_a = metrics_nodes.start(coord.grpc_target, job, "2", env={"SAR_METRICS_PORT": str(first)})
     node_b = metrics_nodes.start(coord.grpc_target, job, "2")
-    wait_for_training(metrics_nodes.out, 1, 4, steps=3)
+    metrics_nodes.wait_for_training(coord, 4, steps=3)
     groups = wait_for_workers_in_sd(coord, job, 4)
 
     steps = [r for r in records(metrics_nodes.out) if "ok" in r]

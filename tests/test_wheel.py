@@ -27,6 +27,8 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory, real_processes: None) -
     built = subprocess.run(
         ["bash", str(ROOT / "scripts" / "build-wheel.sh"), str(directory / "dist"), "--no-build-isolation"],
         capture_output=True, text=True, timeout=300, check=False,
+        # The script builds with `python3`: this interpreter's, whether or not its venv is active.
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     (wheel,) = (directory / "dist").glob("sarcomm-*.whl")
