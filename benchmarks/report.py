@@ -136,9 +136,11 @@ def build(ctx: Context) -> str:
         declared = doc.get("benchmark")
         renderer = RENDERERS.get(name) or OPTIONAL_RENDERERS.get(name) or _family(name)
         try:
-            if declared not in (None, name):
+            if declared not in (None, name) and not name.startswith(f"{declared}_"):
                 raise ValueError(f"the file says it holds {declared!r}")
             section = renderer(doc, ctx) if renderer else generic.section(name, doc, ctx)
+            if declared not in (None, name) and any(s.title == section.title for s in sections):
+                section.title += f" ({name.removeprefix(str(declared) + '_')})"
         except Exception as exc:  # one unreadable result must not cost the whole report
             if ctx.plt is not None:
                 ctx.plt.close("all")  # a figure the failed section left open
