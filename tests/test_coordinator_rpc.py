@@ -120,7 +120,7 @@ async def test_sweep_fails_job_and_watch_tells_if_member_goes_silent(
     # Nobody heartbeats: the coordinator (0.5 s x 3 misses) must fail a member within ~2 s.
     failed = await read_message(watch, pb.JobEvent, 5)
     assert failed.kind == pb.JobEvent.MEMBER_FAILED
-    assert failed.reason.startswith("missed heartbeats: silent for ")
+    assert failed.reason.startswith("missed heartbeats: never heard from in the ")
     watch.cancel()
     metrics = coordinator.get_text("/metrics")
     assert 'sar_coordinator_member_failures_total{reason="missed_heartbeats"}' in metrics

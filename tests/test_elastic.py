@@ -222,6 +222,7 @@ def test_member_loss_restarts_generation_if_elastic(
     membership: Membership, clock: FakeClock, events: list[JobEvent]
 ) -> None:
     a, b, _ = running_world(membership, clock, "a", "b", "c")
+    report(membership, a, b)  # c is never heard from
     clock.advance(LIVENESS_S - 1)
     report(membership, a, b)
     clock.advance(1.5)
@@ -271,6 +272,7 @@ def test_member_loss_fails_job_if_fixed(
     membership: Membership, clock: FakeClock, events: list[JobEvent]
 ) -> None:
     tickets = [membership.join(spec(h, job="f", world_size=2)) for h in "ab"]
+    report(membership, tickets[0])  # b is never heard from
     clock.advance(LIVENESS_S + 1)
     report(membership, tickets[0])
     membership.sweep()

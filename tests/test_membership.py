@@ -25,6 +25,7 @@ from sarcomm.coordinator.domain.membership import (
     MemberState,
     Ticket,
 )
+from sarcomm.coordinator.domain.model import Job, Member
 from sarcomm.coordinator.domain.ranks import describe_missing
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
@@ -247,6 +248,9 @@ def test_sweep_fails_silent_member_after_liveness_timeout(
     membership: Membership, clock: FakeClock, events: list[JobEvent]
 ) -> None:
     a, b = form(membership, spec("a", None, None), spec("b", None, None))
+    for ticket in (a, b):  # every member heard from once
+        for member, secret in zip(ticket.members, ticket.secrets, strict=True):
+            membership.heartbeat(member.member_id, secret, None, "")
     clock.advance(2.0)
     for ticket in (a, b):
         for member, secret in zip(ticket.members, ticket.secrets, strict=True):
@@ -317,3 +321,86 @@ def test_join_keeps_each_agent_contiguous_if_two_share_a_host(membership: Member
     first, second = form(membership, spec("same", None, None), spec("same", None, None))
     assert [m.rank for m in first.members] == [0, 1]
     assert [m.rank for m in second.members] == [2, 3]
+
+
+def _report_all(tickets: list[Ticket], membership: Membership, but: frozenset[int] = frozenset()) -> None:
+    for ticket in tickets:
+        for member, secret in zip(ticket.members, ticket.secrets, strict=True):
+            if member.rank not in but:
+                membership.heartbeat(member.member_id, secret, None, "")
+
+
+def test_never_heard_member_is_not_failed_while_its_job_starts(
+    membership: Membership, clock: FakeClock
+) -> None:
+    """Streams still being accepted: a member never heard from is not failed while first reports
+    of its job keep coming; it fails one liveness timeout (3 s) after the last of them."""
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    secrets = {m.member_id: s for t in tickets for m, s in zip(t.members, t.secrets, strict=True)}
+    members = sorted((m for t in tickets for m in t.members), key=lambda m: m.rank or 0)
+    late = members[-2:]
+    heard: list[Member] = []
+    answered = clock.monotonic()
+
+    def beat(*more: Member) -> None:
+        heard.extend(more)
+        for member in heard:
+            membership.heartbeat(member.member_id, secrets[member.member_id], None, "")
+
+    # The other members' first reports trickle in, one every 2 s after the answers.
+    for member in members[:-2]:
+        clock.advance(2.0)
+        beat(member)
+        assert membership.sweep() == []
+    # The first late one's first report comes 2.9 s after the last first report.
+    clock.advance(2.9)
+    assert membership.sweep() == []
+    beat(late[0])
+    # That first report keeps the job starting: the second late one waits until 3 s after it.
+    clock.advance(2.9)
+    beat()
+    assert membership.sweep() == []
+    clock.advance(0.2)
+    failed = membership.sweep()
+    assert [m.member_id for _, m in failed] == [late[1].member_id]
+    silent = clock.monotonic() - answered
+    assert failed[0][1].reason == (
+        f"missed heartbeats: never heard from in the {silent:.1f} s since its Join was answered (no "
+        f"other member of its job first reported in the last 3 s)"
+    )
+
+
+def test_never_heard_member_of_a_job_nobody_reports_fails_after_the_timeout(
+    membership: Membership, clock: FakeClock
+) -> None:
+    """No member ever reported (the job's processes died right after their answers): the liveness
+    timeout alone, as before."""
+    form(membership, spec("a", None, None), spec("b", None, None))
+    clock.advance(3.0)
+    assert membership.sweep() == []
+    clock.advance(0.1)
+    failed = membership.sweep()
+    assert sorted(m.rank or 0 for _, m in failed) == [0, 1, 2, 3]
+    assert failed[0][1].reason.startswith("missed heartbeats: never heard from in the 3.1 s")
+
+
+def test_heard_member_gone_silent_is_failed_while_others_still_start(
+    membership: Membership, clock: FakeClock
+) -> None:
+    """The start grace is for members never heard from: one that reported once and went silent is
+    failed after the liveness timeout, however many first reports still arrive."""
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    first = tickets[0].members[0]
+    membership.heartbeat(first.member_id, tickets[0].secrets[0], None, "")
+    others = [(m, s) for t in tickets for m, s in zip(t.members, t.secrets, strict=True) if m is not first]
+    failed: list[tuple[Job, Member]] = []
+    for member, secret in others:  # first reports every 1.1 s keep the job starting
+        clock.advance(1.1)
+        membership.heartbeat(member.member_id, secret, None, "")
+        failed += membership.sweep()
+    for member, secret in others:
+        membership.heartbeat(member.member_id, secret, None, "")
+    clock.advance(0.1)
+    failed += membership.sweep()
+    assert [m.member_id for _, m in failed] == [first.member_id]
+    assert failed[0][1].reason == "missed heartbeats: silent for 3.3 s"

@@ -45,14 +45,34 @@ def keepalive_settings(liveness_timeout: float) -> tuple[float, float]:
     return liveness_timeout / 4, liveness_timeout * 3 / 4
 
 
+def starting(first_heard: float, now: float, liveness_timeout: float) -> bool:
+    """Whether a job whose members were last heard from for the first time at monotonic
+    ``first_heard`` (0.0: never) is still starting at ``now``: a first report came within the
+    liveness timeout, so its members' streams are still being opened and accepted."""
+    return first_heard > 0.0 and now - first_heard <= liveness_timeout
+
+
 def silence_verdict(
-    member: Member, now: float, liveness_timeout: float, lost_grace: float, answer_timeout: float = 600.0
+    member: Member,
+    now: float,
+    liveness_timeout: float,
+    lost_grace: float,
+    answer_timeout: float = 600.0,
+    first_heard: float = 0.0,
 ) -> Verdict | None:
     """Why running ``member`` has failed at monotonic time ``now``, or None while it is alive.
 
     A member whose Join has not been answered yet (its world's state could not be written, e.g. a
     full disk, while its client sends the same Join again) cannot report: it is judged only once
-    ``answer_timeout`` (the join timeout) has passed since the world formed."""
+    ``answer_timeout`` (the join timeout) has passed since the world formed.
+
+    A member answered but never heard from (no report reached this coordinator yet) is not failed
+    while its job is :func:`starting` (``first_heard``: when a member of its job was last heard
+    from for the first time): thousands of streams opening at once are accepted over seconds by
+    a busy coordinator, and silence measured while its stream waits to be accepted is the
+    coordinator's. It fails once the liveness timeout has passed both since its answer and since
+    the job's last first report: a process that died right after its answer, in a job whose other
+    members all report, is caught one liveness timeout after the last of them first reported."""
     silent = now - member.last_seen
     if not member.answered:
         if silent <= answer_timeout:
@@ -60,6 +80,14 @@ def silence_verdict(
         return (
             FailureReason.MISSED_HEARTBEATS,
             f"missed heartbeats: its Join was not answered (its state not written) in {silent:.1f} s",
+        )
+    if not member.last_report and silent > liveness_timeout:
+        if starting(first_heard, now, liveness_timeout):
+            return None
+        return (
+            FailureReason.MISSED_HEARTBEATS,
+            f"missed heartbeats: never heard from in the {silent:.1f} s since its Join was answered "
+            f"(no other member of its job first reported in the last {liveness_timeout:g} s)",
         )
     # A stream that broke long after its last report broke for want of keepalive answers (the
     # process is stopped or cut off: judged by its silence), not because the process died (the

@@ -360,7 +360,10 @@ class Membership:
         unchanged).
         """
         job, member = self.authenticate(member_id, secret)
-        liveness.note_report(member, self._clock.monotonic(), self._clock.wall(), progress, age, stream)
+        now = self._clock.monotonic()
+        if not member.last_report:
+            job.first_heard = now  # its first report: the job is still starting (liveness.starting)
+        liveness.note_report(member, now, self._clock.wall(), progress, age, stream)
         changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
         if changed and worker_endpoints is not None:
             member.worker_endpoints = worker_endpoints

@@ -256,6 +256,11 @@ class Job:
     successor: Job | None = field(default=None, repr=False)
     # Monotonic time of a forming elastic generation's last arrival. Not persisted.
     last_arrival: float = field(default=0.0, repr=False)
+    # Monotonic time a member of this generation was last heard from for the first time (its
+    # first report to this coordinator); 0.0 while none was. Members never heard from are not
+    # failed for silence while first reports keep coming (see liveness.silence_verdict). Memory
+    # only: a restarted coordinator hears every member for the first time again.
+    first_heard: float = field(default=0.0, repr=False)
     # A generation that ended RESTARTED: its members that were alive then. The generation after
     # it: those members by id, expected back: each re-join is known (and keeps its place in the
     # rank order) although its generation was forgotten, and the world forms at once when all

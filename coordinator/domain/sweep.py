@@ -101,15 +101,18 @@ class LivenessSweep:
             if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
                 continue
             changed = False
+            starting = liveness.starting(job.first_heard, now, m._liveness_timeout)
             for member in job.members:
                 if member.state is not MemberState.RUNNING:
                     continue
-                # What silence_verdict finds for a member heard from within the timeout, asked
-                # without a call: 32,768 members swept four times a second.
-                if member.last_seen >= heard_since and member.lost_at is None and member.answered:
+                # What silence_verdict finds for a member heard from within the timeout, or never
+                # heard from while its job is starting, asked without a call: 32,768 members swept
+                # four times a second.
+                quiet = member.last_seen < heard_since and (member.last_report or not starting)
+                if member.lost_at is None and member.answered and not quiet:
                     continue
                 verdict = liveness.silence_verdict(
-                    member, now, m._liveness_timeout, m._lost_grace, m.answer_timeout
+                    member, now, m._liveness_timeout, m._lost_grace, m.answer_timeout, job.first_heard
                 )
                 if verdict is None:
                     continue
