@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from sarcomm.common.errors import CoordinatorUnavailableError, StoreLimitError
+from sarcomm.common.messages import WorkerEndpoint
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
@@ -170,9 +171,29 @@ async def test_a_change_nobody_waits_for_gathers_longer_and_an_answer_brings_its
     await writes.durable()
     # As after a flush of a big job: the next one is paced by what that one cost.
     writes._last_cost = 10.0
-    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "127.0.0.1:9100")
-    await stays_false_async(lambda: len(store.batches) > 1, 0.5, what="the endpoint's paced write")
+    endpoints = (WorkerEndpoint(rank=0, local_rank=0, address="127.0.0.1:9100"),)
+    member_id = ticket.members[0].member_id
+    membership.heartbeat(member_id, ticket.secrets[0], None, "", worker_endpoints=endpoints)
+    await stays_false_async(lambda: len(store.batches) > 1, 0.5, what="the endpoints' paced write")
     # A Leave's answer waits for it now: written at the pace answers get (0.1 s at most).
+    membership.leave(member_id, ticket.secrets[0], 0)
+    await asyncio.wait_for(writes.durable(), 5)
+    assert len(store.batches) == 2
+    assert stored(store)["j"]["members"][0]["worker_endpoints"] == [[0, 0, "127.0.0.1:9100"]]
+
+
+async def test_a_metrics_endpoint_alone_writes_nothing_and_goes_with_the_next_write(
+    store: CountingStore,
+) -> None:
+    """Every report repeats its endpoint: a 32,768-member job's first reports must not rewrite its
+    record while its streams open; the endpoint is in the record the next change writes."""
+    writes = WriteBehind(store)
+    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
+    ticket = membership.join(spec("a", job="j", world_size=1))
+    await writes.durable()
+    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "127.0.0.1:9100")
+    await writes.durable()
+    assert len(store.batches) == 1
     membership.leave(ticket.members[0].member_id, ticket.secrets[0], 0)
     await asyncio.wait_for(writes.durable(), 5)
     assert len(store.batches) == 2

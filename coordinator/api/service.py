@@ -347,8 +347,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _elastic_jobs(self, names: set[str]) -> dict[str, Job]:
         """The elastic jobs among ``names`` (a stream's watched jobs), by name."""
-        jobs = (self._membership.job(name) for name in names)
-        return {job.name: job for job in jobs if job is not None and job.elastic is not None}
+        found: dict[str, Job] = {}
+        for name in names:  # every request of every stream asks: no generator, no comprehension
+            job = self._membership.job(name)
+            if job is not None and job.elastic is not None:
+                found[name] = job
+        return found
 
     def _elastic_news(
         self, response: pb.HeartbeatResponse, jobs: dict[str, Job], closing: dict[str, str], known: set[str]

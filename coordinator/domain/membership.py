@@ -364,13 +364,11 @@ class Membership:
         if not member.last_report:
             job.first_heard = now  # its first report: the job is still starting (liveness.starting)
         liveness.note_report(member, now, self._clock.wall(), progress, age, stream)
-        changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
-        if changed and worker_endpoints is not None:
-            member.worker_endpoints = worker_endpoints
-        if metrics_address and metrics_address != member.metrics_address:
+        if metrics_address:
+            # Not a write of its own: every report repeats it (see Member.metrics_address).
             member.metrics_address = metrics_address
-            changed = True
-        if changed:
+        if worker_endpoints is not None and worker_endpoints != member.worker_endpoints:
+            member.worker_endpoints = worker_endpoints  # sent only when it changes: written
             self._persist(job)
         return job, member
 
