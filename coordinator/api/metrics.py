@@ -21,7 +21,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -148,8 +148,10 @@ def _gauge_text(
     return "".join(lines).encode()
 
 
-_ONE = floatToGoString(1)
-_ZERO = floatToGoString(0)
+#: prometheus_client's number format (untyped there).
+_number: Callable[[float], str] = cast("Callable[[float], str]", floatToGoString)
+_ONE = _number(1)
+_ZERO = _number(0)
 
 
 def _rank_up(snap: StateSnapshot) -> bytes:
@@ -170,10 +172,7 @@ def _rank_collective_seconds(snap: StateSnapshot) -> bytes:
         "Seconds each live rank has been inside its current collective (0 between collectives), "
         "from the progress its heartbeats carry.",
         ("job", "rank"),
-        (
-            ((job, rank), _ZERO if not inside else floatToGoString(inside))
-            for job, rank, inside in snap.live_ranks
-        ),
+        (((job, rank), _ZERO if not inside else _number(inside)) for job, rank, inside in snap.live_ranks),
     )
 
 
@@ -184,7 +183,7 @@ def _rank_blocking_seconds(snap: StateSnapshot) -> bytes:
         "For each rank that other ranks wait for: seconds they have waited in the collective it "
         "has not entered (only past --stall-threshold); op is that collective.",
         ("job", "op", "rank"),
-        (((job, op, rank), floatToGoString(waited)) for job, rank, op, waited in snap.blocking),
+        (((job, op, rank), _number(waited)) for job, rank, op, waited in snap.blocking),
     )
 
 
