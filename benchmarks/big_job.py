@@ -83,6 +83,11 @@ class Code:
     path: Path | None
     floor: bool = False
 
+    @property
+    def current(self) -> bool:
+        """This tree's coordinator."""
+        return self.path is None and not self.floor
+
 
 def baseline_tree(ref: str, work: Path) -> Path:
     """The files of commit ``ref`` (``git archive``: nothing registered in the repository) laid out
@@ -114,7 +119,9 @@ def _sample(metrics: str, name: str) -> float:
 class Coordinator:
     """A ``sar-coordinator`` process of ``code``; a context manager that stops it."""
 
-    def __init__(self, code: Code, work: Path, store: str | None, interval: float, misses: int) -> None:
+    def __init__(
+        self, code: Code, work: Path, store: str | None, interval: float, misses: int, acceptors: int = 1
+    ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         env = dict(os.environ)
         if code.path is not None:
@@ -128,7 +135,8 @@ class Coordinator:
             [sys.executable, *program, "--listen", f"{LOOPBACK}:{self.grpc_port}",
              "--http", f"{LOOPBACK}:{self.http_port}", *state, "--heartbeat-interval", str(interval),
              "--heartbeat-misses", str(misses), "--join-timeout", "300", "--max-world-size", "65536",
-             "--log-level", "WARNING", "--shutdown-grace", "1"],
+             "--log-level", "WARNING", "--shutdown-grace", "1",
+             *(["--acceptors", str(acceptors)] if acceptors > 1 and code.current else [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=work,
         )  # fmt: skip
         self.ps = psutil.Process(self.proc.pid)
@@ -279,7 +287,7 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
 def run_formation(code: Code, args: argparse.Namespace, work: Path, store: str | None, agents: int,
                   members: int, channels: int) -> dict[str, Any]:  # fmt: skip
     with (
-        Coordinator(code, work, store, 600, 1) as coordinator,
+        Coordinator(code, work, store, 600, 1, args.acceptors) as coordinator,
         clients(coordinator.target, f"form-{agents}x{members}", agents, members, args, channels) as group,
     ):
         result = form(
@@ -338,7 +346,7 @@ def run_beats(
     members = 8
     job = "beat"
     with (
-        Coordinator(code, work, store, args.interval, args.misses) as coordinator,
+        Coordinator(code, work, store, args.interval, args.misses, args.acceptors) as coordinator,
         clients(coordinator.target, job, agents, members, args, 0, probe=args.probes) as group,
     ):
         formed = form(
@@ -459,6 +467,12 @@ def parser() -> argparse.ArgumentParser:
         default=10,
         help="the coordinator's --heartbeat-misses (10, as heartbeat_load.py: the simulated agents share the "
         "coordinator's 2 cores and answer a join burst of thousands slowly)",
+    )
+    p.add_argument(
+        "--acceptors",
+        type=int,
+        default=1,
+        help="the current code's --acceptors (gRPC servers sharing its port; the baseline keeps one)",
     )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of beats before measuring")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds")

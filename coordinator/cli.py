@@ -29,7 +29,7 @@ from sarcomm.common.flags import (
 )
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import loop, status
-from sarcomm.coordinator.config import CoordinatorConfig, Limits
+from sarcomm.coordinator.config import MAX_ACCEPTORS, CoordinatorConfig, Limits
 from sarcomm.coordinator.server import serve
 from sarcomm.coordinator.storage.etcd_config import (
     DEFAULT_LEADER_TTL,
@@ -89,6 +89,8 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     Option("--join-timeout", seconds, _SECONDS, "seconds a join waits for its world to form", default=600.0),
     Option("--shutdown-grace", nonnegative_seconds, "a number of seconds >= 0", "seconds in-flight calls get "
            "on SIGTERM/SIGINT", default=5.0),
+    Option("--acceptors", *integer(1, MAX_ACCEPTORS), "gRPC servers sharing --listen's port, each taking new "
+           "calls: 8 for jobs of thousands of agents, whose Joins and streams arrive at once", default=1),
     Option("--token-file", Path, "a path", "file holding the shared token clients must send"),
     Option("--tls-cert", Path, "a path", "PEM certificate for gRPC and HTTP"),
     Option("--tls-key", Path, "a path", "PEM private key for --tls-cert"),
@@ -212,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         reconnect_grace=args.reconnect_grace,
         join_timeout=args.join_timeout,
         shutdown_grace=args.shutdown_grace,
+        acceptors=args.acceptors,
         token_file=args.token_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

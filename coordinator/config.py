@@ -15,6 +15,9 @@ from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
+#: At most this many gRPC servers share the --listen port (--acceptors).
+MAX_ACCEPTORS = 64
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -86,6 +89,11 @@ class CoordinatorConfig:
     reconnect_grace: float = 10.0
     join_timeout: float = 600.0
     shutdown_grace: float = 5.0
+    # gRPC servers sharing --listen's port (SO_REUSEPORT within this process). gRPC's asyncio
+    # server takes one new call per turn of the event loop; the kernel spreads new connections
+    # over the acceptors, and each takes its own, so thousands of Joins and streams arriving at
+    # once wait less for a busy loop.
+    acceptors: int = 1
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -117,6 +125,11 @@ class CoordinatorConfig:
                     f"advertise {self.advertise!r} must be the HOST:PORT clients reach this coordinator at "
                     "(no wildcard host, no port 0), e.g. head1:50051"
                 )
+        if not 1 <= self.acceptors <= MAX_ACCEPTORS:
+            raise InvalidArgumentError(
+                f"acceptors {self.acceptors!r} must be 1 to {MAX_ACCEPTORS} (gRPC servers sharing the "
+                f"--listen port); 1 serves jobs of hundreds of agents, 8 jobs of thousands"
+            )
         if self.heartbeat_misses < 1:
             raise InvalidArgumentError(f"heartbeat_misses {self.heartbeat_misses!r} must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):

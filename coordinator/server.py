@@ -114,7 +114,9 @@ class Coordinator:
         )
         self.grpc_port = 0
         self.http_port = 0
-        self._server: grpc.aio.Server | None = None
+        # The gRPC servers on --listen's port: one, or --acceptors of them sharing it.
+        self._servers: list[grpc.aio.Server] = []
+        self._interceptor = StatusInterceptor(self.metrics, self.token, config.limits.max_streams)
         self._runner: web.AppRunner | None = None
         self._lag_watcher: asyncio.Task[None] | None = None
         self._gc_started = 0.0
@@ -139,18 +141,21 @@ class Coordinator:
         self.failure = error
         self.failed.set()
 
-    async def start(self) -> None:
+    def _grpc_server(self, shared_port: bool) -> grpc.aio.Server:
+        """One gRPC server of the coordinator's service, configured as every one of them is
+        (``shared_port``: one of several on one port, see ``--acceptors``)."""
         limits = self.config.limits
         ping_every, answer_within = liveness.keepalive_settings(self.config.liveness_timeout)
         server = grpc.aio.server(
-            interceptors=[StatusInterceptor(self.metrics, self.token, limits.max_streams)],
+            interceptors=[self._interceptor],
             options=[
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
                 # Clients ping every 20 s to keep long Join/Watch calls alive through NATs.
                 # One coordinator per port: gRPC sets SO_REUSEPORT by default, and the kernel would
-                # split new connections between two coordinators on one port.
-                ("grpc.so_reuseport", 0),
+                # split new connections between two coordinators on one port. Only this process's
+                # own acceptors share one (_check_free refuses a port another process holds).
+                ("grpc.so_reuseport", 1 if shared_port else 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
                 # Pings from here tell a busy reporter (its gRPC core answers without the GIL)
@@ -180,21 +185,36 @@ class Coordinator:
             ),
             server,
         )
+        return server
+
+    def _bind(self, server: grpc.aio.Server, address: str) -> int:
+        try:
+            if self._grpc_credentials is not None:
+                return server.add_secure_port(address, self._grpc_credentials)
+            return server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address"
+            return 0
+
+    async def start(self) -> None:
+        acceptors = self.config.acceptors
+        server = self._grpc_server(acceptors > 1)
         # Stopped on any failure below: a gRPC server left for the garbage collector tries to stop
         # itself on a loop that is gone ("Exception ignored in Server.__del__").
-        self._server = server
+        self._servers = [server]
         try:
             _check_free("--listen", self.config.listen)
-            try:
-                if self._grpc_credentials is not None:
-                    self.grpc_port = server.add_secure_port(self.config.listen, self._grpc_credentials)
-                else:
-                    self.grpc_port = server.add_insecure_port(self.config.listen)
-            except RuntimeError:  # grpc: "Failed to bind to address"
-                self.grpc_port = 0
+            self.grpc_port = self._bind(server, self.config.listen)
             if self.grpc_port == 0:
                 raise OSError(_in_use("--listen", self.config.listen))
-            await server.start()
+            # The acceptors after the first listen on the port it got (--listen HOST:0 included).
+            bound = host_port(parse_host_port("--listen", self.config.listen)[0], self.grpc_port)
+            for _ in range(acceptors - 1):
+                more = self._grpc_server(True)
+                self._servers.append(more)
+                if self._bind(more, bound) != self.grpc_port:
+                    raise OSError(_in_use("--listen", self.config.listen))
+            for each in self._servers:
+                await each.start()
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             # The Coordinator service is SERVING only while a term serves (on etcd: while leading).
             await self.health.set(
@@ -266,9 +286,9 @@ class Coordinator:
             self.metrics.loop_lag.observe(max(0.0, loop.time() - began - LOOP_LAG_PERIOD_S))
 
     async def _close_listeners(self, grace: float | None = None) -> None:
-        if self._server is not None:
-            await self._server.stop(grace)
-            self._server = None
+        servers, self._servers = self._servers, []
+        if servers:
+            await asyncio.gather(*(server.stop(grace) for server in servers))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
