@@ -42,6 +42,7 @@ from renderers import (
     gather_grads,
     generic,
     heartbeat_load,
+    join_giveup,
     memcpy,
     overhead,
     record_size,
@@ -76,6 +77,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "record_size": record_size.section,
     "big_job": big_job.section,
     "before_after": before_after.section,
+    "join_giveup": join_giveup.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).

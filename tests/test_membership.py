@@ -404,3 +404,43 @@ def test_heard_member_gone_silent_is_failed_while_others_still_start(
     failed += membership.sweep()
     assert [m.member_id for _, m in failed] == [first.member_id]
     assert failed[0][1].reason == "missed heartbeats: silent for 3.3 s"
+
+
+def test_joins_giving_up_in_any_order_withdraw_exactly_their_members(membership: Membership) -> None:
+    """The first Join (the usual order of timeouts), the last, and one in the middle give up: each
+    time exactly its members go, the others keep their order, and the world still forms."""
+    tickets = [membership.join(spec(h, None, None, world_size=10)) for h in "abcd"]
+    job = tickets[0].job
+    for gone in (tickets[0], tickets[3], tickets[1]):
+        membership.abandon(gone)
+    assert [(m.host, m.local_rank) for m in job.members] == [("c", 0), ("c", 1)]
+    rest = [membership.join(spec(h, None, None, world_size=10)) for h in "efgh"]
+    assert job.state is JobState.RUNNING
+    assert [(m.host, m.rank) for m in job.members] == [
+        (h, r) for r, h in enumerate(h for h in "cefgh" for _ in range(2))
+    ]
+    assert rest[-1].job is job
+
+
+def test_missing_ranks_are_named_without_dealing_when_nobody_asked_for_one(
+    membership: Membership, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Join of a world that did not form in time names the missing ranks as it gives up
+    (32,768 in a burst): without requested ranks they are the ones after the joined members, and
+    no rank is dealt for it."""
+    ticket = membership.join(spec("a", None, None, world_size=40))
+    membership.join(spec("b", None, world_size=40))
+
+    def no_deal(*_: object) -> dict[str, int]:
+        raise AssertionError("ranks were dealt to describe a world without requested ranks")
+
+    monkeypatch.setattr("sarcomm.coordinator.domain.ranks.deal_ranks", no_deal)
+    assert describe_missing(ticket.job) == (
+        "3 of 40 members joined; ranks missing: 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, ..."
+    )
+
+
+def test_missing_ranks_with_requested_ones_are_dealt_as_the_world_would_form(membership: Membership) -> None:
+    ticket = membership.join(spec("a", 0, 2, world_size=5))
+    membership.join(spec("b", None, world_size=5))
+    assert describe_missing(ticket.job) == "3 of 5 members joined; ranks missing: 3, 4"

@@ -40,6 +40,7 @@ from sarcomm.coordinator.domain.model import (
     StoredState,
     Ticket,
     new_members,
+    withdraw_members,
 )
 from sarcomm.coordinator.domain.ranks import Plan, host_key, plan_world
 from sarcomm.coordinator.domain.sweep import LivenessSweep
@@ -222,10 +223,8 @@ class Membership:
             return
         if job.state is not JobState.FORMING:
             return
-        gone = {m.member_id for m in ticket.members}
-        job.members = [m for m in job.members if m.member_id not in gone]
-        job.requested = {r: m for r, m in job.requested.items() if m.member_id not in gone}
-        log.info("%s: %d member(s) withdrew before the world formed", job.label, len(gone))
+        withdraw_members(job, ticket.members)
+        log.info("%s: %d member(s) withdrew before the world formed", job.label, len(ticket.members))
         self.elastic.abandoned(job)
         if not job.members and self._jobs.get(job.name) is job:
             # Nobody is waiting any more: the next join starts the generation afresh. The ended
