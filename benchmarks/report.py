@@ -37,12 +37,12 @@ from renderers import (
     before_after,
     bench_sweep,
     big_job,
+    bursts,
     failover,
     failure_detection,
     gather_grads,
     generic,
     heartbeat_load,
-    join_giveup,
     memcpy,
     overhead,
     record_size,
@@ -77,7 +77,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "record_size": record_size.section,
     "big_job": big_job.section,
     "before_after": before_after.section,
-    "join_giveup": join_giveup.section,
+    "bursts": bursts.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).

@@ -444,3 +444,19 @@ def test_missing_ranks_with_requested_ones_are_dealt_as_the_world_would_form(mem
     ticket = membership.join(spec("a", 0, 2, world_size=5))
     membership.join(spec("b", None, world_size=5))
     assert describe_missing(ticket.job) == "3 of 5 members joined; ranks missing: 3, 4"
+
+
+def test_a_job_finishes_when_its_last_member_leaves_in_any_order(
+    membership: Membership, events: list[JobEvent]
+) -> None:
+    """Members leave in an order unlike their ranks': the job finishes at the last one, not before
+    (the running member found last time is remembered, and those before it are not looked at)."""
+    tickets = form(membership, spec("a", None, None), spec("b", None, None))
+    members = [(m, s) for t in tickets for m, s in zip(t.members, t.secrets, strict=True)]
+    job = tickets[0].job
+    for k in (2, 0, 3):
+        membership.leave(members[k][0].member_id, members[k][1], 0)
+        assert job.state is JobState.RUNNING
+    membership.leave(members[1][0].member_id, members[1][1], 0)
+    assert job.state is JobState.FINISHED
+    assert [e.kind for e in events][-1] is EventKind.JOB_FINISHED

@@ -39,6 +39,7 @@ from sarcomm.coordinator.domain.model import (
     Stall,
     StoredState,
     Ticket,
+    any_running,
     new_members,
     withdraw_members,
 )
@@ -402,7 +403,10 @@ class Membership:
             # A rank whose process died takes its connections with it: its peers' collectives fail
             # at once and their exit may reach us before its broken stream is judged. When a member
             # of this job already has a broken stream, that one is the cause: blame it first.
-            for other in job.members:
+            # Asked while the job runs (its first failure): every later exit of a failed job asking
+            # it again made a 32,768-member job's end quadratic (minutes of the loop).
+            suspects = job.members if job.state is JobState.RUNNING else ()
+            for other in suspects:
                 if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
                     blame, text = liveness.connection_lost_blame(member.rank, member.host, own_reason)
                     self._machine.member_to(job, other, MemberState.FAILED, text, blame)
@@ -452,7 +456,7 @@ class Membership:
 
     def _settle(self, job: Job) -> None:
         """Finish a job whose members are all gone."""
-        if any(m.state is MemberState.RUNNING for m in job.members):
+        if any_running(job):
             return
         if job.state is JobState.RUNNING:
             self._machine.job_to(job, JobState.FINISHED)
