@@ -6,6 +6,8 @@ same job, on its event loop, which every heartbeat and call waits behind.
 - ``finish``: a formed world whose members all leave with exit code 0 (the job's end).
 - ``fail``: a formed world where one member exits 1 and then every other exits non-zero (stopped
   by their agents after the failure).
+- ``elastic``: an elastic world (2 to N members, torchrun's nodes or ``--world-size MIN:MAX``)
+  formed by N Joins: each Join asks whether the world may form now.
 
 The membership domain does exactly what the coordinator does for each call, in process, with
 N single-rank members, for this tree and (``--baseline-ref``) an earlier commit, each burst in a
@@ -20,6 +22,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -33,7 +36,7 @@ from recording import describe, write_results
 from renderers import bursts as page
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-KINDS = ("giveup", "finish", "fail")
+KINDS = ("giveup", "finish", "fail", "elastic")
 
 
 def burst(kind: str, size: int) -> float:
@@ -41,10 +44,20 @@ def burst(kind: str, size: int) -> float:
     sarcomm (the members join first, untimed)."""
     from sarcomm.coordinator.domain import ranks
     from sarcomm.coordinator.domain.membership import Membership
+    from sarcomm.coordinator.domain.model import ElasticRange
     from tests.helpers import FakeClock, spec
 
     logging.disable(logging.CRITICAL)  # a line per call, as the coordinator logs, is not timed here
     membership = Membership(liveness_timeout=10.0, clock=FakeClock())
+    if kind == "elastic":
+        elastic = ElasticRange(2, size, 3.0)
+        specs = [
+            dataclasses.replace(spec(f"h{i}", job="e", world_size=size), elastic=elastic) for i in range(size)
+        ]
+        began = time.perf_counter()
+        tickets = [membership.join(one) for one in specs]
+        assert tickets[0].job.state.value == "RUNNING"
+        return round(time.perf_counter() - began, 4)
     world = 2 * size if kind == "giveup" else size
     tickets = [membership.join(spec(f"h{i}", job="big", world_size=world)) for i in range(size)]
     job = tickets[0].job

@@ -12,6 +12,7 @@ KINDS = {
     "giveup": "a world not formed in time: every Join gives up",
     "finish": "every member leaves with 0",
     "fail": "one fails, then every member exits non-zero",
+    "elastic": "an elastic world formed by every Join",
 }
 
 

@@ -200,8 +200,12 @@ class ElasticRendezvous:
         joined = len(job.members)
         if joined < job.elastic.min_members:
             return False
-        returned = sum(1 for member in job.members if member.previous_rank is not None)
-        complete = joined >= job.elastic.max_members or (job.returning and returned >= len(job.returning))
+        # Counted only after a re-rendezvous (survivors expected back): asked at every Join of a
+        # world of thousands, a count over its members each time made forming it quadratic.
+        complete = joined >= job.elastic.max_members or (
+            bool(job.returning)
+            and sum(1 for member in job.members if member.previous_rank is not None) >= len(job.returning)
+        )
         if not complete and m._clock.monotonic() - job.last_arrival < job.elastic.last_call:
             return False
         # Returning members first, in their previous order (rule 4); ranks then deal by join order.
