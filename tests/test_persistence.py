@@ -182,25 +182,6 @@ async def test_a_change_nobody_waits_for_gathers_longer_and_an_answer_brings_its
     assert stored(store)["j"]["members"][0]["worker_endpoints"] == [[0, 0, "127.0.0.1:9100"]]
 
 
-async def test_a_metrics_endpoint_alone_writes_nothing_and_goes_with_the_next_write(
-    store: CountingStore,
-) -> None:
-    """Every report repeats its endpoint: a 32,768-member job's first reports must not rewrite its
-    record while its streams open; the endpoint is in the record the next change writes."""
-    writes = WriteBehind(store)
-    membership = Membership(liveness_timeout=30.0, persist=writes.mark)
-    ticket = membership.join(spec("a", job="j", world_size=1))
-    await writes.durable()
-    membership.heartbeat(ticket.members[0].member_id, ticket.secrets[0], None, "127.0.0.1:9100")
-    await writes.durable()
-    assert len(store.batches) == 1
-    membership.leave(ticket.members[0].member_id, ticket.secrets[0], 0)
-    await asyncio.wait_for(writes.durable(), 5)
-    assert len(store.batches) == 2
-    assert stored(store)["j"]["members"][0]["metrics_address"] == "127.0.0.1:9100"
-    await writes.close()
-
-
 async def test_durable_returns_at_once_when_nothing_is_pending(store: CountingStore) -> None:
     writes = WriteBehind(store)
     await asyncio.wait_for(writes.durable(), 1)

@@ -364,11 +364,14 @@ class Membership:
         if not member.last_report:
             job.first_heard = now  # its first report: the job is still starting (liveness.starting)
         liveness.note_report(member, now, self._clock.wall(), progress, age, stream)
-        if metrics_address:
-            # Not a write of its own: every report repeats it (see Member.metrics_address).
+        changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
+        if changed and worker_endpoints is not None:
+            member.worker_endpoints = worker_endpoints
+        if metrics_address and metrics_address != member.metrics_address:
+            # Written (paced): a standby's /sd and a restarted coordinator read it from the store.
             member.metrics_address = metrics_address
-        if worker_endpoints is not None and worker_endpoints != member.worker_endpoints:
-            member.worker_endpoints = worker_endpoints  # sent only when it changes: written
+            changed = True
+        if changed:
             self._persist(job)
         return job, member
 

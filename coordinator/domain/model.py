@@ -173,10 +173,7 @@ class Member:
     # Monotonic time the last report about this member arrived (its age aside). Not persisted.
     last_report: float = 0.0
     progress: Progress = field(default_factory=Progress)
-    # Its /metrics endpoint, as its reports name it. Written with the member's record whenever
-    # its job is written, but a change alone writes nothing: every report repeats it, so a
-    # restarted coordinator has it back at the member's first report (a 32,768-member job's first
-    # reports would otherwise rewrite its whole record for as long as its streams take to open).
+    # Its /metrics endpoint, as its reports name it; persisted (a standby's /sd reads it from etcd).
     metrics_address: str = ""
     # The /metrics endpoints of the workers it started that are not members (a torchrun node's
     # workers), as its last report listed them; persisted. /sd lists one target per endpoint.
