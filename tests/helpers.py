@@ -19,6 +19,7 @@ Nothing here imports pytest, so the rank scripts under ``tests/scripts`` can use
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import socket
@@ -307,3 +308,15 @@ def spec(
         generation=generation,
         peer_address=peer,
     )
+
+
+def port_taken(port: int) -> bool:
+    """Whether some socket holds ``port`` on every IPv4 address: a plain bind is refused."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return True
+    return False

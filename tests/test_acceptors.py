@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 
 import grpc
 import psutil
@@ -16,7 +15,7 @@ from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, StartCoordinator
 from tests.helpers import LO_PB as LO
-from tests.helpers import free_port, read_message, wait_for
+from tests.helpers import free_port, port_taken, read_message, wait_for
 from tests.test_state_file import refused
 
 pytestmark = pytest.mark.integration
@@ -96,16 +95,7 @@ def test_a_stop_closes_every_acceptor(start_coordinator: StartCoordinator) -> No
     coordinator = start_coordinator("--acceptors", str(ACCEPTORS))
     assert coordinator.stop(signal.SIGTERM) == 0
     # The port is free again for anyone (no acceptor was left behind).
-    wait_for(lambda: free_port_is(coordinator.grpc_port), 10, what="the gRPC port to be free")
-
-
-def free_port_is(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    wait_for(lambda: not port_taken(coordinator.grpc_port), 10, what="the gRPC port to be free")
 
 
 @pytest.mark.parametrize("value", ["0", "65", "two"])

@@ -7,9 +7,7 @@ plain ``bind`` (no ``SO_REUSEADDR``, what a reservation does) gets.
 
 from __future__ import annotations
 
-import errno
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,22 +18,10 @@ import pytest
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.ports import PortBlock, check_extra_ports, extra_ports
 from tests.conftest import CoordinatorProcess
-from tests.helpers import SAR_WORKER, wait_for
+from tests.helpers import SAR_WORKER, port_taken, wait_for
 
 RANK_SCRIPT = Path(__file__).parent / "scripts" / "extra_ports_rank.py"
 EXTRA = 3
-
-
-def taken(port: int) -> bool:
-    """Whether some socket holds ``port`` on every IPv4 address: a plain bind is refused."""
-    with socket.socket() as probe:
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            return True
-    return False
 
 
 class Job:
@@ -97,7 +83,7 @@ def test_extra_ports_are_held_for_the_job_and_its_ranks_can_listen_on_them(
     master_a = int(str(seen_a["master_port"]))
     assert seen_a["extra"] == [master_a + 1, master_a + 2, master_a + 3]
     # Held while job A runs, before any of its ranks listens there: no other reservation gets them.
-    assert [port for port in extra_ports(master_a, EXTRA) if not taken(port)] == []
+    assert [port for port in extra_ports(master_a, EXTRA) if not port_taken(port)] == []
 
     # Job B on the same host, same coordinator, while A holds its ports.
     b = Job(coordinator, "job-b", tmp_path, how)
@@ -131,7 +117,7 @@ def test_a_block_holds_consecutive_ports_that_a_plain_bind_cannot_take() -> None
     block = PortBlock.reserve(4)
     try:
         assert block.extra == extra_ports(block.store_port, 4)
-        assert all(taken(port) for port in (block.store_port, *block.extra))
+        assert all(port_taken(port) for port in (block.store_port, *block.extra))
         block.keep_if_master(block.store_port + 100)  # not the master: everything released
         assert block.extra == ()
     finally:

@@ -386,17 +386,16 @@ def withdraw_members(job: Job, leaving: Sequence[Member]) -> None:
     rest (rebuilding the list for each of 32,768 Joins took minutes of the loop)."""
     count = len(leaving)
     members = job.members
+    gone = {id(m) for m in leaving}
     fits = 0 < count <= len(members)
     if fits and all(a is b for a, b in zip(members, leaving, strict=False)):
         del members[:count]
     elif fits and all(a is b for a, b in zip(members[-count:], leaving, strict=True)):
         del members[-count:]
     else:
-        gone = {id(m) for m in leaving}
         job.members = [m for m in members if id(m) not in gone]
     if job.requested:
-        ids = {id(m) for m in leaving}
-        job.requested = {r: m for r, m in job.requested.items() if id(m) not in ids}
+        job.requested = {r: m for r, m in job.requested.items() if id(m) not in gone}
 
 
 def any_running(job: Job) -> bool:
