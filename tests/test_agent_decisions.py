@@ -262,7 +262,7 @@ def test_decide_logs_a_broken_stream_and_keeps_the_ranks_running() -> None:
 def test_liveness_age_takes_the_newest_sign_of_life() -> None:
     assert liveness_age(10.0, None, 7.0) == 3.0
     assert liveness_age(10.0, 9.0, 7.0) == 1.0
-    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future vouches for an exiting rank
+    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future keeps an exiting rank alive
     assert [process_runs(s) for s in ("R", "S", "D", "T", "t", "Z", None)] == [
         True, True, True, False, False, False, False,
     ]  # fmt: skip
