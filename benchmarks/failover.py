@@ -397,36 +397,6 @@ def _histogram(values: Sequence[float], width: float) -> dict[str, int]:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def headline(results: list[dict[str, Any]], ttl: int) -> list[str]:
-    lines = []
-    by = {r["setup"]: r for r in results}
-    etcd = by.get("etcd")
-    if etcd:
-        worst = max(k["reattach_max_s"] or 0.0 for k in etcd["kills"])
-        lost = sum(k["streams"] - k["streams_reattached"] for k in etcd["kills"])
-        failed = sum(k["members_failed"] for k in etcd["kills"])
-        met = worst < ttl + 2 and failed == 0 and lost == 0
-        takeover = statistics.median(k["takeover_s"] for k in etcd["kills"])
-        lines.append(
-            f"etcd: {etcd['members']} members on {etcd['streams']} streams, {len(etcd['kills'])} leader "
-            f"SIGKILLs: take-over {takeover:.2f} s (median); the streams that came back did within "
-            f"{worst:.2f} s at worst (target < TTL + 2 = {ttl + 2} s); {lost} stream re-attachments "
-            f"missing over all kills, {failed} members failed: " + ("MET" if met else "MISSED")
-        )
-    sqlite = by.get("sqlite")
-    if etcd and sqlite:
-        e = statistics.median(k["reattach_max_s"] or float("inf") for k in etcd["kills"])
-        s = statistics.median(k["reattach_max_s"] or float("inf") for k in sqlite["kills"])
-        lost = sum(k["streams"] - k["streams_reattached"] for k in sqlite["kills"])
-        failed = sum(k["members_failed"] for k in sqlite["kills"])
-        lines.append(
-            "baseline, one SQLite coordinator restarted at once on the same host: the streams back within "
-            f"{s:.2f} s (median of kills' max); {lost} stream re-attachments missing, {failed} members "
-            f"failed; etcd failover / SQLite restart = {e / s:.2f}x (the restart needs the host alive)"
-        )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -469,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "failover",
         "title": "Failover: leader SIGKILL to every member re-attached",
-        "headline": headline(results, args.leader_ttl),
+        "headline": failover_page.headline(results, args.leader_ttl),
         "results": results,
         "settings": {
             "members": args.members,

@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "benchmark": "gather_grads",
             "title": gather_grads_page.TITLE,
-            "headline": [
-                "SAR's order (one all_reduce per parameter) over bucketed, 2 ranks, gloo on loopback: "
-                + ", ".join(f"{r['model']} {r['ratio']}x" for r in rows)
-            ],
+            "headline": gather_grads_page.headline(rows),
             "command": shlex.join(
                 ["python", "benchmarks/gather_grads.py", *(sys.argv[1:] if argv is None else argv)]
             ),

@@ -174,21 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             summary.append(row)
     given = argv if argv is not None else sys.argv[1:]
-    leaves = [r for r in summary if r["phase"] == "leaves"]
-    largest = max(leaves, key=lambda r: r["members"]) if leaves else None
-    headline = []
-    if largest:
-        base, ours = largest["immediate_loop_cpu_s"], largest["write_behind_loop_cpu_s"]
-        headline.append(
-            f"{largest['members']} members leaving cost the event loop {base:.1f} s of CPU with immediate "
-            f"writes against {ours:.2f} s written behind ({largest['loop_cpu_ratio']}x); longest hold "
-            f"{largest['immediate_longest_hold_ms']:.0f} against "
-            f"{largest['write_behind_longest_hold_ms']:.0f} ms"
-        )
     doc = {
         "benchmark": "state_writes",
         "title": "State writes: immediate against write-behind",
-        "headline": headline,
+        "headline": state_writes_page.headline(summary),
         "summary": summary,
         "command": "python benchmarks/state_writes.py " + " ".join(given),
         "settings": {"sizes": sizes, "full_baseline_max": args.full_baseline_max, "sample": args.sample},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from render import Context, Section, md_table
+from render import Context, Section, md_table, times
 
 #: What each burst is, in the table.
 KINDS = {
@@ -36,7 +36,11 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             or r["size"] != max(x["size"] for x in runs)
         ):
             continue
-        ratio = f" ({r['seconds'] / mine['seconds']:.0f}x longer)" if r["seconds"] else ""
+        ratio = (
+            f" (the current code {times(mine['seconds'], r['seconds'], 'faster', 'slower')})"
+            if r["seconds"]
+            else ""
+        )
         headline.append(
             f"{KINDS.get(r['kind'], r['kind'])}, {r['size']} members: {mine['seconds']:.3f} s of the "
             f"coordinator's loop; {r['code']}: {_seconds(r)}{ratio}"

@@ -10,8 +10,8 @@ from render import (
     machine_caption,
     machine_line,
     md_table,
-    ratio,
     their_headline,
+    times,
 )
 
 
@@ -43,12 +43,14 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         for scenario in scenarios:
             base = median(scenario, "gloo")
             ratios = [
-                f"{mode} {ratio(base / t)}" if base and (t := median(scenario, mode)) else f"{mode} -"
+                f"the {mode} {times(t, base, 'sooner', 'later')}"
+                if base and (t := median(scenario, mode))
+                else f"the {mode} -"
                 for mode in ours
             ]
             parts.append(f"{scenario}: " + ", ".join(ratios))
         headline.append(
-            "Plain gloo's time to stop the other ranks over sarcomm's (> 1: sarcomm stops them sooner): "
+            "sarcomm against plain gloo, the last other rank stopped after a fault: "
             + "; ".join(parts)
             + (
                 f" (gloo's timeout set to {timeout:g} s here; torch's default is 30 minutes)"
@@ -59,13 +61,16 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     headline += their_headline(doc)
     header = ["fault", *(f"{m} s" for m in modes)]
     if "gloo" in modes:
-        header += [f"gloo / {m}" for m in ours]
+        header += [f"{m} against gloo" for m in ours]
     rows = []
     for scenario in scenarios:
         row = [scenario, *(shown(scenario, m) for m in modes)]
         if "gloo" in modes:
             base = median(scenario, "gloo")
-            row += [ratio(base / t) if base and (t := median(scenario, m)) else "-" for m in ours]
+            row += [
+                times(t, base, "sooner", "later") if base and (t := median(scenario, m)) else "-"
+                for m in ours
+            ]
         rows.append(row)
     body = md_table(header, rows)
     body += (
