@@ -7,6 +7,8 @@ import logging
 import signal
 from collections.abc import Sequence
 
+import pytest
+
 from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, paced_interval
 from sarcomm.worker.agent.decisions import (
@@ -272,3 +274,12 @@ def test_paced_interval_takes_the_shorter_of_ours_and_the_coordinators() -> None
     assert paced_interval(2.0, 0.5) == 0.5
     assert paced_interval(0.25, 1.0) == 0.25
     assert paced_interval(1.0, 0.0) == 1.0  # an older coordinator does not say
+
+
+def test_decide_refuses_an_event_it_has_no_rule_for() -> None:
+    """An event without its case is a bug, not the run's end (it used to fall through to the exit);
+    mypy finds the missing case first, this is the run-time side of it."""
+    unknown: AgentEvent = object()  # type: ignore[assignment]
+
+    with pytest.raises(AssertionError):
+        decide(_started(), unknown)

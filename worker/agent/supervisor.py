@@ -40,7 +40,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sarcomm.common import netinfo
@@ -86,7 +86,7 @@ from sarcomm.worker.agent.rank_process import running as running_ranks
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.progress import ProgressReader
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "log_failures"]
 
 if sys.version_info >= (3, 11):
     from typing import assert_never
@@ -372,10 +372,7 @@ class _Run:
         done, pending = await asyncio.wait({beats, *self.background}, timeout=self.client.timeout + 5.0)
         for task in pending:
             task.cancel()
-        for task in done:
-            error = None if task.cancelled() else task.exception()
-            if error is not None:
-                log.error("%s: agent task failed", self.label, exc_info=error)
+        log_failures(done, self.label)
         # Every line the ranks wrote is on the console and in the files before the last word.
         await asyncio.gather(*(r.output.drained() for r in self.ranks))
         for r in self.ranks:
@@ -469,3 +466,12 @@ class _Run:
         await asyncio.sleep(min(0.2, self.agent.config.heartbeat_interval))
         while not self.events.empty():
             self.apply(self.events.get_nowait())
+
+
+def log_failures(tasks: Iterable[asyncio.Task[None]], label: str) -> None:
+    """Log each of the finished ``tasks`` that raised, with its traceback (a bug in the agent's own
+    work, which must not end the run: the ranks' results are still reported)."""
+    for task in tasks:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.error("%s: agent task failed", label, exc_info=error)
