@@ -4,14 +4,33 @@ buckets, at three model shapes."""
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from render import Context, Section, faster, fmt_value, md_table
 
 TITLE = "gather_grads: SAR's order against buckets"
 
 
-def headline(rows: list[dict[str, Any]]) -> list[str]:
+class Timing(TypedDict):
+    """One model shape: the medians of each side's calls, and the collectives each makes."""
+
+    params: int
+    mib: float
+    bucketed_ms: float
+    sar_order_ms: float
+    #: SAR's order's time over buckets', as recorded (the page says it in words).
+    ratio: float
+    collectives_bucketed: int
+    collectives_sar_order: int
+
+
+class GatherRow(Timing):
+    """A recorded row: the model shape's name and its timing."""
+
+    model: str
+
+
+def headline(rows: list[GatherRow]) -> list[str]:
     """Buckets against SAR's order at each model shape (``ratio``: SAR's order's time over buckets')."""
     return [
         "buckets against SAR's order (one all_reduce per parameter), 2 ranks, gloo on loopback: "
@@ -20,7 +39,7 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    rows: list[dict[str, Any]] = doc["rows"]
+    rows = cast(list[GatherRow], doc["rows"])
     notes = []
     slower = [float(r["ratio"]) for r in rows if float(r["ratio"]) > 1]
     if slower:
