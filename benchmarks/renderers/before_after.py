@@ -3,11 +3,30 @@ benchmarks of this tree against a baseline checkout, in one run, as ratios."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from render import Context, Section, md_table, span, times
 
 TITLE = "Before and after: wrapper cost, rendezvous and heartbeat load against a baseline checkout"
+
+
+class FigureRow(TypedDict):
+    """One figure of a benchmark's headline: each tree's median over the rounds, and after / before
+    (None: before was 0)."""
+
+    figure: str
+    before: float
+    after: float
+    ratio: float | None
+
+
+class Comparison(TypedDict):
+    """One benchmark run in both trees, ``rounds`` ABBA rounds with ``args``."""
+
+    benchmark: str
+    args: list[str]
+    rounds: int
+    rows: list[FigureRow]
 
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
@@ -17,7 +36,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         'is a cost (time, CPU, memory): "less" is the after tree doing better.',
     ]
     headline = []
-    for bench in doc["benchmarks"]:
+    for bench in cast(list[Comparison], doc["benchmarks"]):
         rows = bench["rows"]
         ratios = [float(r["ratio"]) for r in rows if r["ratio"] is not None]
         if ratios:
