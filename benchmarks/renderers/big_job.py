@@ -29,10 +29,10 @@ TITLE = "One head node for a big job"
 
 Phase = Literal["agents", "singles", "beat"]
 #: What each phase measures, in the section's words.
-PHASES: dict[str, str] = {
-    "agents": "forming the world: agents of 8 members, one Join each",
-    "singles": "forming the world: one member per Join",
-    "beat": "heartbeats: agents of 8 members on one stream each",
+PHASES: dict[str, tuple[str, str]] = {
+    "agents": ("Forming the world", "agents: agents of 8 members, one Join each"),
+    "singles": ("Forming the world", "singles: one member per Join"),
+    "beat": ("Heartbeats", "agents of 8 members, one stream each"),
 }
 
 
@@ -273,10 +273,11 @@ def family_section(recordings: list[Recording], ctx: Context) -> Section:
         phases = [phase for phase, r in chosen.items() if r is recording]
         runs = [r for r in rows(recording.doc) if r["phase"] in phases]
         headlines += headline(runs)
-        what = "; ".join(PHASES.get(phase, phase) for phase in phases)
+        described = [PHASES.get(phase, (phase, phase)) for phase in phases]
+        title = " and ".join(dict.fromkeys(title for title, _ in described))
         parts.append(
-            f"**{what[0].upper()}{what[1:]}.** Run {recording.when} (`{recording.name}.json`) against "
-            f"{_against(recording.doc)}."
+            f"**{title}** ({'; '.join(what for _, what in described)}): run {recording.when} "
+            f"(`{recording.name}.json`) against {_against(recording.doc)}."
         )
         parts += _tables(runs) or ["(no runs recorded)"]
     newest = shown[0].doc
