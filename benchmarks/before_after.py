@@ -32,6 +32,7 @@ from typing import Any
 
 import recording
 from renderers import before_after
+from renderers.before_after import Comparison, FigureRow
 
 HERE = Path(__file__).resolve().parent
 #: One benchmark's figures: name -> value (lower is better for every one of them).
@@ -127,7 +128,7 @@ def _run_with_retry(tree: Path, python: Path, bench: Benchmark, workdir: Path, t
 
 def compare(
     bench: Benchmark, trees: dict[str, tuple[Path, Path]], rounds: int, workdir: Path, timeout: float
-) -> dict[str, Any]:
+) -> Comparison:
     """``rounds`` ABBA rounds of ``bench`` in both trees: per figure, each side's median and the ratio."""
     samples: dict[str, list[Figures]] = {side: [] for side in trees}
     order = list(trees)
@@ -136,7 +137,7 @@ def compare(
             tree, python = trees[side]
             print(f"{bench.name}: round {index + 1} of {rounds}, {side}", file=sys.stderr, flush=True)
             samples[side].append(_run_with_retry(tree, python, bench, workdir, timeout))
-    rows = []
+    rows: list[FigureRow] = []
     for name in samples["after"][0]:
         if not all(name in figures for side in samples.values() for figures in side):
             continue

@@ -48,12 +48,13 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 from harness import free_port
 from recording import describe, write_results
 from renderers import big_job as big_job_page
+from renderers.big_job import BeatRow, BeatRun, Formation, FormationRow, FormationRun, Row
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
@@ -258,7 +259,7 @@ def clients(*args: Any, **kwargs: Any) -> Iterator[Clients]:
 
 
 def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[bytes] | None = None
-         ) -> dict[str, Any]:  # fmt: skip
+         ) -> Formation:  # fmt: skip
     """Start every Join at one instant; the coordinator's and the clients' view of the formation."""
     cpu0 = coordinator.cpu()
     gc0 = _sample(coordinator.metrics(), "sar_coordinator_gc_pause_seconds_sum")
@@ -277,7 +278,6 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
         "coordinator_view_s": round(view, 3),
         "last_answer_s": round(max(times) - start, 3) if times and min(times) > 0 else None,
         "coordinator_cpu_s": round(cpu, 3),
-        # Python's garbage collections in that time (the coordinator's gc_pause metric).
         "coordinator_gc_s": round(_sample(metrics, "sar_coordinator_gc_pause_seconds_sum") - gc0, 3),
         "join_errors": len(errors),
         "join_error_examples": errors[:3],
@@ -285,7 +285,7 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
 
 
 def run_formation(code: Code, args: argparse.Namespace, work: Path, store: str | None, agents: int,
-                  members: int, channels: int) -> dict[str, Any]:  # fmt: skip
+                  members: int, channels: int) -> FormationRun:  # fmt: skip
     with (
         Coordinator(code, work, store, 600, 1, args.acceptors) as coordinator,
         clients(coordinator.target, f"form-{agents}x{members}", agents, members, args, channels) as group,
@@ -340,9 +340,7 @@ def _timed_get(url: str) -> float:
     return time.monotonic() - began
 
 
-def run_beats(
-    code: Code, args: argparse.Namespace, work: Path, store: str | None, agents: int
-) -> dict[str, Any]:
+def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | None, agents: int) -> BeatRun:
     members = 8
     job = "beat"
     with (
@@ -404,23 +402,15 @@ def run_beats(
         "offered_reports_per_s": round(written), "acked_reports_per_s": round(acked),
         "processed_reports_per_s": round(processed / span),
         "coordinator_cpu_us_per_report": round(1e6 * cpu_per_report, 2) if cpu_per_report else None,
-        # What the offered rate would cost at that price: the target is a quarter of one core.
         "core_share_at_offered": round(cpu_per_report * written, 3) if cpu_per_report else None,
         "coordinator_cpu_share": round((cpu1 - cpu0) / span, 3),
-        # Its user time alone: on loopback the kernel's delivery to the receiving client is charged
-        # to the sender's system time (sendmsg), which a NIC would not do.
         "coordinator_user_us_per_report": round(1e6 * (user1 - user0) / processed, 2) if processed else None,
-        # The load generator's own CPU (all its processes), as a share of one core.
         "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
-        # While the streams started (formation to the window): how often the coordinator's loop
-        # was held over 0.1 s and over 0.5 s, and its garbage collections (its own metrics).
         "start_loop_held": _held(start_metrics, warm_metrics),
         "start_gc_s": round(_sample(warm_metrics, GC_SUM) - _sample(start_metrics, GC_SUM), 3),
         "window_loop_held": _held(warm_metrics, metrics),
         "window_gc_s": round(_sample(metrics, GC_SUM) - _sample(warm_metrics, GC_SUM), 3),
-        # Each agent's first beat after its Join answer: written (the load generator's pace) and
-        # acknowledged (the coordinator's), p50 / max seconds.
         "first_beat_written_s": _spread(first_written),
         "first_beat_acked_s": _spread(first_acked),
         "members_failed_in_window": int(failed),
@@ -435,12 +425,14 @@ def run_beats(
     }  # fmt: skip
 
 
-def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def _median_round(phase: Literal["agents", "singles"], rounds: list[FormationRun]) -> FormationRow:
     ok = [r for r in rounds if not r["join_errors"]] or rounds
     ordered = sorted(ok, key=lambda r: r["coordinator_view_s"])
-    chosen = dict(ordered[len(ordered) // 2])
-    chosen["rounds_view_s"] = [r["coordinator_view_s"] for r in rounds]
-    return chosen
+    return {
+        "phase": phase,
+        **ordered[len(ordered) // 2],
+        "rounds_view_s": [r["coordinator_view_s"] for r in rounds],
+    }
 
 
 def _sizes(text: str) -> list[int]:
@@ -506,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(cluster.close)
             cluster.start()
             etcd_url["etcd"] = cluster.url("big")
-        runs: list[dict[str, Any]] = []
+        runs: list[Row] = []
 
         def store_for(store: str, what: str) -> str | None:
             url = etcd_url[store]
@@ -518,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     for code in codes:
                         rounds = [run_formation(code, args, work, store_for(store, "a"), agents, 8, 0)
                                   for _ in range(args.repeats)]  # fmt: skip
-                        runs.append({"phase": "agents", **_median_round(rounds)})
+                        runs.append(_median_round("agents", rounds))
                         print(json.dumps(runs[-1]), flush=True)
             if "singles" in phases:
                 for size in args.singles:
@@ -529,20 +521,21 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             for _ in range(args.repeats)
                         ]
-                        runs.append({"phase": "singles", **_median_round(rounds)})
+                        runs.append(_median_round("singles", rounds))
                         print(json.dumps(runs[-1]), flush=True)
             if "beat" in phases:
                 for agents in args.beat_agents:
                     for code in codes:
                         result = run_beats(code, args, work, store_for(store, "b"), agents)
-                        runs.append({"phase": "beat", **result})
+                        row: BeatRow = {"phase": "beat", **result}
+                        runs.append(row)
                         print(json.dumps(runs[-1]), flush=True)
     doc = {
         # report.py reads a result under its file's name.
         "benchmark": args.json.stem if args.json else "big_job",
         "title": "One head node for a big job: " + ", ".join(sorted(phases)) + " (" + ", ".join(stores) + ")",
         "command": "python benchmarks/big_job.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "headline": headline(runs),
+        "headline": big_job_page.headline(runs),
         "rows": [flat(r) for r in runs],
         "machine": describe("grpcio", "protobuf", load_at="end"),
         "runs": runs,
@@ -551,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def flat(run: dict[str, Any]) -> dict[str, Any]:
+def flat(run: Row) -> dict[str, Any]:
     """One run as a row of plain values (report.py's generic table and plot)."""
     row: dict[str, Any] = {
         "ranks": run["ranks"],
@@ -576,30 +569,6 @@ def flat(run: dict[str, Any]) -> dict[str, Any]:
             join_errors=run["join_errors"],
         )
     return row
-
-
-def headline(runs: list[dict[str, Any]]) -> list[str]:
-    """Current against the baseline and the gRPC floor, per phase, store and size."""
-    lines = []
-    by = {(r["phase"], r["store"], r["ranks"], r["code"].split()[0]): r for r in runs}
-    for phase, store, ranks, code in by:
-        if code != "current":
-            continue
-        now, base, floor = (by.get((phase, store, ranks, c)) for c in ("current", "baseline", "grpc-floor"))
-        assert now is not None
-        key = "coordinator_cpu_us_per_report" if phase == "beat" else "coordinator_view_s"
-        unit = "us of coordinator CPU per report" if phase == "beat" else "s, coordinator's view"
-        parts = [f"{phase} {ranks} ranks ({store}): {now[key]} {unit}"]
-        for name, other in (("baseline", base), ("gRPC floor", floor)):
-            if other is not None and other.get(key) and now.get(key):
-                parts.append(f"{name} {other[key]} ({other[key] / now[key]:.2f}x current's)")
-        if phase == "beat":
-            parts.append(
-                f"failed {now['members_failed_in_window']}"
-                + (f" (baseline {base['members_failed_in_window']})" if base else "")
-            )
-        lines.append("; ".join(parts))
-    return lines
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from big_job import baseline_tree
 from recording import describe, write_results
 from renderers import bursts as page
+from renderers.bursts import BurstRun
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 KINDS = ("giveup", "finish", "fail", "elastic")
@@ -77,10 +77,10 @@ def burst(kind: str, size: int) -> float:
     return round(time.perf_counter() - began, 4)
 
 
-def run(code: str, path: Path | None, kind: str, size: int, budget: float) -> dict[str, Any]:
+def run(code: str, path: Path | None, kind: str, size: int, budget: float) -> BurstRun:
     """One burst in a fresh interpreter (``path``: the baseline's tree on PYTHONPATH)."""
     env = {"PYTHONPATH": f"{path}:{REPOSITORY}" if path else str(REPOSITORY)}
-    row: dict[str, Any] = {"kind": kind, "size": size, "code": code, "seconds": None, "cut_off_s": None}
+    row: BurstRun = {"kind": kind, "size": size, "code": code, "seconds": None, "cut_off_s": None}
     try:
         done = subprocess.run(
             [sys.executable, __file__, "--one", kind, str(size)],

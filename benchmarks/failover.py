@@ -54,6 +54,7 @@ from typing import Any
 from harness import SAR_COORDINATOR, free_port
 from recording import describe, write_results
 from renderers import failover as failover_page
+from renderers.failover import Kill, KillTimes, Reattach, SetupResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -229,7 +230,7 @@ def _until(predicate: Any, timeout: float, what: str, interval: float = 0.01) ->
 # -- one setup -------------------------------------------------------------------------------------
 
 
-def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def measure(setup: str, args: argparse.Namespace, work: Path) -> SetupResult:
     """Form the job under ``setup`` ("etcd" or "sqlite"), kill the leader ``--kills`` times, and
     return what each kill took."""
     work = work / setup
@@ -254,14 +255,13 @@ def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _until(lambda r=replica: r.healthz().get("role") == "standby", 60, "the standby to start", 0.05)
         target = ",".join(r.target for r in replicas)
         agents = args.members // args.per_agent
-        kills, formed = [], []
+        kills: list[Kill] = []
+        formed: list[float] = []
         for k in range(args.kills):
             # A fresh job for every kill: a kill that failed members fails its job, which would
             # leave the next kill nothing running to measure.
-            kill, formed_s, errors = _one_job(
-                setup, replicas, args, work / f"kill{k}", f"failover-{k}", target
-            )
-            kills.append({**kill, "client_errors": errors})
+            kill, formed_s = _one_job(setup, replicas, args, work / f"kill{k}", f"failover-{k}", target)
+            kills.append(kill)
             formed.append(formed_s)
         return {
             "setup": setup, "members": agents * args.per_agent, "streams": agents,
@@ -276,9 +276,9 @@ def measure(setup: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def _one_job(
     setup: str, replicas: list[Replica], args: argparse.Namespace, work: Path, job: str, target: str
-) -> tuple[dict[str, Any], float, list[str]]:
+) -> tuple[Kill, float]:
     """Start the clients of a fresh ``job``, let them heartbeat, kill the leader once; return the
-    kill's figures, the seconds the world took to form and the clients' errors."""
+    kill's figures (with the clients' errors) and the seconds the world took to form."""
     work.mkdir(parents=True, exist_ok=True)
     agents = args.members // args.per_agent
     share = [agents // args.procs + (1 if p < agents % args.procs else 0) for p in range(args.procs)]
@@ -297,7 +297,7 @@ def _one_job(
         _until(lambda: all(path.exists() for path in ready), args.join_budget, "the world to form", 0.1)
         formed_s = time.monotonic() - started
         time.sleep(args.warmup)  # every agent heartbeating at its pace before the kill
-        kill = _one_kill(setup, replicas, args, job)
+        killed_at, took = _one_kill(setup, replicas, args, job)
         stop_file.write_text("stop")
         for client in clients:
             client.wait(120)
@@ -307,8 +307,8 @@ def _one_job(
             out = json.loads((work / f"{p}.json").read_text())
             answers += out["answers"]
             errors += out["errors"]
-        kill.update(_reattach(answers, kill.pop("killed_at"), args.per_agent))
-        return kill, formed_s, errors
+        kill: Kill = {**took, **_reattach(answers, killed_at, args.per_agent), "client_errors": errors}
+        return kill, formed_s
     finally:
         stop_file.write_text("stop")
         for client in clients:
@@ -317,9 +317,12 @@ def _one_job(
                 client.wait(10)
 
 
-def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace, name: str) -> dict[str, Any]:
+def _one_kill(
+    setup: str, replicas: list[Replica], args: argparse.Namespace, name: str
+) -> tuple[float, KillTimes]:
     """SIGKILL the serving coordinator; wait for the take-over and every member to report again;
-    return the times (seconds after the kill) and the members failed."""
+    return when it was killed (``time.monotonic()``), the times (seconds after the kill) and the
+    members failed."""
     leader = next(r for r in replicas if r.leads())
     others = [r for r in replicas if r is not leader]
     killed_wall, killed_at = time.time(), time.monotonic()
@@ -350,8 +353,7 @@ def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace, nam
     if setup == "etcd":
         leader.start()  # back as a standby for the next kill
         _until(lambda: leader.healthz().get("role") == "standby", 60, "the killed replica to stand by", 0.05)
-    return {
-        "killed_at": killed_at,
+    return killed_at, {
         "takeover_s": round(took, 3),
         "coordinator_saw_all_s": None if seen is None else round(seen, 2),
         "job_state": job.get("state"),
@@ -359,7 +361,7 @@ def _one_kill(setup: str, replicas: list[Replica], args: argparse.Namespace, nam
     }
 
 
-def _reattach(answers: list[list[float]], killed_at: float, per_agent: int) -> dict[str, Any]:
+def _reattach(answers: list[list[float]], killed_at: float, per_agent: int) -> Reattach:
     """Each agent's first answer after the kill, as seconds after it: the distribution."""
     after = sorted(
         next((t for t in times if t > killed_at + IN_FLIGHT_S), float("inf")) - killed_at for times in answers
@@ -373,7 +375,6 @@ def _reattach(answers: list[list[float]], killed_at: float, per_agent: int) -> d
         "reattach_p99_s": _q(finite, 0.99),
         "reattach_max_s": round(max(finite), 3) if finite else None,
         "reattach_min_s": round(min(finite), 3) if finite else None,
-        # A histogram in 0.25 s buckets of when the streams (each `per_agent` members) re-attached.
         "histogram_0_25s": _histogram(finite, 0.25),
         "members_per_stream": per_agent,
     }
@@ -395,36 +396,6 @@ def _histogram(values: Sequence[float], width: float) -> dict[str, int]:
 
 
 # -- report ----------------------------------------------------------------------------------------
-
-
-def headline(results: list[dict[str, Any]], ttl: int) -> list[str]:
-    lines = []
-    by = {r["setup"]: r for r in results}
-    etcd = by.get("etcd")
-    if etcd:
-        worst = max(k["reattach_max_s"] or 0.0 for k in etcd["kills"])
-        lost = sum(k["streams"] - k["streams_reattached"] for k in etcd["kills"])
-        failed = sum(k["members_failed"] for k in etcd["kills"])
-        met = worst < ttl + 2 and failed == 0 and lost == 0
-        takeover = statistics.median(k["takeover_s"] for k in etcd["kills"])
-        lines.append(
-            f"etcd: {etcd['members']} members on {etcd['streams']} streams, {len(etcd['kills'])} leader "
-            f"SIGKILLs: take-over {takeover:.2f} s (median); the streams that came back did within "
-            f"{worst:.2f} s at worst (target < TTL + 2 = {ttl + 2} s); {lost} stream re-attachments "
-            f"missing over all kills, {failed} members failed: " + ("MET" if met else "MISSED")
-        )
-    sqlite = by.get("sqlite")
-    if etcd and sqlite:
-        e = statistics.median(k["reattach_max_s"] or float("inf") for k in etcd["kills"])
-        s = statistics.median(k["reattach_max_s"] or float("inf") for k in sqlite["kills"])
-        lost = sum(k["streams"] - k["streams_reattached"] for k in sqlite["kills"])
-        failed = sum(k["members_failed"] for k in sqlite["kills"])
-        lines.append(
-            "baseline, one SQLite coordinator restarted at once on the same host: the streams back within "
-            f"{s:.2f} s (median of kills' max); {lost} stream re-attachments missing, {failed} members "
-            f"failed; etcd failover / SQLite restart = {e / s:.2f}x (the restart needs the host alive)"
-        )
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sar-failover-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: list[SetupResult] = []
     for setup in ("etcd", *(() if args.no_baseline else ("sqlite",))):
         result = measure(setup, args, work)
         print(json.dumps(result)[:4000], flush=True)
@@ -469,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "failover",
         "title": "Failover: leader SIGKILL to every member re-attached",
-        "headline": headline(results, args.leader_ttl),
+        "headline": failover_page.headline(results, args.leader_ttl),
         "results": results,
         "settings": {
             "members": args.members,

@@ -63,6 +63,7 @@ from typing import Any
 from harness import SAR_WORKER, CoordinatorProcess
 from recording import describe, write_results
 from renderers import failure_detection as failure_detection_page
+from renderers.failure_detection import SummaryRow
 
 SCENARIOS = ("kill", "hang", "partition")
 MODES = ("agent", "library", "gloo")
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.delete()
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-    summary = []
+    summary: list[SummaryRow] = []
     for scenario in scenarios:
         for mode in modes:
             mine = [r for r in runs if r["scenario"] == scenario and r["mode"] == mode]

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from harness import free_port
 from recording import describe
 from renderers import gather_grads as gather_grads_page
+from renderers.gather_grads import GatherRow, Timing
 
 #: name -> parameter shapes (one tensor each); float32.
 MODELS: dict[str, list[tuple[int, ...]]] = {
@@ -57,7 +58,7 @@ def rank_main(rank: int, world: int, port: int, calls: int, out: Any) -> None:
     import sarcomm.worker as sar
 
     sar.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, Timing] = {}
     for name, shapes in MODELS.items():
         params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
         model = torch.nn.ParameterList(params)
@@ -105,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.start()
     try:
-        results: dict[str, dict[str, float]] = out.get(timeout=600)
+        results: dict[str, Timing] = out.get(timeout=600)
     finally:
         for proc in procs:
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
-    rows = [{"model": name, **r} for name, r in results.items()]
+    rows: list[GatherRow] = [{"model": name, **r} for name, r in results.items()]
     print(f"{'model':<12}{'params':>7}{'MiB':>7}{'bucketed ms':>13}{'SAR order ms':>14}{'ratio':>7}")
     for r in rows:
         print(
@@ -122,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "benchmark": "gather_grads",
             "title": gather_grads_page.TITLE,
-            "headline": [
-                "SAR's order (one all_reduce per parameter) over bucketed, 2 ranks, gloo on loopback: "
-                + ", ".join(f"{r['model']} {r['ratio']}x" for r in rows)
-            ],
+            "headline": gather_grads_page.headline(rows),
             "command": shlex.join(
                 ["python", "benchmarks/gather_grads.py", *(sys.argv[1:] if argv is None else argv)]
             ),

@@ -573,19 +573,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.scaling:
                 scaling += measure_scaling(args, work, shapes, kept)
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    headline = [
-        f"{r['shape']}{'' if r['store'] == 'sqlite' else ' on etcd'}: {r['members']} members on "
-        f"{r['streams']} streams cost the coordinator {r['coordinator_cpu_percent']}% of a core and "
-        f"{r['rss_peak_mib']} MiB at peak; {r['members_failed']} judged failed"
-        for r in summary
-    ]
-    headline += compare_stores(summary)
     given = argv if argv is not None else sys.argv[1:]
     doc = {
         # A run with the etcd store is recorded apart from the SQLite one (report.py reads both).
         "benchmark": "heartbeat_load_etcd" if "etcd" in stores else "heartbeat_load",
         "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
-        "headline": headline,
+        "headline": heartbeat_load_page.script_headline(summary),
         "summary": summary,
         "scaling": scaling,
         "command": "python benchmarks/heartbeat_load.py " + " ".join(given),
@@ -611,35 +604,6 @@ def main(argv: list[str] | None = None) -> int:
 
 #: Where the coordinator keeps its state (--stores).
 STORES = ("sqlite", "etcd")
-#: The heartbeat ack p99 the probe streams must stay under, in ms (the SQLite target, for both).
-ACK_P99_TARGET_MS = 20.0
-
-
-def compare_stores(summary: list[dict[str, Any]]) -> list[str]:
-    """Per shape measured on both stores: etcd against SQLite, and the targets checked for both."""
-    lines = []
-    by = {(r["store"], r["shape"]): r for r in summary}
-    for shape in SHAPES:
-        sqlite, etcd = by.get(("sqlite", shape)), by.get(("etcd", shape))
-        if sqlite is None or etcd is None:
-            continue
-        met = [
-            r["members_failed"] == 0 and (r["probe_ack_p99_ms"] or 0) < ACK_P99_TARGET_MS
-            for r in (sqlite, etcd)
-        ]
-        cpu = (
-            etcd["coordinator_cpu_percent"] / sqlite["coordinator_cpu_percent"]
-            if sqlite["coordinator_cpu_percent"]
-            else 0
-        )
-        lines.append(
-            f"{shape}, etcd store beside SQLite: coordinator CPU {etcd['coordinator_cpu_percent']}% vs "
-            f"{sqlite['coordinator_cpu_percent']}% ({cpu:.2f}x; etcd itself {etcd['etcd_cpu_percent']}%), "
-            f"probe ack p99 {etcd['probe_ack_p99_ms']} vs {sqlite['probe_ack_p99_ms']} ms (target "
-            f"< {ACK_P99_TARGET_MS:g} ms, no member failed): etcd {'MET' if met[1] else 'MISSED'}, "
-            f"SQLite {'MET' if met[0] else 'MISSED'}"
-        )
-    return lines
 
 
 def measure_scaling(

@@ -44,6 +44,30 @@ def ratio(value: float) -> str:
     return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
 
 
+#: How every ratio on the page reads; the report says it once, at the top.
+RATIOS_READ = (
+    "Every ratio is the larger figure over the smaller, so never under 1x, with a word saying which "
+    'way it goes: "sarcomm stops the others 3.0x sooner", "the baseline took 1.20x longer".'
+)
+
+
+def times(ours: float, theirs: float, less: str, more: str) -> str:
+    """How ``ours`` compares with ``theirs``, both of a kind where less is less (seconds, CPU, bytes),
+    as the larger over the smaller and the word for its direction: ``3.05x sooner`` (``less``) when
+    ``ours`` is the smaller, ``1.20x later`` (``more``) when the larger, ``the same`` when equal."""
+    if ours <= 0 or theirs <= 0:
+        return "-"
+    if ours == theirs:
+        return "the same"
+    return f"{ratio(theirs / ours)} {less}" if ours < theirs else f"{ratio(ours / theirs)} {more}"
+
+
+def faster(over: float) -> str:
+    """A ratio of the other's time over ours (> 1: ours is faster) as ``2.00x faster`` or ``1.25x
+    slower``: the larger over the smaller, in words."""
+    return times(1.0, over, "faster", "slower")
+
+
 def span(values: Iterable[float], fmt: Callable[[float], str] = ratio) -> str:
     """``low to high`` of ``values`` (one value alone when they are equal)."""
     ordered = sorted(values)
@@ -57,6 +81,11 @@ def fmt_value(value: Any) -> str:
     """A cell of a table of recorded values: floats to 4 significant digits, None as ``-``."""
     if isinstance(value, float):
         return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def recorded(value: object) -> str:
+    """A recorded figure as the JSON holds it (no rounding), None as ``-``."""
     return "-" if value is None else str(value)
 
 
@@ -169,6 +198,11 @@ class Section:
     machine: str
     plot: str = ""
     quick: bool = False
+    #: The recordings whose figures the section shows (file stems in the results folder: their
+    #: pages are linked as the details); empty: ``name`` alone.
+    shown: list[str] = field(default_factory=list)
+    #: Lines on the older recordings of the benchmark, kept as JSON and linked, not shown as current.
+    older: list[str] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -196,6 +230,13 @@ class Section:
         out += [self.body, ""]
         if details:
             out += [details, ""]
+        if self.older:
+            out += [
+                "Older runs, kept as recorded and not shown above:",
+                "",
+                *(f"- {o}" for o in self.older),
+                "",
+            ]
         return [*out, f"Machine: {self.machine}.", "", "Reproduce:", "", "```", self.command, "```", ""]
 
 
@@ -205,6 +246,73 @@ def command(doc: dict[str, Any], name: str) -> str:
 
 
 Renderer = Callable[[dict[str, Any], Context], Section]
+
+
+# -- a benchmark recorded more than once -----------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Recording:
+    """One recorded run of a benchmark: its file's stem in the results folder and its document
+    (each recording is itself alone: compared and hashed by identity)."""
+
+    name: str
+    doc: dict[str, Any]
+
+    @property
+    def date(self) -> str:
+        """When it ran (ISO 8601, UTC), "" when not recorded."""
+        machine = self.doc.get("machine")
+        date = machine.get("date") if isinstance(machine, dict) else None
+        return str(date or self.doc.get("date") or "")
+
+    @property
+    def when(self) -> str:
+        """Its date as the machine line writes it (``2026-11-26 06:26 UTC``)."""
+        return f"{self.date[:16].replace('T', ' ')} UTC" if self.date else "date not recorded"
+
+
+#: A benchmark's renderer for all its recordings (``NAME.json`` and ``NAME_LABEL.json``), newest first.
+FamilyRenderer = Callable[[list[Recording], Context], Section]
+
+
+def newest_per_part(
+    recordings: Sequence[Recording], parts: Callable[[dict[str, Any]], Iterable[str]]
+) -> dict[str, Recording]:
+    """For each part of a benchmark (a phase, a measurement), the newest recording that has it, in
+    the order the parts first appear (newest recording first)."""
+    chosen: dict[str, Recording] = {}
+    for recording in sorted(recordings, key=lambda r: r.date, reverse=True):
+        for part in parts(recording.doc):
+            chosen.setdefault(part, recording)
+    return chosen
+
+
+def older_runs(
+    recordings: Sequence[Recording],
+    chosen: dict[str, Recording],
+    parts: Callable[[dict[str, Any]], Iterable[str]],
+    ctx: Context,
+    baseline: Callable[[dict[str, Any]], str] = lambda doc: "",
+) -> list[str]:
+    """One line per recording whose figures another, newer one replaced (in part or whole), with a
+    link to its JSON: history, not the current figures."""
+    lines = []
+    for recording in sorted(recordings, key=lambda r: r.date, reverse=True):
+        own = list(dict.fromkeys(parts(recording.doc)))
+        replaced = [part for part in own if chosen.get(part) is not recording]
+        if not replaced:
+            continue
+        path = ctx.results / f"{recording.name}.json"
+        against = baseline(recording.doc)
+        what = "all of it" if len(replaced) == len(own) else ", ".join(replaced)
+        newer = ", ".join(dict.fromkeys(f"`{chosen[part].name}`" for part in replaced if part in chosen))
+        lines.append(
+            f"[`{path.name}`]({ctx.link(path)}), run {recording.when}"
+            + (f" against {against}" if against else "")
+            + f": {what} replaced by {newer}"
+        )
+    return lines
 
 
 def page(section: Section) -> str:

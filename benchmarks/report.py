@@ -11,10 +11,12 @@ absolute times do not), the table, the command that reproduces it, the machine i
 plot (matplotlib, Agg backend; ``pip install -e '.[bench]'``). Each benchmark's part is drawn by
 its one renderer, ``renderers/<name>.py`` (the benchmark's own ``--markdown`` page calls it too);
 this script loads the JSON, calls the renderers in the order of :data:`RENDERERS` and assembles
-the page. A benchmark without JSON, or with JSON this script cannot read (an older format), gets
-a line saying so instead of a section, and without matplotlib the report is written without
-plots: a report with a gap is more use than none. ``SARCOMM_REPORT_DEBUG=1`` prints the traceback
-behind such a line.
+the page. A benchmark recorded more than once (``NAME.json`` and ``NAME_LABEL.json``, each run for
+one purpose) gets one section from its renderer in :data:`FAMILY_RENDERERS`: the newest figures of
+each of its parts, and its older runs linked as JSON, not shown as current. A benchmark without
+JSON, or with JSON this script cannot read (an older format), gets a line saying so instead of a
+section, and without matplotlib the report is written without plots: a report with a gap is more
+use than none. ``SARCOMM_REPORT_DEBUG=1`` prints the traceback behind such a line.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import run_all
-from render import Context, Renderer, Section, md_table
+from render import RATIOS_READ, Context, FamilyRenderer, Recording, Renderer, Section, md_table
 from renderers import (
     all_to_all,
     before_after,
@@ -80,6 +82,12 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "bursts": bursts.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
+#: Benchmarks recorded more than once: one section for all their recordings (``NAME.json`` and
+#: ``NAME_*.json``), drawn from the newest of each part.
+FAMILY_RENDERERS: dict[str, FamilyRenderer] = {
+    "big_job": big_job.family_section,
+    "torchrun_rendezvous": torchrun_rendezvous.family_section,
+}
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).
 PLOT_LINE = re.compile(r"^!\[[^\]]*\]\([^)]*\)\n\n", re.MULTILINE)
 """The plots are left out of --check's comparison: drawing needs matplotlib, and the PNGs are not
@@ -113,6 +121,11 @@ def rerun(name: str) -> str:
     return f"; run `benchmarks/run_all.sh --only {name}`" if name in run_all.NAMES else ""
 
 
+def _family_of(name: str) -> str | None:
+    """The benchmark of :data:`FAMILY_RENDERERS` that recorded ``name``, if any."""
+    return next((f for f in FAMILY_RENDERERS if name == f or name.startswith(f + "_")), None)
+
+
 def build(ctx: Context) -> str:
     memcpy_doc, _ = load(ctx.results / "memcpy.json")
     if memcpy_doc is not None:
@@ -123,13 +136,22 @@ def build(ctx: Context) -> str:
             }
         except (KeyError, TypeError, ValueError):
             pass  # memcpy's own section says what is wrong with it
-    names = list(RENDERERS) + [n for n in OPTIONAL if (ctx.results / f"{n}.json").exists()]
-    names += sorted(
-        p.stem for p in ctx.results.glob("*.json") if p.stem not in names and not p.stem.startswith(".")
-    )
+    recorded = sorted(p.stem for p in ctx.results.glob("*.json") if not p.stem.startswith("."))
+    members: dict[str, list[str]] = {}
+    for stem in recorded:
+        family = _family_of(stem)
+        if family is not None:
+            members.setdefault(family, []).append(stem)
+    names = list(RENDERERS) + [n for n in OPTIONAL if n in recorded or n in members]
+    names += [n for n in recorded if n not in names and _family_of(n) is None]
     sections: list[Section] = []
     gaps: list[str] = []
     for name in names:
+        if name in members:
+            section = _family_section(ctx, name, members[name], gaps)
+            if section is not None:
+                sections.append(section)
+            continue
         path = ctx.results / f"{name}.json"
         doc, why = load(path)
         if doc is None:
@@ -144,18 +166,44 @@ def build(ctx: Context) -> str:
             if declared not in (None, name) and any(s.title == section.title for s in sections):
                 section.title += f" ({name.removeprefix(str(declared) + '_')})"
         except Exception as exc:  # one unreadable result must not cost the whole report
-            if ctx.plt is not None:
-                ctx.plt.close("all")  # a figure the failed section left open
-            detail = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-            gaps.append(
-                f"- **{name}**: `{ctx.link(path)}` is in a format this report does not read ({detail})"
-                f"{rerun(name)}."
-            )
-            if os.environ.get("SARCOMM_REPORT_DEBUG"):
-                traceback.print_exc()
+            _unreadable(ctx, name, exc, gaps)
             continue
         sections.append(section)
     return render(ctx, sections, gaps)
+
+
+def _family_section(ctx: Context, family: str, names: list[str], gaps: list[str]) -> Section | None:
+    """The one section of a benchmark recorded as ``names``; None (and a gap) when none is readable."""
+    recordings = []
+    for name in names:
+        doc, why = load(ctx.results / f"{name}.json")
+        declared = None if doc is None else doc.get("benchmark")
+        if doc is None:
+            gaps.append(f"- **{name}**: {why}{rerun(name)}.")
+        elif declared not in (None, name) and not name.startswith(f"{declared}_"):
+            _unreadable(ctx, name, ValueError(f"the file says it holds {declared!r}"), gaps)
+        else:
+            recordings.append(Recording(name, doc))
+    if not recordings:
+        return None
+    try:
+        return FAMILY_RENDERERS[family](recordings, ctx)
+    except Exception as exc:  # one unreadable result must not cost the whole report
+        _unreadable(ctx, family, exc, gaps)
+        return None
+
+
+def _unreadable(ctx: Context, name: str, exc: Exception, gaps: list[str]) -> None:
+    """Note in ``gaps`` that ``name``'s JSON is in a format no renderer reads."""
+    if ctx.plt is not None:
+        ctx.plt.close("all")  # a figure the failed section left open
+    detail = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+    path = ctx.results / f"{name}.json"
+    gaps.append(
+        f"- **{name}**: `{ctx.link(path)}` is in a format this report does not read ({detail}){rerun(name)}."
+    )
+    if os.environ.get("SARCOMM_REPORT_DEBUG"):
+        traceback.print_exc()
 
 
 def render(ctx: Context, sections: list[Section], gaps: list[str]) -> str:
@@ -167,22 +215,24 @@ def render(ctx: Context, sections: list[Section], gaps: list[str]) -> str:
         "benchmark and this report with `benchmarks/run_all.sh` (about 25 minutes on 2 cores; "
         "`--only NAME` for one, `--report-only` to rebuild this page). Ratios are the headline: they "
         "compare methods measured in the same run on the same machine. Absolute times belong to the "
-        "machine named with each result.",
+        f"machine named with each result. {RATIOS_READ} Each benchmark has one section, with the "
+        "newest figures of each of its parts; older runs are listed under it, linked to their JSON.",
         "",
     ]
     if ctx.note:
         out += [f"**{ctx.note}**", ""]
+    anchors = _anchors([s.title for s in sections])
     if sections:
         out += [
             md_table(
                 ["benchmark", "headline", "machine"],
                 [
                     (
-                        f"[{s.title}](#{_anchor(s.title)})",
+                        f"[{s.title}](#{anchor})",
                         s.headline[0] if s.headline else "-",
                         s.machine_short,
                     )
-                    for s in sections
+                    for s, anchor in zip(sections, anchors, strict=True)
                 ],
                 "lll",
             ),
@@ -193,8 +243,9 @@ def render(ctx: Context, sections: list[Section], gaps: list[str]) -> str:
     if ctx.plot_notes:
         out += [*ctx.plot_notes, ""]
     for s in sections:
-        notes = ctx.results / f"{s.name}.md"
-        link = f"Details and how to read them: [`{notes.name}`]({ctx.link(notes)})." if notes.exists() else ""
+        pages = [ctx.results / f"{name}.md" for name in s.shown or [s.name]]
+        links = [f"[`{page.name}`]({ctx.link(page)})" for page in pages if page.exists()]
+        link = f"Details and how to read them: {' and '.join(links)}." if links else ""
         out += s.markdown("##", link)
     return "\n".join(out)
 
@@ -203,6 +254,19 @@ def _anchor(title: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
     kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
     return kept.replace(" ", "-")
+
+
+def _anchors(titles: Sequence[str]) -> list[str]:
+    """The anchors of headings ``titles`` in order, as GitHub makes them: a repeated one gets
+    ``-1``, ``-2``, ... so that each link lands on its own section."""
+    seen: dict[str, int] = {}
+    anchors = []
+    for title in titles:
+        anchor = _anchor(title)
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        anchors.append(anchor if count == 0 else f"{anchor}-{count}")
+    return anchors
 
 
 def _pyplot() -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 
 from recording import describe, write_results
 from renderers import state_writes as state_writes_page
+from renderers.state_writes import StateWritesRow
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.domain.membership import JoinSpec, MemberRequest, Membership, Progress
@@ -151,22 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"--sizes {bad[0]}: each size must be at least 2 members")
     work = Path(tempfile.mkdtemp(prefix="sar-state-writes-"))
-    summary = []
+    summary: list[StateWritesRow] = []
     for world in sizes:
         sample = args.sample if world > args.full_baseline_max else None
         immediate = asyncio.run(run_mode("immediate", world, sample, work))
         behind = asyncio.run(run_mode("write_behind", world, None, work))
         for base, ours in zip(immediate, behind, strict=True):
-            row = {
+            row: StateWritesRow = {
                 "members": world,
                 "phase": base["phase"],
                 "immediate_changes": base["changes"],
                 "immediate_scaled_by": base["scaled_by"],
-                **{f"immediate_{k}": base[k] for k in ("loop_cpu_s", "wall_s", "longest_hold_ms")},
-                **{
-                    f"write_behind_{k}": ours[k]
-                    for k in ("loop_cpu_s", "wall_s", "longest_hold_ms", "batches")
-                },
+                "immediate_loop_cpu_s": base["loop_cpu_s"],
+                "immediate_wall_s": base["wall_s"],
+                "immediate_longest_hold_ms": base["longest_hold_ms"],
+                "write_behind_loop_cpu_s": ours["loop_cpu_s"],
+                "write_behind_wall_s": ours["wall_s"],
+                "write_behind_longest_hold_ms": ours["longest_hold_ms"],
+                "write_behind_batches": ours["batches"],
                 "loop_cpu_ratio": round(base["loop_cpu_s"] / ours["loop_cpu_s"], 1)
                 if ours["loop_cpu_s"]
                 else None,
@@ -174,21 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             summary.append(row)
     given = argv if argv is not None else sys.argv[1:]
-    leaves = [r for r in summary if r["phase"] == "leaves"]
-    largest = max(leaves, key=lambda r: r["members"]) if leaves else None
-    headline = []
-    if largest:
-        base, ours = largest["immediate_loop_cpu_s"], largest["write_behind_loop_cpu_s"]
-        headline.append(
-            f"{largest['members']} members leaving cost the event loop {base:.1f} s of CPU with immediate "
-            f"writes against {ours:.2f} s written behind ({largest['loop_cpu_ratio']}x); longest hold "
-            f"{largest['immediate_longest_hold_ms']:.0f} against "
-            f"{largest['write_behind_longest_hold_ms']:.0f} ms"
-        )
     doc = {
         "benchmark": "state_writes",
         "title": "State writes: immediate against write-behind",
-        "headline": headline,
+        "headline": state_writes_page.headline(summary),
         "summary": summary,
         "command": "python benchmarks/state_writes.py " + " ".join(given),
         "settings": {"sizes": sizes, "full_baseline_max": args.full_baseline_max, "sample": args.sample},

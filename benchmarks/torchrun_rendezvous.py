@@ -50,6 +50,7 @@ import rendezvous as rdv
 from harness import CoordinatorProcess, free_port
 from recording import write_results
 from renderers import torchrun_rendezvous as torchrun_page
+from renderers.torchrun_rendezvous import FormationRow, ImportCost, LossRound, LossRow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.torchrun_nodes import TRAIN, Node, records
@@ -94,15 +95,14 @@ def _sarcomm_handler_client(
     return rows
 
 
-def formation(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def formation(args: argparse.Namespace, workdir: Path) -> list[FormationRow]:
+    rows: list[FormationRow] = []
     c10d_missed: int | None = None
     rounds = 0
     with rdv.start_coordinator(workdir, "INFO") as coordinator:
         for warm_up, size in [(True, 8)] + [(False, s) for s in args.sizes]:
             # The first world of 8 warms the coordinator up, unreported.
-            row: dict[str, Any] = {"nodes": size}
-            times = []
+            times, p50s, formed_at = [], [], []
             for _ in range(args.repeats):
                 rounds += 1  # a job name per round: the handlers of a round never leave
                 job = f"torchrun-{size}-{rounds}-{os.getpid()}"
@@ -112,11 +112,16 @@ def formation(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
                     server_cpu=coordinator.cpu_seconds,
                 )  # fmt: skip
                 times.append(result.formation_s)
-                row.setdefault("sarcomm_p50_s", []).append(result.p50_s)
+                p50s.append(result.p50_s)
                 _, formed = coordinator.job_times(job, start_wall)
-                row.setdefault("coordinator_formed_s", []).append(formed)
-            row["sarcomm_s"] = statistics.median(times)
-            row["sarcomm_rounds_s"] = times
+                formed_at.append(formed)
+            row: FormationRow = {
+                "nodes": size,
+                "sarcomm_p50_s": p50s,
+                "coordinator_formed_s": formed_at,
+                "sarcomm_s": statistics.median(times),
+                "sarcomm_rounds_s": times,
+            }
             if c10d_missed is not None and size > c10d_missed:
                 row["c10d"] = f"not run (no world of {c10d_missed} within {args.c10d_deadline:g} s)"
             else:
@@ -174,7 +179,7 @@ def _alive(pid: int) -> bool:
 
 def node_loss_round(
     args: argparse.Namespace, backend: str, sig: signal.Signals, endpoint: str, workdir: Path, n: int
-) -> dict[str, Any]:
+) -> LossRound:
     """One loss: ``args.nodes`` nodes train, one is signalled; the two times from the signal."""
     out = workdir / f"{backend}-{sig.name}-{n}"
     out.mkdir(parents=True)
@@ -240,8 +245,8 @@ def _endpoint(backend: str, coordinator: str) -> str:
     return coordinator if backend == "sarcomm" else f"127.0.0.1:{free_port()}"
 
 
-def node_loss(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    rows = []
+def node_loss(args: argparse.Namespace, workdir: Path) -> list[LossRow]:
+    rows: list[LossRow] = []
     # Not formation's coordinator, which judges silence slowly (--heartbeat-interval 600): one
     # with the default liveness settings, as a deployment runs.
     with _default_coordinator(workdir) as target:
@@ -254,13 +259,22 @@ def node_loss(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
                     node_loss_round(args, backend, sig, _endpoint(backend, target), workdir, n)
                     for n in range(args.loss_repeats)
                 ]
-                row = {"signal": sig.name, "backend": backend, "rounds": rounds}
-                for key in ("stopped_s", "training_s"):
-                    got = [r[key] for r in rounds if r[key] is not None]
-                    row[key] = statistics.median(got) if len(got) == len(rounds) else None
+                row: LossRow = {
+                    "signal": sig.name,
+                    "backend": backend,
+                    "rounds": rounds,
+                    "stopped_s": _median_of_all([r["stopped_s"] for r in rounds]),
+                    "training_s": _median_of_all([r["training_s"] for r in rounds]),
+                }
                 rows.append(row)
                 print(f"node-loss: {json.dumps(row)}", flush=True)
     return rows
+
+
+def _median_of_all(values: list[float | None]) -> float | None:
+    """The median of ``values``, or None when any is missing (a round that missed its deadline)."""
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if len(got) == len(values) else None
 
 
 @contextlib.contextmanager
@@ -286,7 +300,7 @@ print(t1 - t0, t2 - t1, t3 - t2)
 """
 
 
-def import_cost(args: argparse.Namespace) -> dict[str, Any]:
+def import_cost(args: argparse.Namespace) -> ImportCost:
     """Seconds the entry point adds, the rest of the rendezvous package's import, and what the
     handler module (loaded only for --rdzv-backend=sarcomm) would have cost at load."""
     samples = []
@@ -296,7 +310,7 @@ def import_cost(args: argparse.Namespace) -> dict[str, Any]:
         )
         samples.append([float(x) for x in out.stdout.split()])
     entry, rest, handler = (statistics.median(column) for column in zip(*samples, strict=True))
-    result = {
+    result: ImportCost = {
         "entry_point_ms": entry * 1e3,
         "rendezvous_import_rest_ms": rest * 1e3,
         "handler_module_ms": handler * 1e3,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Static checks: generated code and docs/flags.md fresh, ruff lint + format, mypy --strict over the
-# sarcomm namespace and over tests, benchmarks, examples and scripts/gen_flags.py, the import
-# contracts. Any failure fails the script (after every check ran).
+# Static checks: generated code, docs/flags.md and benchmarks/RESULTS.md fresh, ruff lint + format,
+# mypy --strict over the sarcomm namespace and over tests, benchmarks, examples and
+# scripts/gen_flags.py, the import contracts. Any failure fails the script (after every check ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,8 @@ status=0
 python protos/generate.py --check || status=1
 # docs/flags.md is generated from the CLIs' parsers: stale after a flag changed until rerun.
 python scripts/gen_flags.py --check || status=1
+# benchmarks/RESULTS.md is rendered from the recorded JSON: stale after a renderer changed until rerun.
+python benchmarks/report.py --check || status=1
 ruff check . || status=1
 ruff format --check . || status=1
 

@@ -7,6 +7,8 @@ import logging
 import signal
 from collections.abc import Sequence
 
+import pytest
+
 from sarcomm.common.constants import EventKind
 from sarcomm.common.messages import Event, paced_interval
 from sarcomm.worker.agent.decisions import (
@@ -262,7 +264,7 @@ def test_decide_logs_a_broken_stream_and_keeps_the_ranks_running() -> None:
 def test_liveness_age_takes_the_newest_sign_of_life() -> None:
     assert liveness_age(10.0, None, 7.0) == 3.0
     assert liveness_age(10.0, 9.0, 7.0) == 1.0
-    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future vouches for an exiting rank
+    assert liveness_age(10.0, 12.0, 7.0) == 0.0  # a stamp in the future keeps an exiting rank alive
     assert [process_runs(s) for s in ("R", "S", "D", "T", "t", "Z", None)] == [
         True, True, True, False, False, False, False,
     ]  # fmt: skip
@@ -272,3 +274,12 @@ def test_paced_interval_takes_the_shorter_of_ours_and_the_coordinators() -> None
     assert paced_interval(2.0, 0.5) == 0.5
     assert paced_interval(0.25, 1.0) == 0.25
     assert paced_interval(1.0, 0.0) == 1.0  # an older coordinator does not say
+
+
+def test_decide_refuses_an_event_it_has_no_rule_for() -> None:
+    """An event without its case is a bug, not the run's end (it used to fall through to the exit);
+    mypy finds the missing case first, this is the run-time side of it."""
+    unknown: AgentEvent = object()  # type: ignore[assignment]
+
+    with pytest.raises(AssertionError):
+        decide(_started(), unknown)

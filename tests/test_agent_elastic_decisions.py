@@ -24,7 +24,7 @@ from sarcomm.worker.agent.decisions import (
     RanksDone,
     RankStarted,
     Rejoin,
-    RendezvousNews,
+    RendezvousStatus,
     ReportLeave,
     Restart,
     Restarting,
@@ -79,10 +79,10 @@ def test_decide_stops_the_ranks_and_rejoins_without_a_restart_if_the_generation_
         Log(logging.WARNING, f"{LABEL}: {LOST}; stopping local rank(s) 2, 3 to re-form it"),
         StopRanks(StopReason.RERENDEZVOUS, signal.SIGTERM),
     ]
-    # The stopped ranks report no Leave (a non-zero one would fail the job) and stay vouched for.
+    # The stopped ranks report no Leave (a non-zero one would fail the job) and are still reported alive.
     state, actions = _run(state, [RankExited(0, -15), RankExited(1, 1)])
     assert not any(isinstance(a, ReportLeave | ShowTail) for a in actions)
-    assert [state.vouched(0), state.vouched(1)] == [True, True]
+    assert [state.reported_alive(0), state.reported_alive(1)] == [True, True]
     assert state.settled
     state, actions = decide(state, RanksDone())
     assert actions == []
@@ -93,7 +93,7 @@ def test_decide_stops_the_ranks_and_rejoins_without_a_restart_if_the_generation_
 
 
 def test_decide_re_forms_a_larger_world_if_ranks_wait_to_join() -> None:
-    state, actions = decide(_started(), RendezvousNews(waiting=2, closed=False))
+    state, actions = decide(_started(), RendezvousStatus(waiting=2, closed=False))
     assert actions == [
         Log(logging.WARNING, f"{LABEL}: 2 rank(s) wait to join; stopping local rank(s) 2, 3 to re-form a "
             "larger world"),
@@ -101,7 +101,7 @@ def test_decide_re_forms_a_larger_world_if_ranks_wait_to_join() -> None:
     ]  # fmt: skip
     # The generation the agent's own re-join ends: heard, nothing more to do.
     state, actions = _run(
-        state, [_restarting("re-rendezvous: rank 2 on host h1 re-joins"), RendezvousNews(0, False)]
+        state, [_restarting("re-rendezvous: rank 2 on host h1 re-joins"), RendezvousStatus(0, False)]
     )
     assert actions == []
     state, _ = _run(state, [RankExited(0, -15), RankExited(1, -15), RanksDone()])
@@ -109,14 +109,14 @@ def test_decide_re_forms_a_larger_world_if_ranks_wait_to_join() -> None:
 
 
 def test_decide_ignores_waiting_ranks_if_fixed_closed_or_a_rank_finished() -> None:
-    assert decide(_started(elastic=False), RendezvousNews(1, False))[1] == []
+    assert decide(_started(elastic=False), RendezvousStatus(1, False))[1] == []
     assert decide(_started(elastic=False), _restarting())[1] == []
-    closed, _ = decide(_started(), RendezvousNews(0, True))
+    closed, _ = decide(_started(), RendezvousStatus(0, True))
     assert closed.closed
-    assert decide(closed, RendezvousNews(1, True))[1] == []
+    assert decide(closed, RendezvousStatus(1, True))[1] == []
     finished, actions = decide(_started(), RankExited(0, 0))
     assert actions[-1] == ReportLeave(0, 0, "exited with code 0")  # its Leave closes the rendezvous
-    assert decide(finished, RendezvousNews(1, False))[1] == []
+    assert decide(finished, RendezvousStatus(1, False))[1] == []
 
 
 def test_decide_fails_like_a_peer_failure_if_the_generation_restarts_after_the_rendezvous_closed() -> None:
@@ -148,7 +148,7 @@ def test_decide_holds_a_failed_ranks_leave_and_drops_it_if_the_generation_restar
     assert actions[-1] == HoldExit(0)
     assert [leave.index for leave in state.held] == [1, 0]
     assert not state.settled
-    assert [state.vouched(0), state.vouched(1)] == [True, True]
+    assert [state.reported_alive(0), state.reported_alive(1)] == [True, True]
     # The verdict: a peer was lost, which is why the rank failed. No Leave, no restart: re-join.
     state, actions = _run(state, [_member_failed(), _restarting()])
     assert actions == [Log(logging.WARNING, f"{LABEL}: {LOST}; the world re-forms")]
@@ -218,7 +218,7 @@ def test_decide_takes_an_interrupted_elastic_agents_ranks_out_without_a_failed_l
 
 
 def test_decide_exits_128_plus_the_signal_if_interrupted_while_the_world_re_forms() -> None:
-    state, _ = decide(_started(), RendezvousNews(1, False))
+    state, _ = decide(_started(), RendezvousStatus(1, False))
     state, actions = decide(state, StopRequested(signal.SIGINT))
     assert actions[-1] == SignalRanks(signal.SIGINT)
     state, _ = _run(state, [RankExited(0, -2), RankExited(1, -2), RanksDone()])

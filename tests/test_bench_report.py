@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -89,25 +90,77 @@ def test_a_benchmarks_page_is_its_section_of_results_md(report: ModuleType, tmp_
         assert part in summary
 
 
-def test_big_job_renders_its_phases(report: ModuleType, tmp_path: Path) -> None:
-    """big_job has no recording in results/: its renderer is checked on a made-up run."""
-    form = {"store": "sqlite", "ranks": 4096, "code": "this", "coordinator_view_s": 1.2}
-    form |= {"last_answer_s": 1.5, "coordinator_cpu_s": 0.9, "rounds_view_s": [1.2, 1.3]}
-    beat: dict[str, Any] = {"phase": "beat", "store": "etcd", "code": "this", "ranks": 4096}
+def _beat(code: str, failed: int, store: str = "etcd") -> dict[str, Any]:
+    """A made-up heartbeat row of big_job.py (the fields its renderer reads)."""
+    beat: dict[str, Any] = {"phase": "beat", "store": store, "code": code, "ranks": 4096}
     beat |= {"offered_reports_per_s": 2048, "processed_reports_per_s": 2040}
     beat |= {"coordinator_cpu_us_per_report": 31.0, "core_share_at_offered": 0.06, "rss_peak_mib": 120}
-    beat |= {"members_failed_in_window": 0, "probe_ack_p50_ms": 1, "probe_ack_p99_ms": 4}
+    beat |= {"members_failed_in_window": failed, "probe_ack_p50_ms": 1, "probe_ack_p99_ms": 4}
     beat |= {"probe_ack_max_ms": 9, "endpoint_s": {"metrics": 0.1, "sd": 0.2, "jobs": 0.3}}
     beat |= {"failure_fanout_s": 0.4, "failure_streams_told": 511, "failure_streams": 512}
-    runs = [{"phase": "agents", **form}, beat]
+    return beat
+
+
+def test_big_job_renders_its_phases(report: ModuleType, tmp_path: Path) -> None:
+    """big_job's renderer on a made-up run: a figure the run did not get (None) shows as "-"."""
+    form = {"store": "sqlite", "ranks": 4096, "code": "this", "coordinator_view_s": 1.2}
+    form |= {"last_answer_s": None, "coordinator_cpu_s": 0.9, "rounds_view_s": [1.2, 1.3]}
+    runs = [{"phase": "agents", **form}, _beat("this", 0)]
     doc = {"benchmark": "big_job", "command": "python benchmarks/big_job.py", "runs": runs}
 
     section = report.OPTIONAL_RENDERERS["big_job"](
         doc, importlib.import_module("render").Context.page(tmp_path)
     )
 
-    assert "| agents | sqlite | 4096 | this | 1.2 | 1.5 | 0.9 | [1.2, 1.3] |" in section.body
+    assert "| agents | sqlite | 4096 | this | 1.2 | - | 0.9 | [1.2, 1.3] |" in section.body
     assert (
         "| etcd | this | 4096 | 2048 | 2040 | 31.0 | 0.06 | 120 | 0 | 1 / 4 / 9 | 0.1 / 0.2 / 0.3 "
         "| 0.4 (511 of 512) |" in section.body
     )
+
+
+def test_a_benchmark_recorded_twice_shows_its_newest_run_and_links_the_older(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, day, failed, baseline in (("old", "01", 22184, 30768), ("new", "02", 0, 20944)):
+        runs = [_beat("current", failed, "sqlite"), _beat("baseline abc1234", baseline, "sqlite")]
+        doc = {
+            "benchmark": f"big_job_{name}",
+            "machine": {"date": f"2026-11-{day}T06:26:20+00:00"},
+            "runs": runs,
+        }
+        (results / f"big_job_{name}.json").write_text(json.dumps(doc))
+    render = importlib.import_module("render")
+
+    text = report.build(render.Context(results, results / "plots", tmp_path / "RESULTS.md", None))
+
+    assert text.count("\n## One head node for a big job\n") == 1
+    assert "members wrongly failed: 0 (the baseline: 20944)" in text
+    assert "22184" not in text  # the older run's figures are history, not the current code's
+    assert (
+        "- [`big_job_old.json`](results/big_job_old.json), run 2026-11-01 06:26 UTC against abc1234: all "
+        "of it replaced by `big_job_new`"
+    ) in text
+
+
+def test_each_benchmark_has_one_section_and_each_summary_link_lands_on_it(report: ModuleType) -> None:
+    text = (BENCHMARKS / "RESULTS.md").read_text()
+    titles = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    links = re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\)", text, re.MULTILINE)
+
+    assert len(titles) == len(set(titles))
+    assert links == [report._anchor(title) for title in titles]
+    assert report._anchors(["A b", "A b", "c"]) == ["a-b", "a-b-1", "c"]
+
+
+def test_every_ratio_is_the_larger_over_the_smaller_in_words() -> None:
+    render = importlib.import_module("render")
+
+    assert render.times(1.0, 3.0, "sooner", "later") == "3.00x sooner"
+    assert render.times(3.0, 1.0, "sooner", "later") == "3.00x later"
+    assert render.faster(0.47) == "2.13x slower"  # gather_grads' 8 x 1M: 0.47 was "0.47x"
+    text = (BENCHMARKS / "RESULTS.md").read_text()
+    assert not re.search(r"\b0\.\d+x\b", text), "a ratio under 1x: write it the other way round, in words"
+    assert "None" not in text

@@ -8,11 +8,11 @@ from render import (
     Context,
     Section,
     baseline_commit,
+    faster,
     human_bytes,
     machine_caption,
     machine_line,
     md_table,
-    ratio,
     span,
 )
 
@@ -29,9 +29,9 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         (
             human_bytes(r["bytes_per_rank"]),
             *(f"{r['median_seconds'][m] * 1e3:.3f}" for m in methods),
-            ratio(r["sar_fallback_over_sarcomm"]),
-            ratio(r["a2a_single_over_sarcomm"]),
-            *([ratio(r["baseline_over_sarcomm"])] if before else []),
+            faster(r["sar_fallback_over_sarcomm"]),
+            faster(r["a2a_single_over_sarcomm"]),
+            *([faster(r["baseline_over_sarcomm"])] if before else []),
         )
         for r in rows
     ]
@@ -39,16 +39,16 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         [
             "bytes per rank",
             *(f"{m} ms" for m in methods),
-            "fallback / sarcomm",
-            "a2a_single / sarcomm",
-            *(["baseline / sarcomm"] if before else []),
+            "sarcomm against fallback",
+            "sarcomm against a2a_single",
+            *(["sarcomm against baseline"] if before else []),
         ],
         table_rows,
     )
     body += (
         f"\n\n{doc.get('world_size', '?')} ranks, {doc.get('backend', 'gloo')}, "
-        f"{doc.get('transport', 'loopback')}; {doc.get('statistic', 'median')}. Ratios above 1 mean sarcomm "
-        "is faster. sar_fallback is SAR's own gloo path (isend to all, recv in rank order, barrier); "
+        f"{doc.get('transport', 'loopback')}; {doc.get('statistic', 'median')}. sar_fallback is SAR's own "
+        "gloo path (isend to all, recv in rank order, barrier); "
         "a2a_single is the same exchange with all_to_all_single and split sizes."
         + (
             f" baseline is sarcomm's all_to_all at commit {baseline_commit(doc)}, timed in the same run."
@@ -61,11 +61,11 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     while tail > 0 and single[tail - 1] > 1.0:
         tail -= 1
     headline = [
-        f"sarcomm against SAR's gloo fallback: **{span(fallback)}** faster "
-        f"({sum(r > 1 for r in fallback)} of {len(rows)} sizes faster)",
-        f"against all_to_all_single: **{span(single)}** "
+        f"sarcomm against SAR's gloo fallback: **{span(fallback, faster)}** "
+        f"(faster at {sum(r > 1 for r in fallback)} of {len(rows)} sizes)",
+        f"against all_to_all_single: **{span(single, faster)}** "
         + (
-            f"({span(single[tail:])} at every size from {human_bytes(sizes[tail])} up)"
+            f"({span(single[tail:], faster)} at every size from {human_bytes(sizes[tail])} up)"
             if 0 < tail < len(single)
             else "(faster at every size)"
             if tail == 0
@@ -75,7 +75,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     if before:
         headline.append(
             f"against the same code before this change (commit {baseline_commit(doc)}, same run): "
-            f"{span(before)}"
+            f"{span(before, faster)}"
         )
     plot = ""
     if ctx.plt is not None:

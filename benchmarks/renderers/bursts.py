@@ -3,9 +3,9 @@ at once, this tree beside a baseline."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, cast
 
-from render import Context, Section, md_table
+from render import Context, Section, md_table, times
 
 #: What each burst is, in the table.
 KINDS = {
@@ -16,14 +16,25 @@ KINDS = {
 }
 
 
-def _seconds(run: dict[str, Any]) -> str:
+class BurstRun(TypedDict):
+    """One burst: ``size`` calls of ``kind`` by ``code``, and the loop's seconds (None: cut off after
+    ``cut_off_s``)."""
+
+    kind: str
+    size: int
+    code: str
+    seconds: float | None
+    cut_off_s: float | None
+
+
+def _seconds(run: BurstRun) -> str:
     if run["seconds"] is None:
         return f"over {run['cut_off_s']:g} s (cut off)"
     return f"{run['seconds']:.3f} s"
 
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    runs = doc["runs"]
+    runs = cast(list[BurstRun], doc["runs"])
     rows = [(KINDS.get(r["kind"], r["kind"]), str(r["size"]), r["code"], _seconds(r)) for r in runs]
     current = {(r["kind"], r["size"]): r for r in runs if r["code"] == "current"}
     headline = []
@@ -36,7 +47,11 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             or r["size"] != max(x["size"] for x in runs)
         ):
             continue
-        ratio = f" ({r['seconds'] / mine['seconds']:.0f}x longer)" if r["seconds"] else ""
+        ratio = (
+            f" (the current code {times(mine['seconds'], r['seconds'], 'faster', 'slower')})"
+            if r["seconds"]
+            else ""
+        )
         headline.append(
             f"{KINDS.get(r['kind'], r['kind'])}, {r['size']} members: {mine['seconds']:.3f} s of the "
             f"coordinator's loop; {r['code']}: {_seconds(r)}{ratio}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from render import (
     Context,
@@ -10,13 +10,28 @@ from render import (
     machine_caption,
     machine_line,
     md_table,
-    ratio,
     their_headline,
+    times,
 )
 
 
+class SummaryRow(TypedDict):
+    """One fault under one way of detecting it, over its runs: seconds from the fault to the last
+    other rank stopped (None: none stopped before the deadline), and to it being told."""
+
+    scenario: str
+    mode: str
+    runs: int
+    stopped_median_s: float | None
+    stopped_min_s: float | None
+    stopped_max_s: float | None
+    over_deadline: int
+    told_median_s: float | None
+    deadline_s: float | None
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    summary = doc["summary"]
+    summary = cast(list[SummaryRow], doc["summary"])
     scenarios = list(dict.fromkeys(r["scenario"] for r in summary))
     modes = list(dict.fromkeys(r["mode"] for r in summary))
     cell = {(r["scenario"], r["mode"]): r for r in summary}
@@ -25,7 +40,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
 
     def median(scenario: str, mode: str) -> float | None:
         r = cell.get((scenario, mode))
-        return None if r is None or r.get("stopped_median_s") is None else float(r["stopped_median_s"])
+        return None if r is None else r["stopped_median_s"]
 
     def shown(scenario: str, mode: str) -> str:
         r = cell.get((scenario, mode))
@@ -43,12 +58,14 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         for scenario in scenarios:
             base = median(scenario, "gloo")
             ratios = [
-                f"{mode} {ratio(base / t)}" if base and (t := median(scenario, mode)) else f"{mode} -"
+                f"the {mode} {times(t, base, 'sooner', 'later')}"
+                if base and (t := median(scenario, mode))
+                else f"the {mode} -"
                 for mode in ours
             ]
             parts.append(f"{scenario}: " + ", ".join(ratios))
         headline.append(
-            "Plain gloo's time to stop the other ranks over sarcomm's (> 1: sarcomm stops them sooner): "
+            "sarcomm against plain gloo, the last other rank stopped after a fault: "
             + "; ".join(parts)
             + (
                 f" (gloo's timeout set to {timeout:g} s here; torch's default is 30 minutes)"
@@ -59,13 +76,16 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     headline += their_headline(doc)
     header = ["fault", *(f"{m} s" for m in modes)]
     if "gloo" in modes:
-        header += [f"gloo / {m}" for m in ours]
+        header += [f"{m} against gloo" for m in ours]
     rows = []
     for scenario in scenarios:
         row = [scenario, *(shown(scenario, m) for m in modes)]
         if "gloo" in modes:
             base = median(scenario, "gloo")
-            row += [ratio(base / t) if base and (t := median(scenario, m)) else "-" for m in ours]
+            row += [
+                times(t, base, "sooner", "later") if base and (t := median(scenario, m)) else "-"
+                for m in ours
+            ]
         rows.append(row)
     body = md_table(header, rows)
     body += (
@@ -82,19 +102,19 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             xs = [k + (i - (len(modes) - 1) / 2) * width for k in range(len(scenarios))]
             values, low, high, missing = [], [], [], []
             for scenario in scenarios:
-                r = cell.get((scenario, mode), {})
+                r = cell.get((scenario, mode))
                 t = median(scenario, mode)
-                if t is None:
+                if r is None or t is None:
                     # Did not stop within the deadline: a hatched bar up to it says "at least".
-                    deadline = float(r.get("deadline_s") or 0)
+                    deadline = (r["deadline_s"] if r is not None else None) or 0.0
                     values.append(deadline)
                     low.append(0.0)
                     high.append(0.0)
                     missing.append(True)
                 else:
                     values.append(t)
-                    low.append(t - float(r.get("stopped_min_s", t)))
-                    high.append(float(r.get("stopped_max_s", t)) - t)
+                    low.append(t - (r["stopped_min_s"] or t))
+                    high.append((r["stopped_max_s"] or t) - t)
                     missing.append(False)
             bars = ax.bar(xs, values, width, yerr=[low, high], capsize=3, label=mode)
             for bar, over in zip(bars, missing, strict=True):

@@ -10,8 +10,8 @@ from render import (
     machine_caption,
     machine_line,
     md_table,
-    ratio,
     span,
+    times,
 )
 
 
@@ -53,13 +53,21 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 cell("sarcomm", size),
                 cell("tcpstore", size),
                 cell("c10d", size),
-                ratio(ours / floor) if ours and floor else "-",
-                ratio(c10d / ours) if ours and c10d else "-",
+                times(ours, floor, "faster", "slower") if ours and floor else "-",
+                times(ours, c10d, "faster", "slower") if ours and c10d else "-",
                 f"{r['max_over_p50']:.2f}" if r.get("max_over_p50") else "-",
             )
         )
     body = md_table(
-        ["N", "sarcomm s", "TCPStore s", "c10d s", "sarcomm / TCPStore", "c10d / sarcomm", "sarcomm max/p50"],
+        [
+            "N",
+            "sarcomm s",
+            "TCPStore s",
+            "c10d s",
+            "sarcomm against TCPStore",
+            "sarcomm against c10d",
+            "sarcomm max/p50",
+        ],
         rows,
     )
     body += (
@@ -82,8 +90,8 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                     cell("sarcomm", size),
                     cell("sarcomm-etcd", size),
                     cell("etcd-v2", size),
-                    ratio(on_etcd / ours) if ours and on_etcd else "-",
-                    ratio(torch_etcd / on_etcd) if on_etcd and torch_etcd else "-",
+                    times(on_etcd, ours, "faster", "slower") if ours and on_etcd else "-",
+                    times(on_etcd, torch_etcd, "faster", "slower") if on_etcd and torch_etcd else "-",
                 )
             )
         body += "\n\n" + md_table(
@@ -92,8 +100,8 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 "sarcomm (SQLite) s",
                 "sarcomm-etcd s",
                 "etcd-v2 s",
-                "sarcomm-etcd / SQLite",
-                "etcd-v2 / sarcomm-etcd",
+                "sarcomm-etcd against SQLite",
+                "sarcomm-etcd against etcd-v2",
             ],
             etcd_rows,
         )
@@ -106,32 +114,35 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     if both:
         top = both[-1]
         ours = formed("sarcomm", top) or 0.0
+        slower = [(formed("sarcomm", s) or 0) / (formed("tcpstore", s) or 1) for s in both]
+        over_floor = span(slower, lambda r: times(r, 1.0, "faster", "slower"))
         headline.append(
             f"sarcomm forms a {top}-member world in **{ours:.2f} s**, "
-            f"**{ratio(ours / (formed('tcpstore', top) or 1))}** the time of a bare TCPStore barrier "
-            f"(the floor; {span([(formed('sarcomm', s) or 0) / (formed('tcpstore', s) or 1) for s in both])} "
-            "over all sizes)"
+            f"**{times(ours, formed('tcpstore', top) or 0.0, 'faster', 'slower')}** than a bare TCPStore "
+            f"barrier (the floor; {over_floor} over all sizes)"
         )
     c10d_ok = [s for s in sizes if formed("c10d", s) and formed("sarcomm", s)]
     if c10d_ok:
         worst = [s for s in sizes if by.get(("c10d", s), {}).get("status") not in ("ok", "partial", None)]
         line = ", ".join(
-            f"{ratio((formed('c10d', s) or 0) / (formed('sarcomm', s) or 1))} at N={s}" for s in c10d_ok
+            f"{times(formed('sarcomm', s) or 0.0, formed('c10d', s) or 0.0, 'faster', 'slower')} at N={s}"
+            for s in c10d_ok
         )
         headline.append(
-            f"c10d is slower than sarcomm by {line}"
-            + (f", and did not finish N={worst[0]} within {deadline:g} s" if worst else "")
+            f"against c10d, sarcomm forms the world {line}"
+            + (f"; c10d did not finish N={worst[0]} within {deadline:g} s" if worst else "")
         )
     pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
     if pairs:
         dnf = [s for s in sizes if by.get(("etcd-v2", s), {}).get("status") == "timeout"]
         headline.append(
-            "torch elastic's etcd-v2 rendezvous is slower than sarcomm on etcd by "
+            "on etcd, against torch elastic's etcd-v2 rendezvous, sarcomm forms the world "
             + ", ".join(
-                f"{ratio((formed('etcd-v2', s) or 0) / (formed('sarcomm-etcd', s) or 1))} at N={s}"
+                f"{times(formed('sarcomm-etcd', s) or 0.0, formed('etcd-v2', s) or 0.0, 'faster', 'slower')} "
+                f"at N={s}"
                 for s in pairs
             )
-            + (f", and did not finish N={dnf[0]} within {etcd_deadline:g} s" if dnf else "")
+            + (f"; etcd-v2 did not finish N={dnf[0]} within {etcd_deadline:g} s" if dnf else "")
         )
     if doc.get("verdict"):
         headline.append(str(doc["verdict"]))

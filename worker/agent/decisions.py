@@ -35,15 +35,15 @@ The rules:
    The stamp alone still tells progress and stalls.
 7. Elastic worlds (``--world-size MIN:MAX``), as torchrun's agent does it: when the coordinator
    ends the generation on purpose (:class:`Restarting`: a peer was lost, another agent re-joins)
-   or agents wait to join (:class:`RendezvousNews` with ``waiting`` > 0: scale-up), the agent
+   or agents wait to join (:class:`RendezvousStatus` with ``waiting`` > 0: scale-up), the agent
    stops its ranks, reports no ``Leave`` for them, and joins the next generation naming its
    member (:class:`Rejoin`); ``--max-restarts`` is not spent. A local rank's non-zero exit is
-   held (:class:`HoldExit`: no ``Leave`` yet, the rank still vouched for) until the coordinator's
+   held (:class:`HoldExit`: no ``Leave`` yet, the rank still reported alive) until the coordinator's
    verdict: a peer's death fails gloo collectives at once, before the coordinator has judged the
    peer lost, and a ``Leave`` with a non-zero code would fail the job instead of re-forming it.
    When the verdict is a re-rendezvous the held exits are dropped; when none comes in time
    (:class:`VerdictDue`) they are reported, and the failure is the run's (rules 1, 5). A closed
-   rendezvous (a member finished: a local rank exited 0, or the news says closed) or an
+   rendezvous (a member finished: a local rank exited 0, or the coordinator says it is closed) or an
    interrupted run never re-forms: a re-rendezvous then fails the run like a peer's failure.
 """
 
@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -72,10 +73,11 @@ from sarcomm.worker.agent.events import (
     RanksDone,
     RankStarted,
     Rejoin,
-    RendezvousNews,
+    RendezvousStatus,
     ReportLeave,
     Restart,
     Restarting,
+    RunEnd,
     ShowTail,
     SignalRanks,
     SpawnFailed,
@@ -103,10 +105,11 @@ __all__ = [
     "RankStarted",
     "RanksDone",
     "Rejoin",
-    "RendezvousNews",
+    "RendezvousStatus",
     "ReportLeave",
     "Restart",
     "Restarting",
+    "RunEnd",
     "RunState",
     "ShowTail",
     "SignalRanks",
@@ -119,6 +122,7 @@ __all__ = [
     "decide",
     "describe_exit",
     "exit_code_of",
+    "finish",
     "liveness_age",
     "process_runs",
 ]
@@ -128,6 +132,11 @@ __all__ = [
 EXIT_PEER_FAILED = 1
 #: Exit code of a rank whose command could not be started (as a shell reports "command not found").
 EXIT_SPAWN_FAILED = 127
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # torch, a dependency, requires typing_extensions
+    from typing_extensions import assert_never
 
 _V = TypeVar("_V")
 
@@ -229,7 +238,7 @@ class RunState:
     def prefix(self) -> str:
         return f"job {self.job} generation {self.generation}"
 
-    def vouched(self, index: int) -> bool:
+    def reported_alive(self, index: int) -> bool:
         """Whether local rank ``index`` no longer runs but is still reported alive: its exit is
         held, or it was stopped for a re-rendezvous (rule 7)."""
         if self.running(index) or not self.started[index]:
@@ -270,32 +279,41 @@ def _caused_elsewhere(state: RunState, event: Event) -> Failure | None:
 
 
 def decide(state: RunState, event: AgentEvent) -> tuple[RunState, list[Action]]:
-    """The new state and the actions for ``event`` (see the module docstring for the rules)."""
-    if isinstance(event, RankStarted):
-        return dataclasses.replace(state, started=_with(state.started, event.index, True)), []
-    if isinstance(event, SpawnFailed):
-        return _spawn_failed(state, event)
-    if isinstance(event, RankExited):
-        return _rank_exited(state, event)
-    if isinstance(event, PeerFailed):
-        return _peer_failed(state, event.event)
-    if isinstance(event, StreamBroke):
-        # Collectives do not depend on the coordinator: the ranks keep running without it.
-        return state, [
-            Log(logging.ERROR, f"{state.label}: heartbeats stopped: {event.reason}; ranks keep running")
-        ]
-    if isinstance(event, StopRequested):
-        return _stop_requested(state, event.signum)
-    if isinstance(event, Restarting):
-        return _restarting(state, event.event)
-    if isinstance(event, RendezvousNews):
-        return _news(state, event)
-    if isinstance(event, VerdictDue):
-        return dataclasses.replace(state, held=()), list(state.held)
-    if isinstance(event, RanksDone):
-        verdict: list[Action] = [AwaitVerdict()] if state.local_blame and state.interrupted is None else []
-        return dataclasses.replace(state, finishing=True), verdict
-    return state, _finished(state)
+    """The new state and the actions for ``event`` (see the module docstring for the rules).
+
+    Every kind of event has its case: mypy fails on an :data:`AgentEvent` added without one."""
+    match event:
+        case RankStarted(index=index):
+            return dataclasses.replace(state, started=_with(state.started, index, True)), []
+        case SpawnFailed():
+            return _spawn_failed(state, event)
+        case RankExited():
+            return _rank_exited(state, event)
+        case PeerFailed(event=coordinator_event):
+            return _peer_failed(state, coordinator_event)
+        case StreamBroke(reason=reason):
+            # Collectives do not depend on the coordinator: the ranks keep running without it.
+            return state, [
+                Log(logging.ERROR, f"{state.label}: heartbeats stopped: {reason}; ranks keep running")
+            ]
+        case StopRequested(signum=signum):
+            return _stop_requested(state, signum)
+        case Restarting(event=coordinator_event):
+            return _restarting(state, coordinator_event)
+        case RendezvousStatus():
+            return _waiting_or_closed(state, event)
+        case VerdictDue():
+            return dataclasses.replace(state, held=()), list(state.held)
+        case RanksDone():
+            verdict: list[Action] = (
+                [AwaitVerdict()] if state.local_blame and state.interrupted is None else []
+            )
+            return dataclasses.replace(state, finishing=True), verdict
+        case Finished():
+            lines, end = finish(state)
+            return state, [*lines, end]
+        case _:
+            assert_never(event)
 
 
 def _spawn_failed(state: RunState, event: SpawnFailed) -> tuple[RunState, list[Action]]:
@@ -409,19 +427,19 @@ def _stop_requested(state: RunState, signum: int) -> tuple[RunState, list[Action
     return state, [*actions, SignalRanks(signum)]
 
 
-def _finished(state: RunState) -> list[Action]:
+def finish(state: RunState) -> tuple[list[Log], RunEnd]:
+    """How a run whose loose ends are tied up ends (:class:`Finished`): the lines to log, and the
+    one thing the agent does next (join the re-formed world, restart, or exit)."""
     failure = state.failure
     if state.rerendezvous and failure is None:
         return [
             Log(logging.WARNING, f"{state.label}: joining the next generation ({state.rerendezvous}); "
                 f"no restart counted"),
-            Rejoin(),
-        ]  # fmt: skip
+        ], Rejoin()  # fmt: skip
     if failure is None:
-        return [
-            Log(logging.INFO, f"{state.label}: every local rank exited with code 0"),
-            Exit(AgentResult(0)),
-        ]
+        return [Log(logging.INFO, f"{state.label}: every local rank exited with code 0")], Exit(
+            AgentResult(0)
+        )
     if state.interrupted is None and state.restarts < state.max_restarts:
         # The coordinator forms the next world under the next generation number; asking for it
         # (not 0) keeps this host out of any later world if it falls behind.
@@ -432,9 +450,8 @@ def _finished(state: RunState) -> list[Action]:
                 f"{state.label}: {failure.message}; restart {restart.restarts} of {state.max_restarts}, "
                 f"joining generation {restart.generation}",
             ),
-            restart,
-        ]
-    return [Exit(AgentResult(failure.exit_code, failure.message))]
+        ], restart
+    return [], Exit(AgentResult(failure.exit_code, failure.message))
 
 
 def _restarting(state: RunState, event: Event) -> tuple[RunState, list[Action]]:
@@ -456,15 +473,15 @@ def _restarting(state: RunState, event: Event) -> tuple[RunState, list[Action]]:
     return state, [line, *stop]
 
 
-def _news(state: RunState, news: RendezvousNews) -> tuple[RunState, list[Action]]:
+def _waiting_or_closed(state: RunState, status: RendezvousStatus) -> tuple[RunState, list[Action]]:
     """Rule 7: ranks that wait to join make the running world re-form larger (scale-up)."""
     if not state.elastic:
         return state, []
-    state = dataclasses.replace(state, closed=state.closed or news.closed)
+    state = dataclasses.replace(state, closed=state.closed or status.closed)
     quiet = state.failure is None and state.stopping is None and not state.held and not state.finishing
-    if news.waiting <= 0 or state.closed or state.interrupted is not None or not quiet:
+    if status.waiting <= 0 or state.closed or state.interrupted is not None or not quiet:
         return state, []
-    why = f"{news.waiting} rank(s) wait to join"
+    why = f"{status.waiting} rank(s) wait to join"
     stopped = ", ".join(str(rank) for i, rank in enumerate(state.ranks) if state.running(i))
     state = dataclasses.replace(state, rerendezvous=why)
     line = Log(

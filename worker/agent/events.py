@@ -1,7 +1,8 @@
 """What the ``sar-worker`` agent's decisions take and give: the events (a rank started or exited,
-the coordinator's news, a signal, ...), the actions (log, stop the ranks, report a ``Leave``, join
-again, exit) and how a run ended. Plain frozen values; the rules that turn one into the other are
-:func:`sarcomm.worker.agent.decisions.decide`'s, which re-exports every name here.
+the coordinator reported a failure or the rendezvous' status, a signal, ...), the actions (log,
+stop the ranks, report a ``Leave``, join again, exit) and how a run ended. Plain frozen values; the
+rules that turn one into the other are :func:`sarcomm.worker.agent.decisions.decide`'s, which
+re-exports every name here.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ __all__ = [
     "RankStarted",
     "RanksDone",
     "Rejoin",
-    "RendezvousNews",
+    "RendezvousStatus",
     "ReportLeave",
     "Restart",
     "Restarting",
+    "RunEnd",
     "ShowTail",
     "SignalRanks",
     "SpawnFailed",
@@ -122,9 +124,9 @@ class Restarting:
 
 
 @dataclass(frozen=True)
-class RendezvousNews:
-    """A heartbeat answer's news of this elastic generation: ``waiting`` ranks wait to join the
-    next one; ``closed``: no new world forms under the job while it runs."""
+class RendezvousStatus:
+    """What a heartbeat answer says of this elastic generation's rendezvous: ``waiting`` ranks wait
+    to join the next one; ``closed``: no new world forms under the job while it runs."""
 
     waiting: int
     closed: bool
@@ -145,7 +147,7 @@ AgentEvent = (
     | RanksDone
     | Finished
     | Restarting
-    | RendezvousNews
+    | RendezvousStatus
     | VerdictDue
 )
 
@@ -207,7 +209,7 @@ class Restart:
 
 @dataclass(frozen=True)
 class HoldExit:
-    """Local rank ``index`` exited; keep vouching for it at the coordinator and send
+    """Local rank ``index`` exited; keep reporting it alive to the coordinator and send
     :class:`VerdictDue` once the verdict had time to come (its ``Leave`` waits in the state)."""
 
     index: int
@@ -225,6 +227,7 @@ class Exit:
     result: AgentResult
 
 
-Action = (
-    Log | ShowTail | StopRanks | SignalRanks | ReportLeave | AwaitVerdict | HoldExit | Restart | Rejoin | Exit
-)
+#: The actions that end a generation's run: what the agent does next.
+RunEnd = Restart | Rejoin | Exit
+
+Action = Log | ShowTail | StopRanks | SignalRanks | ReportLeave | AwaitVerdict | HoldExit | RunEnd

@@ -9,7 +9,7 @@ Pure bookkeeping and ``/proc`` reads: the decisions are :mod:`.decisions`', the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sarcomm.common.addresses import host_port
@@ -38,17 +38,13 @@ class LocalRank:
     address: str
     progress: ProgressReader
     output: RankOutput
+    #: Its launcher, once started (whether it still runs is the decisions' :class:`RunState`'s to say).
     proc: RankProcess | None = None
-    returncode: int | None = None
     stale: bool = False
     #: Whether this rank's own exit was a failure (not the agent's stop): its tail was shown.
     failed: bool = False
     #: Unix time the kernel last said this rank's process runs (set when it starts).
     seen_running: float = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.returncode is None
 
     def report(self, now: float, stale_after: float, label: str = "") -> MemberReport:
         """This rank's heartbeat report, with the age of its last sign of life (Unix time ``now``).
@@ -70,7 +66,7 @@ class LocalRank:
         age = liveness_age(now, record.stamp if record is not None else None, self.seen_running)
         if record is None:
             return MemberReport(self.member_id, self.secret, age=age)
-        # A stamp in the future vouches for an exiting rank (see services.EXIT_GRACE_S).
+        # A stamp in the future keeps an exiting rank alive (see services.EXIT_GRACE_S).
         stamp_age = max(0.0, now - record.stamp)
         if stamp_age > stale_after:
             if not self.stale:
@@ -90,10 +86,10 @@ class LocalRank:
         return MemberReport(self.member_id, self.secret, progress, metrics_address, age)
 
 
-def signal_ranks(ranks: Sequence[LocalRank], signum: int) -> None:
-    """Signal each running rank's process group (the rank and the children it started)."""
+def signal_ranks(ranks: Iterable[LocalRank], signum: int) -> None:
+    """Signal each of ``ranks``' process group (the rank and the children it started)."""
     for r in ranks:
-        if r.running and r.proc is not None:
+        if r.proc is not None:
             r.proc.signal_group(signum)
 
 

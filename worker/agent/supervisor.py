@@ -33,65 +33,65 @@ ranks' environment are in :mod:`sarcomm.worker.agent.config`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sarcomm.common import netinfo
 from sarcomm.common.client.coordinator_client import CoordinatorClient
-from sarcomm.common.constants import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES, EventKind
+from sarcomm.common.constants import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 from sarcomm.common.errors import InvalidArgumentError, JobClosedError, SarcommError, shorten
 from sarcomm.common.messages import JoinResult, MemberReport, paced_interval
 from sarcomm.common.ports import PortBlock
 from sarcomm.worker.agent.config import AgentConfig, rank_environment
 from sarcomm.worker.agent.decisions import (
-    Action,
     AgentEvent,
     AgentResult,
     AwaitVerdict,
     Exit,
-    Finished,
     HoldExit,
     Log,
-    PeerFailed,
-    RankExited,
     RanksDone,
     RankStarted,
     Rejoin,
-    RendezvousNews,
     ReportLeave,
     Restart,
-    Restarting,
+    RunEnd,
     RunState,
     ShowTail,
     SignalRanks,
     SpawnFailed,
     StopRanks,
-    StopRequested,
-    StreamBroke,
     VerdictDue,
     decide,
+    finish,
 )
+from sarcomm.worker.agent.event_sources import forward_signals, heartbeat, wait_exit
 from sarcomm.worker.agent.local_rank import LocalRank, rank_processes, signal_ranks
-from sarcomm.worker.agent.output import EXIT_DRAIN_S, Console, RankOutput, log_paths, make_log_dir
+from sarcomm.worker.agent.output import Console, RankOutput, log_paths, make_log_dir
 from sarcomm.worker.agent.rank_process import (
     RankProcess,
     command_problem,
     kill_ranks,
     launch_command,
-    running,
     wait_exits,
 )
+from sarcomm.worker.agent.rank_process import running as running_ranks
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.progress import ProgressReader
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "log_failures"]
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # torch, a dependency, requires typing_extensions
+    from typing_extensions import assert_never
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +151,17 @@ class Agent:
                                     config.job, exc, config.world_text)  # fmt: skip
                         return AgentResult(0)
                     self._follow_coordinator_interval(joined)
-                    for action in await self._run_generation(client, joined, restarts):
-                        if isinstance(action, Log):
-                            log.log(action.level, "%s", action.text)
-                        elif isinstance(action, Restart):
-                            restarts, generation, rejoin = action.restarts, action.generation, None
-                        elif isinstance(action, Rejoin):
+                    end = await self._run_generation(client, joined, restarts)
+                    match end:
+                        case Restart():
+                            restarts, generation, rejoin = end.restarts, end.generation, None
+                        case Rejoin():
                             member = joined.assignments[0]
                             generation, rejoin = 0, (member.member_id, member.secret)
-                        elif isinstance(action, Exit):
-                            return action.result
+                        case Exit(result=result):
+                            return result
+                        case _:
+                            assert_never(end)
         finally:
             self._ports.close()
             if self._console is not None:
@@ -216,39 +217,11 @@ class Agent:
         self._ports.keep_if_master(joined.master_port)
         return joined
 
-    async def _run_generation(
-        self, client: CoordinatorClient, joined: JoinResult, restarts: int
-    ) -> list[Action]:
-        """Run one generation's ranks to the end; returns the final actions (an exit or a restart)."""
+    async def _run_generation(self, client: CoordinatorClient, joined: JoinResult, restarts: int) -> RunEnd:
+        """Run one generation's ranks to the end; returns what the agent does next."""
         label = f"job={joined.job} ranks={list(joined.ranks)} generation={joined.generation}"
         with tempfile.TemporaryDirectory(prefix=f"sar-worker-{joined.job}-") as progress_dir:
             return await _Run(self, client, joined, restarts, label, Path(progress_dir)).run()
-
-    async def _leave(
-        self, client: CoordinatorClient, r: LocalRank, code: int, reason: str, label: str
-    ) -> None:
-        if r.failed and r.output.files is not None:
-            # Where to read all of it: shown by `status` and in the failure line of every rank.
-            reason = f"{reason}; log: {self._host}:{r.output.files[1]}"
-        try:
-            state = await client.leave(r.member_id, r.secret, max(-255, min(255, code)), reason[:1024])
-        except SarcommError as exc:
-            log.warning("%s: could not report Leave of rank %d: %s", label, r.rank, exc)
-        else:
-            log.info("%s: rank %d left (%s); job is %s", label, r.rank, reason, state)
-
-    async def _stop(self, ranks: Sequence[LocalRank], signum: int, label: str) -> None:
-        """Send ``signum`` to the running ranks' process groups; kill those left after the grace."""
-        signal_ranks(ranks, signum)
-        # A stopped (SIGSTOP) rank only acts on the signal once continued.
-        signal_ranks(ranks, signal.SIGCONT)
-        if not await wait_exits(rank_processes(ranks).values(), self.config.stop_grace):
-            log.warning(
-                "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
-                "process trees)",
-                label, running(rank_processes(ranks)), self.config.stop_grace, signal.Signals(signum).name,
-            )  # fmt: skip
-            await kill_ranks(rank_processes(ranks), label)
 
 
 class _Run:
@@ -287,6 +260,7 @@ class _Run:
             )
             for i, a in enumerate(joined.assignments)
         ]
+        # Whether a rank runs, and how it exited, is held here alone (started, returncodes).
         self.state = RunState(
             job=joined.job,
             generation=joined.generation,
@@ -300,63 +274,73 @@ class _Run:
         # The rank's library stamps every interval; past two missed stamps the agent logs it (the
         # coordinator judges it, by the age each report carries).
         self.stale_after = 3 * config.heartbeat_interval
-        self.happenings: asyncio.Queue[AgentEvent] = asyncio.Queue()
+        #: What happened, in order, for :meth:`apply` (filled by :mod:`.event_sources`).
+        self.events: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self.background: set[asyncio.Task[None]] = set()
         self.stop_task: asyncio.Task[None] | None = None
         self.verdict_timer: asyncio.TimerHandle | None = None
 
+    def running(self) -> list[LocalRank]:
+        """The ranks whose processes run, as far as the decisions know (their exits not yet seen)."""
+        return [r for r in self.ranks if self.state.running(r.index)]
+
     def reports(self) -> list[MemberReport]:
         now = time.time()
-        reports = [r.report(now, self.stale_after, self.label) for r in self.ranks if r.running]
+        reports = [r.report(now, self.stale_after, self.label) for r in self.running()]
         # Rule 7: a rank whose exit is held, or stopped for a re-rendezvous, is not gone: the
         # coordinator must not judge it lost before the verdict or the re-join.
         return reports + [
-            MemberReport(r.member_id, r.secret, age=0.0) for r in self.ranks if self.state.vouched(r.index)
+            MemberReport(r.member_id, r.secret, age=0.0)
+            for r in self.ranks
+            if self.state.reported_alive(r.index)
         ]
 
-    def apply(self, event: AgentEvent) -> list[Action]:
-        """Decide on ``event`` and carry out the actions but the run's end (returned)."""
-        if isinstance(event, RankExited):
-            # Counted as exited once its exit is decided on, not when the process ended: the loop
-            # in run() waits until every exit has been.
-            self.ranks[event.index].returncode = event.returncode
+    def apply(self, event: AgentEvent) -> list[AwaitVerdict | RunEnd]:
+        """Decide on ``event`` and carry out the actions but those the run's loop takes (returned).
+
+        Every kind of action has its case: mypy fails on an :data:`Action` added without one."""
         self.state, actions = decide(self.state, event)
-        rest: list[Action] = []
+        rest: list[AwaitVerdict | RunEnd] = []
         for action in actions:
-            if isinstance(action, Log):
-                log.log(action.level, "%s", action.text)
-            elif isinstance(action, StopRanks):
-                self.stop_task = asyncio.ensure_future(
-                    self.agent._stop(self.ranks, action.signum, self.label)
-                )
-            elif isinstance(action, SignalRanks) and action.signum == signal.SIGKILL:
-                self.background.add(asyncio.ensure_future(kill_ranks(rank_processes(self.ranks), self.label)))
-            elif isinstance(action, SignalRanks):
-                signal_ranks(self.ranks, action.signum)
-            elif isinstance(action, ShowTail):
-                self.ranks[action.index].failed = True
-                self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[action.index])))
-            elif isinstance(action, ReportLeave):
-                r = self.ranks[action.index]
-                leave = self.agent._leave(self.client, r, action.exit_code, action.reason, self.label)
-                self.background.add(asyncio.ensure_future(leave))
-            elif isinstance(action, HoldExit):
-                self._hold()
-            else:
-                rest.append(action)
+            match action:
+                case Log(level=level, text=text):
+                    log.log(level, "%s", text)
+                case StopRanks(signum=signum):
+                    self.stop_task = asyncio.ensure_future(self._stop(signum))
+                case SignalRanks(signum=signal.SIGKILL):
+                    self.background.add(
+                        asyncio.ensure_future(kill_ranks(rank_processes(self.ranks), self.label))
+                    )
+                case SignalRanks(signum=signum):
+                    signal_ranks(self.running(), signum)
+                case ShowTail(index=index):
+                    self.ranks[index].failed = True
+                    self.background.add(asyncio.ensure_future(self._show_tail(self.ranks[index])))
+                case ReportLeave():
+                    self.background.add(asyncio.ensure_future(self._leave(action)))
+                case HoldExit():
+                    self._hold()
+                case AwaitVerdict() | Restart() | Rejoin() | Exit():
+                    rest.append(action)
+                case _:
+                    assert_never(action)
         return rest
 
-    async def run(self) -> list[Action]:
+    async def run(self) -> RunEnd:
         config, joined = self.agent.config, self.joined
-        heartbeat = asyncio.ensure_future(self._heartbeat())
-        with _forward_signals(self.happenings):
+        beats = asyncio.ensure_future(
+            heartbeat(
+                self.client, joined, self.reports, config.heartbeat_interval, self.events, self.label,
+                lambda: bool(self.state.rerendezvous),
+            )
+        )  # fmt: skip
+        with forward_signals(self.events):
             for r in self.ranks:
                 env = rank_environment(
                     self.agent._environ, config, joined, r.index, self.restart_count, r.progress.path
                 )
                 started = await self._start(r, env)
-                if isinstance(started, str):
-                    r.returncode = 127  # never ran
+                if isinstance(started, str):  # never ran: the decisions count it as exit 127
                     self.apply(SpawnFailed(r.index, started))
                     break
                 r.proc = started
@@ -370,26 +354,25 @@ class _Run:
                 )
                 r.output.start(started.stdout, started.stderr)
                 self.apply(RankStarted(r.index))
-                self.background.add(asyncio.ensure_future(_wait_exit(r, self.happenings)))
+                self.background.add(asyncio.ensure_future(wait_exit(r, self.events)))
 
+            # A rank counts as exited once its exit is decided on, not when its process ended.
             while not self.state.settled:
-                self.apply(await self.happenings.get())
+                self.apply(await self.events.get())
         if self.verdict_timer is not None:
             self.verdict_timer.cancel()
 
         for action in self.apply(RanksDone()):
             if isinstance(action, AwaitVerdict):
                 await self._await_verdict()
-        heartbeat.cancel()
+        beats.cancel()
         if self.stop_task is not None:
             self.background.add(self.stop_task)
         # Leave calls are bounded by the client's timeout; this bound only guards against a hang.
-        done, pending = await asyncio.wait({heartbeat, *self.background}, timeout=self.client.timeout + 5.0)
+        done, pending = await asyncio.wait({beats, *self.background}, timeout=self.client.timeout + 5.0)
         for task in pending:
             task.cancel()
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                log.error("%s: agent task failed: %r", self.label, task.exception())
+        log_failures(done, self.label)
         # Every line the ranks wrote is on the console and in the files before the last word.
         await asyncio.gather(*(r.output.drained() for r in self.ranks))
         for r in self.ranks:
@@ -397,7 +380,11 @@ class _Run:
             await r.output.close()
             if r.proc is not None:
                 r.proc.close()
-        return self.apply(Finished())
+        # What decide() answers to Finished, taken as its one end and the lines before it.
+        lines, end = finish(self.state)
+        for line in lines:
+            log.log(line.level, "%s", line.text)
+        return end
 
     async def _start(self, r: LocalRank, env: Mapping[str, str]) -> RankProcess | str:
         """Start rank ``r``'s process (its output files first); or why it could not be."""
@@ -415,6 +402,35 @@ class _Run:
         except OSError as exc:
             return f"could not start {shorten(command[0])}: {exc}"
 
+    async def _leave(self, leave: ReportLeave) -> None:
+        r, reason = self.ranks[leave.index], leave.reason
+        if r.failed and r.output.files is not None:
+            # Where to read all of it: shown by `status` and in the failure line of every rank.
+            reason = f"{reason}; log: {self.agent._host}:{r.output.files[1]}"
+        code = max(-255, min(255, leave.exit_code))
+        try:
+            state = await self.client.leave(r.member_id, r.secret, code, reason[:1024])
+        except SarcommError as exc:
+            log.warning("%s: could not report Leave of rank %d: %s", self.label, r.rank, exc)
+        else:
+            log.info("%s: rank %d left (%s); job is %s", self.label, r.rank, reason, state)
+
+    async def _stop(self, signum: int) -> None:
+        """Send ``signum`` to the running ranks' process groups; kill those left after the grace."""
+        running = self.running()
+        signal_ranks(running, signum)
+        # A stopped (SIGSTOP) rank only acts on the signal once continued.
+        signal_ranks(running, signal.SIGCONT)
+        grace = self.agent.config.stop_grace
+        processes = rank_processes(self.ranks)
+        if not await wait_exits(processes.values(), grace):
+            log.warning(
+                "%s: rank(s) %s still running %g s after %s; killing them (SIGKILL to their whole "
+                "process trees)",
+                self.label, running_ranks(processes), grace, signal.Signals(signum).name,
+            )  # fmt: skip
+            await kill_ranks(processes, self.label)
+
     def _hold(self) -> None:
         """Send :class:`VerdictDue` once the coordinator had time to judge a lost peer (once)."""
         if self.verdict_timer is not None:
@@ -425,7 +441,7 @@ class _Run:
             "%s: holding the failed rank's Leave up to %g s: a lost peer may be the cause", self.label, wait
         )
         loop = asyncio.get_running_loop()
-        self.verdict_timer = loop.call_later(wait, self.happenings.put_nowait, VerdictDue())
+        self.verdict_timer = loop.call_later(wait, self.events.put_nowait, VerdictDue())
 
     async def _show_tail(self, r: LocalRank) -> None:
         """Log the last lines ``r`` wrote (once its pipes ended, or after a bounded wait)."""
@@ -448,68 +464,14 @@ class _Run:
         if leaves:
             await asyncio.wait(leaves, timeout=self.client.timeout)
         await asyncio.sleep(min(0.2, self.agent.config.heartbeat_interval))
-        while not self.happenings.empty():
-            self.apply(self.happenings.get_nowait())
-
-    async def _heartbeat(self) -> None:
-        """One stream for all local ranks; failures of this generation become events."""
-        joined, label = self.joined, self.label
-        mine = {a.member_id for a in joined.assignments}
-        warned_unknown = False
-        news = RendezvousNews(0, False)
-        try:
-            async with self.client.heartbeats(self.reports, self.agent.config.heartbeat_interval) as stream:
-                async for reply in stream:
-                    for event in reply.events:
-                        if event.job != joined.job or event.generation != joined.generation:
-                            continue
-                        if event.kind in (EventKind.MEMBER_FAILED, EventKind.JOB_FAILED):
-                            self.happenings.put_nowait(PeerFailed(event))
-                        elif event.kind is EventKind.JOB_RESTARTING:
-                            self.happenings.put_nowait(Restarting(event))
-                    said = next(
-                        (RendezvousNews(r.waiting, r.closed) for r in reply.rendezvous
-                         if r.job == joined.job and r.generation == joined.generation), news,
-                    )  # fmt: skip
-                    if said != news:
-                        news = said
-                        self.happenings.put_nowait(said)
-                    unknown = mine.intersection(reply.unknown_members)
-                    if unknown and not warned_unknown and not self.state.rerendezvous:
-                        warned_unknown = True
-                        log.warning(
-                            "%s: the coordinator no longer knows %d local member(s); ranks keep running",
-                            label, len(unknown),
-                        )  # fmt: skip
-        except SarcommError as exc:
-            self.happenings.put_nowait(StreamBroke(str(exc)))
-        except Exception:  # a bug here must not take the ranks down; the coordinator will notice
-            log.exception("%s: heartbeats stopped; ranks keep running", label)
+        while not self.events.empty():
+            self.apply(self.events.get_nowait())
 
 
-async def _wait_exit(r: LocalRank, happenings: asyncio.Queue[AgentEvent]) -> None:
-    """Report ``r``'s exit once its process exited and what it wrote is passed on, so that its
-    last lines come before the line about its exit; waits at most :data:`EXIT_DRAIN_S` for that."""
-    if r.proc is not None:
-        returncode = await r.proc.wait()
-        await r.output.drained(EXIT_DRAIN_S)
-        happenings.put_nowait(RankExited(r.index, returncode))
-
-
-@contextlib.contextmanager
-def _forward_signals(happenings: asyncio.Queue[AgentEvent]) -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into events while the ranks run; restore handlers afterwards."""
-    loop = asyncio.get_running_loop()
-    installed: list[int] = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(signum, happenings.put_nowait, StopRequested(signum))
-        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no such API
-            log.debug("cannot handle signal %d here; it keeps its default action", signum)
-        else:
-            installed.append(signum)
-    try:
-        yield
-    finally:
-        for installed_signum in installed:
-            loop.remove_signal_handler(installed_signum)
+def log_failures(tasks: Iterable[asyncio.Task[None]], label: str) -> None:
+    """Log each of the finished ``tasks`` that raised, with its traceback (a bug in the agent's own
+    work, which must not end the run: the ranks' results are still reported)."""
+    for task in tasks:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.error("%s: agent task failed", label, exc_info=error)

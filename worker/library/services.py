@@ -51,7 +51,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds an exiting rank's last progress stamp vouches for it while the interpreter finalises.
+#: Seconds an exiting rank's last progress stamp keeps it counted alive while the interpreter
+#: finalises.
 EXIT_GRACE_S = 60.0
 
 _progress: ProgressWriter | None = None
@@ -100,8 +101,9 @@ def install_progress(
             # active exception") once torch's C++ runtime is loaded.
             stop.set()
             thread.join(interval + 1.0)
-            # Finalising (torch's teardown) can take seconds with nobody left to stamp: vouch for
-            # that long, so the agent does not take an exiting rank for a wedged one.
+            # Finalising (torch's teardown) can take seconds with nobody left to stamp: a stamp
+            # that far ahead keeps the rank alive that long, so the agent does not take an exiting
+            # rank for a wedged one.
             writer.publish(stamp=time.time() + EXIT_GRACE_S)
 
         atexit.register(end)

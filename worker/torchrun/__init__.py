@@ -9,7 +9,8 @@ standard library: the handler (:mod:`.handler`, with gRPC and the coordinator cl
 when torchrun asks for the ``sarcomm`` backend.
 
 - :mod:`.settings`: the flags and ``--rdzv-conf`` keys, checked.
-- :mod:`.session`: the coordinator client of one agent (joins, heartbeats, their news).
+- :mod:`.session`: the coordinator client of one agent (joins, heartbeats, what they say of its
+  generation).
 - :mod:`.handler`: torch's ``RendezvousHandler`` over them.
 
 See ``docs/torchrun.md`` for the user's side.

@@ -209,13 +209,13 @@ class SarcommRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes that would join a re-formed world, from the heartbeat stream's last answers (no
         call to the coordinator): the parked ones, and at least 1 once this generation ended."""
-        news = self._session.news
-        if self._result is None or news.generation != self._result.generation:
+        status = self._session.status
+        if self._result is None or status.generation != self._result.generation:
             return 0
-        return max(news.waiting, 1) if news.ended else news.waiting
+        return max(status.waiting, 1) if status.ended else status.waiting
 
     def is_closed(self) -> bool:
-        return bool(self._closed) or self._session.news.closed
+        return bool(self._closed) or self._session.status.closed
 
     def set_closed(self) -> None:
         """Close the job's rendezvous for every node (the coordinator tells the others)."""

@@ -1,10 +1,10 @@
-"""The coordinator side of one torchrun agent: its joins, its heartbeat stream, and the news that
-stream brings, on a private event loop (torch's agent is synchronous).
+"""The coordinator side of one torchrun agent: its joins, its heartbeat stream, and what that
+stream says of the node's generation, on a private event loop (torch's agent is synchronous).
 
 One sarcomm member per node: the agent. It joins the elastic job with one member (node rank and
 node count come back), heartbeats for it while its workers run, and reads from every answer how
 many nodes wait to join and whether the rendezvous is closed; a job event that ends its generation
-(a node lost, another node re-joining, the job failed) is kept too. :meth:`RendezvousSession.news`
+(a node lost, another node re-joining, the job failed) is kept too. :attr:`RendezvousSession.status`
 is what ``num_nodes_waiting()`` and ``is_closed()`` answer from: no call to the coordinator.
 
 The sessions of one process share one client (one channel, one loop thread) per coordinator:
@@ -42,7 +42,7 @@ from sarcomm.worker.endpoints import EndpointNote, read_notes
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.torchrun.settings import RendezvousSettings
 
-__all__ = ["News", "RendezvousSession"]
+__all__ = ["GenerationStatus", "RendezvousSession"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
-class News:
+class GenerationStatus:
     """What the heartbeat stream said of the node's generation, replaced whole on each answer.
 
     ``waiting``: nodes parked for the next generation that fit in it; ``closed``: its rendezvous is
@@ -137,7 +137,7 @@ class RendezvousSession:
         self._thread, self._client = shared.thread, shared.client
         self._stream: HeartbeatStream | None = None
         self._watcher: concurrent.futures.Future[None] | None = None
-        self.news = News()
+        self.status = GenerationStatus()
         self._closed = False
         # The host's interfaces, read when the session connects, for its first join (every later
         # join reads them afresh).
@@ -175,7 +175,7 @@ class RendezvousSession:
             ),
             s.join_timeout + self._margin,
         )
-        self.news = News(result.generation)
+        self.status = GenerationStatus(result.generation)
         return result
 
     def connect(self) -> None:
@@ -187,7 +187,7 @@ class RendezvousSession:
         if not self._shared.probed:
             self._thread.run(self._probe(), self._margin)
             self._shared.probed = True
-        if self._interfaces is None and self.news.generation == 0:
+        if self._interfaces is None and self.status.generation == 0:
             self._interfaces = netinfo.local_interfaces()
 
     async def _probe(self) -> None:
@@ -197,9 +197,9 @@ class RendezvousSession:
         await self._client.list_jobs(self.settings.run_id)
 
     def watch(self, result: JoinResult, endpoints: Path | None = None) -> None:
-        """Heartbeat for the node's member of ``result`` and keep the news of its generation. Each
-        report carries the ``/metrics`` endpoints its workers noted in ``endpoints`` (the node's
-        ``SAR_ENDPOINTS_DIR``), for the coordinator's ``/sd``."""
+        """Heartbeat for the node's member of ``result`` and keep what the answers say of its
+        generation. Each report carries the ``/metrics`` endpoints its workers noted in
+        ``endpoints`` (the node's ``SAR_ENDPOINTS_DIR``), for the coordinator's ``/sd``."""
         member = result.assignments[0]
         reports = _WorkerReports(MemberReport(member.member_id, member.secret), endpoints, result)
         interval = paced_interval(HEARTBEAT_INTERVAL_S, result.heartbeat_interval)
@@ -220,9 +220,9 @@ class RendezvousSession:
                 )  # fmt: skip
 
     def _hear(self, reply: HeartbeatReply, result: JoinResult, member_id: str) -> bool:
-        """Take the news of ``reply``; True when the generation is over (heartbeats stop)."""
-        news = self.news
-        ended = news.ended
+        """Take what ``reply`` says of the generation; True when it is over (heartbeats stop)."""
+        status = self.status
+        ended = status.ended
         if member_id in reply.unknown_members:
             ended = ended or "the coordinator no longer knows this node's member: its generation ended"
         mine = (e for e in reply.events if e.job == result.job and e.generation == result.generation)
@@ -235,18 +235,18 @@ class RendezvousSession:
             (r for r in reply.rendezvous if r.job == result.job and r.generation == result.generation), None
         )
         if state is not None:
-            news = dataclasses.replace(news, waiting=state.waiting, closed=state.closed)
-        if ended and not news.ended:
+            status = dataclasses.replace(status, waiting=state.waiting, closed=state.closed)
+        if ended and not status.ended:
             log.warning(
                 "job=%s node_rank=%d generation=%d: %s; the nodes re-form",
                 result.job, result.assignments[0].rank, result.generation, ended,
             )  # fmt: skip
-        elif news.waiting and not self.news.waiting:
+        elif status.waiting and not self.status.waiting:
             log.warning(
                 "job=%s node_rank=%d generation=%d: %d node(s) wait to join; the nodes re-form",
-                result.job, result.assignments[0].rank, result.generation, news.waiting,
+                result.job, result.assignments[0].rank, result.generation, status.waiting,
             )  # fmt: skip
-        self.news = dataclasses.replace(news, ended=ended)
+        self.status = dataclasses.replace(status, ended=ended)
         return bool(ended) and member_id in reply.unknown_members
 
     def stop_heartbeats(self) -> None:
