@@ -40,7 +40,7 @@ from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 from tests.helpers import LO_PB, wait_for
 from tests.test_prometheus import PROMETHEUS, PROMTOOL, Prometheus, prometheus_config
 
-pytestmark = pytest.mark.skipif(bool(ETCD_MISSING), reason=ETCD_MISSING)
+pytestmark = [pytest.mark.etcd, pytest.mark.skipif(bool(ETCD_MISSING), reason=ETCD_MISSING)]
 
 #: etcd's quota here: small, so that the churn fills it in seconds.
 QUOTA_BYTES = 16 * 1024 * 1024
