@@ -38,6 +38,7 @@ from renderers import (
     bench_sweep,
     big_job,
     bursts,
+    etcd_history,
     failover,
     failure_detection,
     gather_grads,
@@ -78,6 +79,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "big_job": big_job.section,
     "before_after": before_after.section,
     "bursts": bursts.section,
+    "etcd_history": etcd_history.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).

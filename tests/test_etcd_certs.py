@@ -30,7 +30,9 @@ def certs(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def tls_etcd(tmp_path: Path, certs: Path) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path / "etcd", size=1, client_tls=(certs / "ca.crt", certs / "peer.crt", certs / "peer.key"))
+    cluster = EtcdCluster(
+        tmp_path / "etcd", size=1, client_tls=(certs / "ca.crt", certs / "peer.crt", certs / "peer.key")
+    )
     cluster.start()
     try:
         yield cluster
@@ -47,7 +49,8 @@ def test_etcd_admits_the_coordinators_certificate_and_refuses_a_client_without_o
     )
     try:
         revision, size = client.status()
-        assert revision >= 1 and size > 0
+        assert revision >= 1
+        assert size > 0
         # etcd's quota, read from its /metrics over the same TLS (what the store's gauges show).
         assert client.quota_bytes() == 2 * 1024**3
     finally:

@@ -18,11 +18,8 @@ leave rewrites the record.
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import random
 import re
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +33,7 @@ from sarcomm.coordinator.storage.etcd_store import EtcdStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess, StartCoordinator
+from tests.etcd_churn import CALL_TIMEOUT_S, NoSpace, churn_generation, db_size, sent_to_etcd
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 from tests.helpers import LO_PB, wait_for
 from tests.test_prometheus import PROMETHEUS, PROMTOOL, Prometheus, prometheus_config
@@ -47,73 +45,10 @@ QUOTA_BYTES = 16 * 1024 * 1024
 #: The churn with compaction on sends etcd this many times the quota (the database then settles
 #: at ~70 % of it: the records of the finished generations, which stay, and 1 s of revisions).
 CHURN_QUOTAS = 2.5
-#: Hosts per job (one member each) and interfaces per host (32 random IPv6 addresses each).
-HOSTS = 16
-INTERFACES = 24
 PREFIX = "space"
 # Members are judged after minutes of silence: the churn never heartbeats.
 QUIET = ["--heartbeat-interval", "60", "--reconnect-grace", "120", "--join-timeout", "120"]
-CALL_TIMEOUT_S = 30.0
 STORE_ALERTS = "sarcomm-store-alerts.yml"
-
-
-class NoSpace(Exception):
-    """A churn call was refused RESOURCE_EXHAUSTED; ``details`` is what the client read."""
-
-    def __init__(self, details: str, member: pb.Assignment | None) -> None:
-        super().__init__(details)
-        self.details = details
-        self.member = member
-
-
-def _interfaces() -> list[pb.NetworkInterface]:
-    reported = [LO_PB]
-    for i in range(INTERFACES):
-        addresses = [str(ipaddress.IPv6Address(0xFD << 120 | random.getrandbits(120))) for _ in range(32)]
-        reported.append(pb.NetworkInterface(name=f"eth{i}", addresses=addresses, kind=pb.INTERFACE_KIND_PHYSICAL))
-    return reported
-
-
-def _call(what: str, call: grpc.Future, member: pb.Assignment | None = None) -> object:  # type: ignore[type-arg]
-    try:
-        return call.result(timeout=CALL_TIMEOUT_S)
-    except grpc.RpcError as error:
-        if error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise NoSpace(str(error.details()), member) from None
-        raise AssertionError(f"{what}: {error.code()} {error.details()}") from None
-
-
-def churn_generation(stub: pb_grpc.CoordinatorStub, job: str, generation: int) -> None:
-    """One generation of ``job``: HOSTS members join, then leave one by one (each leave rewrites
-    the record). Raises :class:`NoSpace` at the first call refused RESOURCE_EXHAUSTED."""
-    joins = [
-        stub.Join.future(
-            pb.JoinRequest(
-                job=job, world_size=HOSTS, host=f"h{i}", interfaces=_interfaces(), store_port=29500,
-                members=[pb.MemberSpec(local_rank=0)], join_id=f"{job}-{generation}-h{i}",
-            ),
-            timeout=CALL_TIMEOUT_S,
-        )
-        for i in range(HOSTS)
-    ]  # fmt: skip
-    members = [_call("Join", join).assignments[0] for join in joins]  # type: ignore[attr-defined]
-    for member in members:
-        request = pb.LeaveRequest(member_id=member.member_id, secret=member.secret, exit_code=0)
-        _call("Leave", stub.Leave.future(request, timeout=CALL_TIMEOUT_S), member)
-
-
-def sent_to_etcd(cluster: EtcdCluster) -> int:
-    """Bytes etcd's clients sent it so far (etcd's own counter)."""
-    with urllib.request.urlopen(f"http://{cluster.endpoints[0]}/metrics", timeout=5) as answer:
-        text = answer.read().decode()
-    found = re.search(r"(?m)^etcd_network_client_grpc_received_bytes_total ([0-9.e+]+)$", text)
-    assert found is not None, "etcd's /metrics has no etcd_network_client_grpc_received_bytes_total"
-    return int(float(found.group(1)))
-
-
-def db_size(cluster: EtcdCluster) -> int:
-    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))
-    return int(status[0]["Status"]["dbSize"])
 
 
 def metric(coord: CoordinatorProcess, name: str) -> float | None:
@@ -166,14 +101,17 @@ def test_a_churn_of_several_quotas_runs_to_the_end_while_the_leader_compacts(
         churn_generation(stub, "churn", generation)
     sent = sent_to_etcd(small_etcd) - began
     assert small_etcd.etcdctl("alarm", "list").strip() == ""
-    print(f"sent {sent} bytes to etcd in {generation} generations; its database is {db_size(small_etcd)} bytes")
+    print(
+        f"sent {sent} bytes to etcd in {generation} generations; its database is {db_size(small_etcd)} bytes"
+    )
     assert db_size(small_etcd) < QUOTA_BYTES
     # The coordinator compacted: etcd no longer has the first revisions.
     with pytest.raises(RuntimeError, match="required revision has been compacted"):
         small_etcd.etcdctl("get", "--rev", "2", f"/{PREFIX}/leader")
     assert sent >= CHURN_QUOTAS * QUOTA_BYTES
     size = metric(coord, "sar_coordinator_store_bytes")
-    assert size is not None and 0 < size < QUOTA_BYTES
+    assert size is not None
+    assert 0 < size < QUOTA_BYTES
     assert metric(coord, "sar_coordinator_store_quota_bytes") == QUOTA_BYTES
     assert "NOSPACE" not in coord.log()
 
@@ -212,7 +150,8 @@ def test_a_full_etcd_is_named_survived_and_recovered_from_without_a_restart(
             except NoSpace as error:
                 refused = error
         # The refusal says what happened and what to do, in one line.
-        assert "NOSPACE alarm" in refused.details and "\n" not in refused.details
+        assert "NOSPACE alarm" in refused.details
+        assert "\n" not in refused.details
         for command in ("etcdctl compact", "etcdctl defrag", "etcdctl alarm disarm"):
             assert command in refused.details
         assert "--etcd-compaction-retention is 0" in refused.details
@@ -222,9 +161,12 @@ def test_a_full_etcd_is_named_survived_and_recovered_from_without_a_restart(
         assert {"churn", "steady"} <= {job.job for job in listed.jobs}
         report = pb.MemberReport(member_id=steady.member_id, secret=steady.secret)
         answers = list(
-            stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[report], closing=True)]), timeout=CALL_TIMEOUT_S)
+            stub.Heartbeat(
+                iter([pb.HeartbeatRequest(reports=[report], closing=True)]), timeout=CALL_TIMEOUT_S
+            )
         )
-        assert answers and not answers[-1].unknown_members
+        assert answers
+        assert not answers[-1].unknown_members
         # More changes are refused the same way, and logged once.
         with pytest.raises(NoSpace, match="NOSPACE alarm"):
             churn_generation(stub, "other", 1)
@@ -243,7 +185,9 @@ def test_a_full_etcd_is_named_survived_and_recovered_from_without_a_restart(
         small_etcd.etcdctl("compact", str(status[0]["Status"]["header"]["revision"]))
         small_etcd.etcdctl("defrag")
         small_etcd.etcdctl("alarm", "disarm")
-        wait_for(lambda: "the store takes writes again" in coord.log(), 20, what="the coordinator to write again")
+        wait_for(
+            lambda: "the store takes writes again" in coord.log(), 20, what="the coordinator to write again"
+        )
         assert refused.member is not None  # a Leave was refused: its change is in etcd now
         client = EtcdClient(EtcdSettings(small_etcd.url()), timeout=10)
         try:
@@ -259,4 +203,3 @@ def test_a_full_etcd_is_named_survived_and_recovered_from_without_a_restart(
     finally:
         if prom is not None:
             prom.stop()
-

@@ -66,10 +66,12 @@ def test_the_upkeep_looks_a_fifth_of_the_retention_within_bounds() -> None:
 def test_retention_defaults_to_five_minutes_and_takes_zero() -> None:
     parsed = coordinator_cli.parse_args(STORE, {})
     store = coordinator_cli.config_from_args(parsed).store
-    assert store is not None and store.compaction_retention == 300.0
+    assert store is not None
+    assert store.compaction_retention == 300.0
     parsed = coordinator_cli.parse_args(STORE, {"SARCOMM_ETCD_COMPACTION_RETENTION": "0"})
     store = coordinator_cli.config_from_args(parsed).store
-    assert store is not None and store.compaction_retention == 0.0
+    assert store is not None
+    assert store.compaction_retention == 0.0
 
 
 @pytest.mark.parametrize(
@@ -86,7 +88,9 @@ def test_a_bad_retention_exits_2_with_one_line_naming_it_and_the_rule(
 ) -> None:
     assert coordinator_cli.main([*STORE, *args], env=env) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and named in err and "must be 0" in err, err
+    assert "\n" not in err, err
+    assert named in err, err
+    assert "must be 0" in err, err
 
 
 def test_a_retention_without_a_store_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import importlib.metadata
 import io
-import posixpath
 import re
 from collections.abc import Callable
 from functools import cache
@@ -239,9 +238,8 @@ def test_no_image_floats_on_latest() -> None:
         found = re.findall(r"(?m)^\s*(?:image|newTag):\s*\"?(\S*?)\"?$", text)
         assert found or "image" not in text, path
         for value in found:
-            assert not value.endswith(("latest", ":local")) and value not in ("latest", "local"), (
-                f"{path.relative_to(kube.ROOT)}: {value} is a moving tag: pin the version"
-            )
+            moving = value in ("latest", "local") or value.endswith((":latest", ":local"))
+            assert not moving, f"{path.relative_to(kube.ROOT)}: {value} is a moving tag: pin the version"
 
 
 # -- the coordinator -------------------------------------------------------------------------------
@@ -381,12 +379,11 @@ def etcd_flags(container: Container) -> dict[str, str]:
     return flags
 
 
-def secret_files(container: Container, path: str) -> tuple[str, set[str]]:
-    """The Secret whose volume holds ``path`` and the keys it must carry for the container's paths
-    under the same mount."""
-    volume = container.volume_at(path)
-    assert volume is not None and "secret" in volume, f"{container}: {path} is not on a Secret volume"
-    return str(volume["secret"]["secretName"]), {posixpath.basename(path)}
+def secret_of(container: Container, path: str) -> str:
+    """The name of the Secret whose volume holds ``path`` in ``container``."""
+    volume = container.volume_at(path) or {}
+    assert "secret" in volume, f"{container}: {path} is not on a Secret volume"
+    return str(volume["secret"]["secretName"])
 
 
 def test_etcd_speaks_tls_only_and_admits_only_client_certificates_of_its_ca() -> None:
@@ -396,27 +393,31 @@ def test_etcd_speaks_tls_only_and_admits_only_client_certificates_of_its_ca() ->
                  "--initial-advertise-peer-urls"):  # fmt: skip
         assert all(url.startswith("https://") for url in flags[urls].split(",")), (urls, flags[urls])
     peers = [member.partition("=")[2] for member in flags["--initial-cluster"].split(",")]
-    assert peers and all(url.startswith("https://") for url in peers), peers
-    assert flags["--client-cert-auth"] == "true" and flags["--peer-client-cert-auth"] == "true"
+    assert len(peers) == 3, peers
+    assert all(url.startswith("https://") for url in peers), peers
+    assert flags["--client-cert-auth"] == "true"
+    assert flags["--peer-client-cert-auth"] == "true"
     secrets = {
-        secret_files(etcd, flags[flag])[0]
+        secret_of(etcd, flags[flag])
         for flag in ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file", "--peer-key-file",
                      "--peer-trusted-ca-file")
     }  # fmt: skip
     assert secrets == {"sarcomm-etcd-peer"}
     # What is plain HTTP is /health and /metrics only, where the probes ask.
     metrics = flags["--listen-metrics-urls"]
-    assert metrics.startswith("http://") and metrics.endswith(f":{etcd.port('metrics')}")
+    assert metrics.startswith("http://")
+    assert metrics.endswith(f":{etcd.port('metrics')}")
     assert etcd.spec["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
     # Auto-compaction on, as in every etcd configuration sarcomm ships (issue 31).
-    assert flags["--auto-compaction-mode"] == "periodic" and flags["--auto-compaction-retention"]
+    assert flags["--auto-compaction-mode"] == "periodic"
+    assert flags["--auto-compaction-retention"]
 
 
 def test_coordinator_reaches_etcd_with_a_client_certificate_of_its_own(tmp_path: Path) -> None:
     coordinator = coordinator_of("ha")
     env = coordinator.env()
     files = {env[v] for v in ("SARCOMM_ETCD_CACERT", "SARCOMM_ETCD_CERT", "SARCOMM_ETCD_KEY")}
-    assert {secret_files(coordinator, path)[0] for path in files} == {"sarcomm-etcd-client"}
+    assert {secret_of(coordinator, path) for path in files} == {"sarcomm-etcd-client"}
     # sar-coordinator takes them (TLS on, with a client certificate): parsed by its own CLI.
     _, args, unset = coordinator.program()
     environment = {k: v for k, v in kube.image_environment().items() if k not in unset} | env
@@ -426,15 +427,20 @@ def test_coordinator_reaches_etcd_with_a_client_certificate_of_its_own(tmp_path:
             (tmp_path / field).write_text("a-token\n")
             setattr(parsed, field, tmp_path / field)
     store = coordinator_cli.config_from_args(parsed).store
-    assert store is not None and store.tls and store.cert is not None
+    assert store is not None
+    assert store.tls
+    assert store.cert is not None
 
 
 def test_etcd_certificates_script_names_each_member_the_coordinators_dial() -> None:
     script = (kube.KUBERNETES / "ha" / "etcd-certs.sh").read_text()
-    assert "sarcomm-etcd-peer" in script and "sarcomm-etcd-client" in script
-    assert "sarcomm-etcd-$i.$domain" in script and "extendedKeyUsage=serverAuth,clientAuth" in script
+    assert "sarcomm-etcd-peer" in script
+    assert "sarcomm-etcd-client" in script
+    assert "sarcomm-etcd-$i.$domain" in script
+    assert "extendedKeyUsage=serverAuth,clientAuth" in script
     (etcd,) = running("etcd", kube.tree("ha"))
-    assert etcd.workload.doc["spec"]["replicas"] == 3 and 'SARCOMM_ETCD_MEMBERS:-3' in script
+    assert etcd.workload.doc["spec"]["replicas"] == 3
+    assert "SARCOMM_ETCD_MEMBERS:-3" in script
     # Nothing private is committed: the script makes keys where it is told, never in the tree.
     assert not list(kube.ROOT.joinpath("deploy").rglob("*.key")), "a private key is in deploy/"
 
@@ -450,7 +456,8 @@ def test_network_policy_admits_only_coordinators_to_etcd_and_members_to_peers() 
         labels = container.pod["metadata"]["labels"]
         return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
 
-    assert selects(spec["podSelector"], etcd) and not selects(spec["podSelector"], coordinator)
+    assert selects(spec["podSelector"], etcd)
+    assert not selects(spec["podSelector"], coordinator)
     assert spec["policyTypes"] == ["Ingress"]
     admitted: dict[int, set[str]] = {}
     for rule in spec["ingress"]:

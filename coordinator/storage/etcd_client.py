@@ -262,7 +262,9 @@ class EtcdClient:
             self._call(
                 f"compact its history up to revision {revision}",
                 lambda: self._kv.Compact(
-                    etcd_pb.CompactionRequest(revision=revision), timeout=self.timeout * 5, metadata=self._metadata
+                    etcd_pb.CompactionRequest(revision=revision),
+                    timeout=self.timeout * 5,
+                    metadata=self._metadata,
                 ),
             )
         except StoreUnavailableError as error:

@@ -130,10 +130,14 @@ class EtcdSettings:
     def __post_init__(self) -> None:
         parse_store_url(self.url)
         retention = self.compaction_retention
-        if isinstance(retention, bool) or not isinstance(retention, int | float) or not compaction_retention_ok(
-            float(retention)
+        if (
+            isinstance(retention, bool)
+            or not isinstance(retention, int | float)
+            or not compaction_retention_ok(float(retention))
         ):
-            raise InvalidArgumentError(f"--etcd-compaction-retention {retention!r} {COMPACTION_RETENTION_RULE}")
+            raise InvalidArgumentError(
+                f"--etcd-compaction-retention {retention!r} {COMPACTION_RETENTION_RULE}"
+            )
         if (
             isinstance(self.leader_ttl, bool)
             or not isinstance(self.leader_ttl, int)
