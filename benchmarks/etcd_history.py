@@ -3,15 +3,16 @@
 For each retention (``--retentions``; 0 is compaction off, as an etcd without auto-compaction
 and a coordinator with ``--etcd-compaction-retention 0`` are), a fresh one-member etcd on
 loopback (no auto-compaction of its own, its default 2 GiB quota) and a real ``sar-coordinator``
-on it run ``--seconds`` of the churn of tests/etcd_churn.py: jobs of 16 members whose hosts
+on it run the same churn, ``--generations`` of tests/etcd_churn.py: jobs of 16 members whose hosts
 report 24 interfaces of 32 random IPv6 addresses (~0.3 MB compressed records) join, leave one by
 one (every leave rewrites the record) and re-form. Every ``--sample`` seconds it records the bytes
 the coordinator sent etcd so far and etcd's database size (``etcdctl endpoint status``: the file
-its quota counts). The table shows where each run ended and how the database grew.
+its quota counts). The table shows where each run ended, and how much the database grew over the
+second half of the churn against what was sent meanwhile.
 
 Run::
 
-    python benchmarks/etcd_history.py --seconds 300 --retentions 0,60 \\
+    python benchmarks/etcd_history.py --generations 60 --retentions 0,30 \\
         --json benchmarks/results/etcd_history.json --markdown benchmarks/results/etcd_history.md
 """
 
@@ -37,8 +38,8 @@ from tests.etcd_churn import HOSTS, INTERFACES, NoSpace, churn_generation, db_si
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 
 
-def run(retention: float, seconds: float, sample: float, root: Path) -> dict[str, Any]:
-    """One churn of ``seconds`` with the coordinator's ``retention``; its samples."""
+def run(retention: float, generations: int, sample: float, root: Path) -> dict[str, Any]:
+    """One churn of ``generations`` with the coordinator's ``retention``; its samples."""
     cluster = EtcdCluster(root / f"etcd-{retention:g}", size=1)
     cluster.start()
     samples: list[dict[str, float]] = []
@@ -66,7 +67,7 @@ def run(retention: float, seconds: float, sample: float, root: Path) -> dict[str
             looker = threading.Thread(target=look, daemon=True)
             looker.start()
             generation, refused = 0, ""
-            while time.monotonic() - began < seconds:
+            while generation < generations:
                 generation += 1
                 try:
                     churn_generation(stub, "churn", generation)
@@ -91,8 +92,8 @@ def run(retention: float, seconds: float, sample: float, root: Path) -> dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=300.0, help="churn per retention (300)")
-    parser.add_argument("--retentions", default="0,60", help="--etcd-compaction-retention values (0,60)")
+    parser.add_argument("--generations", type=int, default=60, help="generations of the churn per run (60)")
+    parser.add_argument("--retentions", default="0,30", help="--etcd-compaction-retention values (0,30)")
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between two samples (5)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -102,7 +103,7 @@ def main() -> int:
         return 3
     with tempfile.TemporaryDirectory(prefix="etcd-history-") as scratch:
         results = [
-            run(float(r), args.seconds, args.sample, Path(scratch)) for r in args.retentions.split(",")
+            run(float(r), args.generations, args.sample, Path(scratch)) for r in args.retentions.split(",")
         ]
     doc = {
         "benchmark": "etcd_history",
