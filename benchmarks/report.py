@@ -40,6 +40,7 @@ from renderers import (
     bench_sweep,
     big_job,
     bursts,
+    etcd_history,
     failover,
     failure_detection,
     gather_grads,
@@ -80,6 +81,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "big_job": big_job.section,
     "before_after": before_after.section,
     "bursts": bursts.section,
+    "etcd_history": etcd_history.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: Benchmarks recorded more than once: one section for all their recordings (``NAME.json`` and

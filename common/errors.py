@@ -111,6 +111,14 @@ class StoreUnavailableError(CoordinatorUnavailableError):
     the change is kept and retried."""
 
 
+class StoreFullError(ResourceExhaustedError, StoreUnavailableError):
+    """Raised when the state store refuses every write for lack of space: etcd's NOSPACE alarm,
+    raised when its database reached ``--quota-backend-bytes``. Unlike :class:`StoreLimitError`
+    it passes: the changes are kept and written again once etcd takes writes again (after an
+    operator compacts, defragments and disarms it), so the coordinator retries, as for a store it
+    cannot reach; a call whose answer waits for a write gets RESOURCE_EXHAUSTED naming the cause."""
+
+
 class LeadershipLostError(StoreUnavailableError):
     """Raised when etcd refuses a write because this coordinator no longer leads (fencing: every
     write is conditioned on the leader key it created). The coordinator steps down at once."""

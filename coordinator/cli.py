@@ -32,10 +32,13 @@ from sarcomm.coordinator import loop, status
 from sarcomm.coordinator.config import MAX_ACCEPTORS, CoordinatorConfig, Limits
 from sarcomm.coordinator.server import serve
 from sarcomm.coordinator.storage.etcd_config import (
+    COMPACTION_RETENTION_RULE,
+    DEFAULT_COMPACTION_RETENTION,
     DEFAULT_LEADER_TTL,
     LEADER_TTL_RULE,
     MAX_LEADER_TTL,
     EtcdSettings,
+    compaction_retention_ok,
     read_password_file,
 )
 
@@ -48,6 +51,14 @@ def _leader_ttl(text: str) -> int:
     if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= MAX_LEADER_TTL:
         raise ValueError
     return int(digits)
+
+
+def _compaction_retention(text: str) -> float:
+    """``--etcd-compaction-retention``: 0, or seconds in the rule's range."""
+    value = float(text)
+    if not compaction_retention_ok(value):
+        raise ValueError
+    return value
 
 
 def _ranks(text: str) -> tuple[tuple[int, int], ...]:
@@ -74,6 +85,11 @@ SERVER_OPTIONS: tuple[Option, ...] = (
            shown_default=str(DEFAULT_LEADER_TTL)),
     Option("--advertise", str, "HOST:PORT", "with --store: HOST:PORT clients reach this coordinator's gRPC "
            "at", default="", shown_default="--listen, a wildcard host replaced by this host's name"),
+    Option("--etcd-compaction-retention", _compaction_retention,
+           COMPACTION_RETENTION_RULE.removeprefix("must be "),
+           "with --store: seconds of etcd's history the leader keeps; it compacts older revisions "
+           "(compaction is etcd-wide: every user of the same etcd loses them too); 0: leave it to etcd's "
+           "--auto-compaction-retention", shown_default=f"{DEFAULT_COMPACTION_RETENTION:g}"),
     Option("--etcd-cacert", Path, "a path", "PEM CA bundle that signed etcd's certificate (TLS on)"),
     Option("--etcd-cert", Path, "a path", "PEM client certificate for etcd's --client-cert-auth"),
     Option("--etcd-key", Path, "a path", "PEM key for --etcd-cert"),
@@ -173,6 +189,7 @@ def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
             flag
             for flag, value in (
                 ("--leader-ttl", args.leader_ttl),
+                ("--etcd-compaction-retention", args.etcd_compaction_retention),
                 ("--advertise", args.advertise or None),
                 ("--etcd-cacert", args.etcd_cacert),
                 ("--etcd-cert", args.etcd_cert),
@@ -198,6 +215,11 @@ def _etcd_settings(args: argparse.Namespace) -> EtcdSettings | None:
         key=args.etcd_key,
         user=args.etcd_user,
         password=read_password_file(args.etcd_password_file) if args.etcd_password_file else None,
+        compaction_retention=(
+            DEFAULT_COMPACTION_RETENTION
+            if args.etcd_compaction_retention is None
+            else args.etcd_compaction_retention
+        ),
     )
 
 

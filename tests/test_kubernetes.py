@@ -201,11 +201,27 @@ def built_images() -> dict[str, str]:
     return {image.rpartition(":")[0]: image for image in found}
 
 
+def pinned_images() -> dict[str, str]:
+    """What deploy/kubernetes must name: each image build-images.sh builds and tags with the
+    project's version too (``docker tag "$IMAGE" "sarcomm:$PROJECT_VERSION"``), at that version,
+    by name: {"sarcomm": "sarcomm:0.1.0", ...}."""
+    script = BUILD_SCRIPT.read_text()
+    defaults = dict(re.findall(r'^(\w*IMAGE)="\$\{SARCOMM_\w*IMAGE:-([^}]+)\}"$', script, re.M))
+    version = importlib.metadata.version("sarcomm")
+    pinned = {}
+    for variable, name in re.findall(r'docker tag "\$(\w+)" "([\w-]+):\$PROJECT_VERSION"', script):
+        assert defaults[variable].rpartition(":")[0] == name, (variable, name)
+        pinned[name] = f"{name}:{version}"
+    return pinned
+
+
 def test_images_are_those_deploy_docker_builds() -> None:
     built = built_images()
     assert built["sarcomm"] in (kube.ROOT / "docker-compose.yml").read_text()
+    pinned = pinned_images()
+    assert set(pinned) == {"sarcomm", "sarcomm-etcd"}, f"{BUILD_SCRIPT.name} must tag each with the version"
     used = {c.spec["image"] for c in kube.containers()}
-    assert used <= set(built.values()), f"not built by {BUILD_SCRIPT.name}: {used - set(built.values())}"
+    assert used <= set(pinned.values()), f"not pinned to the version: {used - set(pinned.values())}"
     for tree in TREES:
         path = f"{tree}/{kube.KUSTOMIZATION}" if tree else "sqlite/kustomization.yaml"
         (own,) = [m for m in kube.kustomizations() if m.path == path]
@@ -213,7 +229,17 @@ def test_images_are_those_deploy_docker_builds() -> None:
         entries = {i["name"]: i for i in own.doc["images"]}
         assert set(entries) == in_tree, f"{path}: `images` must name each image its manifests use"
         for name, entry in entries.items():
-            assert f"{name}:{entry['newTag']}" == built[name], f"{path}: {entry}"
+            assert f"{name}:{entry['newTag']}" == pinned[name], f"{path}: {entry}"
+
+
+def test_no_image_floats_on_latest() -> None:
+    for path in sorted(kube.KUBERNETES.rglob("*.yaml")):
+        text = path.read_text()
+        found = re.findall(r"(?m)^\s*(?:image|newTag):\s*\"?(\S*?)\"?$", text)
+        assert found or "image" not in text, path
+        for value in found:
+            moving = value in ("latest", "local") or value.endswith((":latest", ":local"))
+            assert not moving, f"{path.relative_to(kube.ROOT)}: {value} is a moving tag: pin the version"
 
 
 # -- the coordinator -------------------------------------------------------------------------------
@@ -338,6 +364,109 @@ def test_coordinator_store_names_the_etcd_members_of_its_tree() -> None:
         for i in range(spec["replicas"])
     }
     assert set(endpoints) == members
+
+
+# -- etcd: TLS, client certificates, the NetworkPolicy ---------------------------------------------
+
+
+def etcd_flags(container: Container) -> dict[str, str]:
+    """etcd's ``--flag=value`` arguments (``--switch`` alone: "true")."""
+    _, args, _ = container.program()
+    flags = {}
+    for arg in args:
+        name, equals, value = arg.partition("=")
+        flags[name] = value if equals else "true"
+    return flags
+
+
+def secret_of(container: Container, path: str) -> str:
+    """The name of the Secret whose volume holds ``path`` in ``container``."""
+    volume = container.volume_at(path) or {}
+    assert "secret" in volume, f"{container}: {path} is not on a Secret volume"
+    return str(volume["secret"]["secretName"])
+
+
+def test_etcd_speaks_tls_only_and_admits_only_client_certificates_of_its_ca() -> None:
+    (etcd,) = running("etcd", kube.tree("ha"))
+    flags = etcd_flags(etcd)
+    for urls in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls",
+                 "--initial-advertise-peer-urls"):  # fmt: skip
+        assert all(url.startswith("https://") for url in flags[urls].split(",")), (urls, flags[urls])
+    peers = [member.partition("=")[2] for member in flags["--initial-cluster"].split(",")]
+    assert len(peers) == 3, peers
+    assert all(url.startswith("https://") for url in peers), peers
+    assert flags["--client-cert-auth"] == "true"
+    assert flags["--peer-client-cert-auth"] == "true"
+    secrets = {
+        secret_of(etcd, flags[flag])
+        for flag in ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file", "--peer-key-file",
+                     "--peer-trusted-ca-file")
+    }  # fmt: skip
+    assert secrets == {"sarcomm-etcd-peer"}
+    # What is plain HTTP is /health and /metrics only, where the probes ask.
+    metrics = flags["--listen-metrics-urls"]
+    assert metrics.startswith("http://")
+    assert metrics.endswith(f":{etcd.port('metrics')}")
+    assert etcd.spec["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    # Auto-compaction on, as in every etcd configuration sarcomm ships (issue 31).
+    assert flags["--auto-compaction-mode"] == "periodic"
+    assert flags["--auto-compaction-retention"]
+
+
+def test_coordinator_reaches_etcd_with_a_client_certificate_of_its_own(tmp_path: Path) -> None:
+    coordinator = coordinator_of("ha")
+    env = coordinator.env()
+    files = {env[v] for v in ("SARCOMM_ETCD_CACERT", "SARCOMM_ETCD_CERT", "SARCOMM_ETCD_KEY")}
+    assert {secret_of(coordinator, path) for path in files} == {"sarcomm-etcd-client"}
+    # sar-coordinator takes them (TLS on, with a client certificate): parsed by its own CLI.
+    _, args, unset = coordinator.program()
+    environment = {k: v for k, v in kube.image_environment().items() if k not in unset} | env
+    parsed = coordinator_cli.parse_args(args, environment)
+    for field in FILE_SETTINGS:
+        if getattr(parsed, field) is not None:
+            (tmp_path / field).write_text("a-token\n")
+            setattr(parsed, field, tmp_path / field)
+    store = coordinator_cli.config_from_args(parsed).store
+    assert store is not None
+    assert store.tls
+    assert store.cert is not None
+
+
+def test_etcd_certificates_script_names_each_member_the_coordinators_dial() -> None:
+    script = (kube.KUBERNETES / "ha" / "etcd-certs.sh").read_text()
+    assert "sarcomm-etcd-peer" in script
+    assert "sarcomm-etcd-client" in script
+    assert "sarcomm-etcd-$i.$domain" in script
+    assert "extendedKeyUsage=serverAuth,clientAuth" in script
+    (etcd,) = running("etcd", kube.tree("ha"))
+    assert etcd.workload.doc["spec"]["replicas"] == 3
+    assert "SARCOMM_ETCD_MEMBERS:-3" in script
+    # Nothing private is committed: the script makes keys where it is told, never in the tree.
+    assert not list(kube.ROOT.joinpath("deploy").rglob("*.key")), "a private key is in deploy/"
+
+
+def test_network_policy_admits_only_coordinators_to_etcd_and_members_to_peers() -> None:
+    objects = kube.tree("ha")
+    (policy,) = [m for m in objects if m.kind == "NetworkPolicy"]
+    spec = policy.doc["spec"]
+    (etcd,) = running("etcd", objects)
+    coordinator = coordinator_of("ha")
+
+    def selects(selector: dict[str, Any], container: Container) -> bool:
+        labels = container.pod["metadata"]["labels"]
+        return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+    assert selects(spec["podSelector"], etcd)
+    assert not selects(spec["podSelector"], coordinator)
+    assert spec["policyTypes"] == ["Ingress"]
+    admitted: dict[int, set[str]] = {}
+    for rule in spec["ingress"]:
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}, f"admit pods of this namespace only: {peer}"
+        who = {c.name for c in (etcd, coordinator) if selects(peer["podSelector"], c)}
+        for port in rule["ports"]:
+            admitted.setdefault(etcd.port(port["port"]), set()).update(who)
+    assert admitted == {etcd.port("client"): {"coordinator"}, etcd.port("peer"): {"etcd"}}
 
 
 # -- Services, links, the token --------------------------------------------------------------------

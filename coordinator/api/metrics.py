@@ -201,6 +201,33 @@ STATE_FAMILIES: tuple[Callable[[StateSnapshot], bytes], ...] = (
 )
 
 
+class StoreGauges:
+    """The etcd store's size against its quota (coordinators on ``--store`` only; see
+    :mod:`sarcomm.coordinator.ha.upkeep`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self.size_bytes = Gauge(
+            "sar_coordinator_store_bytes",
+            "Size of the etcd store's database file (the answering member's), which etcd holds "
+            "against its quota; compaction frees pages in it, defragmentation shrinks it.",
+            registry=registry,
+        )
+        self._quota: Gauge | None = None
+
+    def set_quota(self, value: float) -> None:
+        """Export the quota; registered at its first value, so that no ratio is ever taken
+        against a quota nobody read (etcd before 3.4 does not tell it)."""
+        if self._quota is None:
+            self._quota = Gauge(
+                "sar_coordinator_store_quota_bytes",
+                "The etcd store's --quota-backend-bytes, from etcd's own /metrics: past it etcd "
+                "raises the NOSPACE alarm and refuses every write.",
+                registry=self._registry,
+            )
+        self._quota.set(value)
+
+
 class CoordinatorMetrics:
     """Every metric the coordinator exports, on a registry of its own."""
 
@@ -267,6 +294,7 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.leader.set(1)
+        self._store: StoreGauges | None = None
         self.leader_changes = Counter(
             "sar_coordinator_leader_changes",
             "Leader changes this coordinator has seen in the shared etcd store.",
@@ -279,6 +307,12 @@ class CoordinatorMetrics:
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
+
+    def store_gauges(self) -> StoreGauges:
+        """Register the store's gauges (once: a coordinator on etcd calls it) and return them."""
+        if self._store is None:
+            self._store = StoreGauges(self.registry)
+        return self._store
 
     def snapshot(self) -> StateSnapshot:
         """The membership's state for one scrape; call on the event loop (it reads live objects)."""

@@ -27,6 +27,7 @@ from sarcomm.coordinator.domain.clock import Clock
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.domain.model import StoredState
 from sarcomm.coordinator.ha.leadership import Decision, Elector, LeaderRecord, Role
+from sarcomm.coordinator.ha.upkeep import StoreUpkeep
 from sarcomm.coordinator.storage.etcd_client import CALL_TIMEOUT_S, EtcdClient
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 from sarcomm.coordinator.storage.etcd_store import EtcdStore
@@ -74,6 +75,8 @@ class Replica:
         self._view: tuple[float, Membership] | None = None
         self._take_over_logged = -math.inf
         metrics.leader.set(0)
+        # Every replica measures etcd's size; only the leader compacts its history.
+        self.upkeep = StoreUpkeep(self.client, metrics.store_gauges(), lambda: self.leading)
 
     def start(self, address: str) -> None:
         """Begin campaigning, publishing ``address`` (this coordinator's gRPC) as leader."""
@@ -93,6 +96,7 @@ class Replica:
             on_failure=self._on_failure,
         )
         self.elector.start()
+        self.upkeep.start()
         log.info(
             "replica %s of %s: campaigning with a %d s lease",
             self.replica_id,
@@ -213,6 +217,7 @@ class Replica:
     async def stop(self) -> None:
         """Orderly end: write what the term still holds, then give up the lease (a standby takes
         over at once instead of after the TTL)."""
+        await self.upkeep.stop()
         if self._taking_over is not None:
             self._taking_over.cancel()
             with contextlib.suppress(asyncio.CancelledError):

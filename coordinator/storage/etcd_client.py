@@ -14,14 +14,21 @@ that dies is left out by gRPC itself and the others carry on.
 from __future__ import annotations
 
 import logging
+import re
 import socket
+import ssl
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from sarcomm.common.addresses import parse_address
-from sarcomm.common.errors import InvalidArgumentError, StoreLimitError, StoreUnavailableError
+from sarcomm.common.errors import (
+    InvalidArgumentError,
+    StoreFullError,
+    StoreLimitError,
+    StoreUnavailableError,
+)
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 try:
@@ -48,6 +55,18 @@ _REFUSED_FOR_GOOD = {
     "too many operations in txn request": "more operations than etcd's --max-txn-ops (128 by default)",
     "too large lease TTL": "longer than the longest lease etcd grants; give a smaller --leader-ttl",
 }
+
+#: What etcd answers (RESOURCE_EXHAUSTED) to a write while its NOSPACE alarm is raised.
+NOSPACE = "database space exceeded"
+#: The commands that give a full etcd its space back, as etcd's own docs give them ("Space quota").
+FREE_SPACE_COMMANDS = (
+    "rev=$(etcdctl endpoint status --write-out=json | grep -o '\"revision\":[0-9]*' | cut -d: -f2 | "
+    "head -1); etcdctl compact $rev; etcdctl defrag --cluster; etcdctl alarm disarm"
+)
+#: etcd's own gauge of its quota, on its /metrics (etcd 3.4 and later).
+_QUOTA_SAMPLE = re.compile(rb"(?m)^etcd_server_quota_backend_bytes ([0-9.eE+-]+)$")
+#: The most of an etcd /metrics answer read (it is ~100 to 200 KB).
+_MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
 def require_aetcd() -> None:
@@ -101,6 +120,7 @@ class EtcdClient:
         self.settings = settings
         self.timeout = timeout
         target, name = _target(settings.endpoints)
+        self._tls_name = name
         options: list[tuple[str, Any]] = [
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -124,6 +144,7 @@ class EtcdClient:
         self._kv = etcd_grpc.KVStub(self._channel)
         self._lease = etcd_grpc.LeaseStub(self._channel)
         self._auth = etcd_grpc.AuthStub(self._channel)
+        self._maintenance = etcd_grpc.MaintenanceStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = ()
 
     def _authenticate(self) -> None:
@@ -156,9 +177,27 @@ class EtcdClient:
         except grpc.RpcError as error:
             raise self._error(what, error) from None
 
+    def nospace_message(self, what: str) -> str:
+        """One line: etcd refused to ``what`` for space, why, and what to do about it."""
+        retention = self.settings.compaction_retention
+        ours = (
+            f"this coordinator compacts revisions older than {retention:g} s (--etcd-compaction-retention)"
+            if retention
+            else "--etcd-compaction-retention is 0 here, so nothing compacts unless etcd's "
+            "--auto-compaction-retention does"
+        )
+        return (
+            f"{self.settings.describe()} refused to {what}: its database reached its quota "
+            "(--quota-backend-bytes, 2 GiB by default) and it raised the NOSPACE alarm, so it takes no "
+            "write until an operator frees space; reads and running jobs go on, changes are kept and "
+            f"written once it takes writes again; {ours}; free space with: {FREE_SPACE_COMMANDS}"
+        )
+
     def _error(self, what: str, error: grpc.RpcError) -> StoreUnavailableError | StoreLimitError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = _details(error)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and NOSPACE in details:
+            return StoreFullError(self.nospace_message(what))
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
             for refusal, limit in _REFUSED_FOR_GOOD.items():
                 if refusal in details:
@@ -215,6 +254,69 @@ class EtcdClient:
         """One etcd transaction; ``answer.succeeded`` tells which branch ran."""
         request = etcd_pb.TxnRequest(compare=compare, success=success, failure=failure or [])
         return self._call(what, lambda: self._kv.Txn(request, timeout=self.timeout, metadata=self._metadata))
+
+    def compact(self, revision: int) -> None:
+        """Compact etcd's history: every revision before ``revision`` is gone, for every key of
+        the cluster (not only this deployment's prefix). A revision already compacted is fine."""
+        try:
+            self._call(
+                f"compact its history up to revision {revision}",
+                lambda: self._kv.Compact(
+                    etcd_pb.CompactionRequest(revision=revision),
+                    timeout=self.timeout * 5,
+                    metadata=self._metadata,
+                ),
+            )
+        except StoreUnavailableError as error:
+            if "required revision has been compacted" not in str(error):
+                raise
+
+    def status(self) -> tuple[int, int]:
+        """``(revision, database bytes)`` of the member that answers (its file on disk: what etcd
+        holds against its quota)."""
+        answer = self._call(
+            "report its status",
+            lambda: self._maintenance.Status(
+                etcd_pb.StatusRequest(), timeout=self.timeout, metadata=self._metadata
+            ),
+        )
+        return int(answer.header.revision), int(answer.dbSize)
+
+    def quota_bytes(self) -> int | None:
+        """etcd's ``--quota-backend-bytes`` as its first answering member's /metrics says it, or
+        None when no member answers it (etcd before 3.4, or /metrics on another address: etcd's
+        --listen-metrics-urls). Blocking, a few seconds at most per member."""
+        for host, port in self.settings.endpoints:
+            try:
+                text = self._get_metrics(host, port)
+            except (OSError, ssl.SSLError) as error:
+                log.debug("etcd /metrics at %s:%d: %s", host, port, error)
+                continue
+            found = _QUOTA_SAMPLE.search(text)
+            if found is not None:
+                return int(float(found.group(1)))
+        return None
+
+    def _get_metrics(self, host: str, port: int) -> bytes:
+        sock = socket.create_connection((host, port), timeout=self.timeout)
+        with sock:
+            stream: socket.socket = sock
+            if self.settings.cacert is not None:
+                context = ssl.create_default_context(cafile=str(self.settings.cacert))
+                if self.settings.cert is not None and self.settings.key is not None:
+                    context.load_cert_chain(str(self.settings.cert), str(self.settings.key))
+                stream = context.wrap_socket(sock, server_hostname=self._tls_name or host)
+            with stream:
+                stream.sendall(f"GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+                chunks: list[bytes] = []
+                size = 0
+                while size < _MAX_METRICS_BYTES:
+                    chunk = stream.recv(65536)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+        return b"".join(chunks)
 
     # -- leases ------------------------------------------------------------------------------------
 

@@ -27,6 +27,27 @@ _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _EXAMPLE = "e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/sarcomm"
 
 
+#: Seconds of history the leader keeps in etcd: it compacts the revisions older than this, as
+#: Kubernetes' API server does every 5 minutes. 0 leaves compaction to the operator.
+DEFAULT_COMPACTION_RETENTION = 300.0
+#: The longest --etcd-compaction-retention: 30 days of revisions of big jobs would fill any quota.
+MAX_COMPACTION_RETENTION = 30 * 24 * 3600.0
+#: The shortest one other than 0: a reader needs the revision it read a record's head at for as
+#: long as it takes to read that record's chunks.
+MIN_COMPACTION_RETENTION = 1.0
+#: What --etcd-compaction-retention must be, as its messages say it.
+COMPACTION_RETENTION_RULE = (
+    f"must be 0 (leave compaction to etcd's --auto-compaction-retention or its operator) or a number of "
+    f"seconds in {MIN_COMPACTION_RETENTION:g}..{MAX_COMPACTION_RETENTION:g} (how long etcd keeps the "
+    f"revisions it replaced), e.g. {DEFAULT_COMPACTION_RETENTION:g}"
+)
+
+
+def compaction_retention_ok(value: float) -> bool:
+    """Whether ``value`` follows :data:`COMPACTION_RETENTION_RULE`."""
+    return value == 0 or MIN_COMPACTION_RETENTION <= value <= MAX_COMPACTION_RETENTION
+
+
 #: What --leader-ttl must be, as its messages say it.
 LEADER_TTL_RULE = (
     f"must be a whole number of seconds in 1..{MAX_LEADER_TTL} (how long a dead leader holds the jobs "
@@ -94,6 +115,7 @@ class EtcdSettings:
     given (the CA that signed etcd's certificates); ``cert`` and ``key`` (together) are this
     client's certificate for etcd's ``--client-cert-auth``. ``user`` and ``password`` (together)
     authenticate to etcd's auth; the password is read from a file by the CLI.
+    ``compaction_retention``: seconds of etcd's history the leader keeps (0: it compacts nothing).
     """
 
     url: str
@@ -103,9 +125,19 @@ class EtcdSettings:
     key: Path | None = None
     user: str | None = None
     password: str | None = None
+    compaction_retention: float = DEFAULT_COMPACTION_RETENTION
 
     def __post_init__(self) -> None:
         parse_store_url(self.url)
+        retention = self.compaction_retention
+        if (
+            isinstance(retention, bool)
+            or not isinstance(retention, int | float)
+            or not compaction_retention_ok(float(retention))
+        ):
+            raise InvalidArgumentError(
+                f"--etcd-compaction-retention {retention!r} {COMPACTION_RETENTION_RULE}"
+            )
         if (
             isinstance(self.leader_ttl, bool)
             or not isinstance(self.leader_ttl, int)

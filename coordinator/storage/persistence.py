@@ -20,6 +20,10 @@ an etcd without its quorum comes back. A record the store can never take (too la
 :class:`StoreLimitError`) is not: the store wrote the others and named it, its job's callers get
 that error (RESOURCE_EXHAUSTED, naming the limit) at once, and it is tried again only with its
 job's next change. Re-queued, it would fail every later batch, and every job's answers with it.
+A store that refuses every write for space (etcd's NOSPACE alarm: a :class:`StoreFullError`) is
+retried like one it cannot reach, but its callers get RESOURCE_EXHAUSTED naming the cause and what
+to do, and it is logged once when it begins and once when writes go through again, not every
+second in between.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sarcomm.common.errors import (
     CoordinatorUnavailableError,
     LeadershipLostError,
+    StoreFullError,
     StoreLimitError,
     StoreUnavailableError,
 )
@@ -93,6 +98,8 @@ class WriteBehind:
         # Jobs whose latest record the store refused for good (too large), with its message; a
         # job leaves when a later record of it is written.
         self._refused: dict[tuple[str, int], str] = {}
+        # Since when (wall clock) the store has refused writes for space, while it does.
+        self._full_since: float | None = None
 
     def mark(self, job: Job) -> None:
         """Note that ``job``'s record changed; it is written in the next flush."""
@@ -126,6 +133,8 @@ class WriteBehind:
         Raises:
             CoordinatorUnavailableError: the write failed (the changes stay marked for a retry).
             StoreLimitError: the store can never take ``job``'s record as it is now.
+            StoreFullError: the store takes no write until its operator frees space (the changes
+                stay marked for a retry).
         """
         waiting = self._next if self._dirty else self._in_flight
         if waiting is not None:
@@ -134,7 +143,7 @@ class WriteBehind:
             try:
                 # Shielded: a caller that gives up must not cancel the batch for everyone else.
                 await asyncio.shield(waiting)
-            except LeadershipLostError:
+            except (LeadershipLostError, StoreFullError):
                 raise
             except (OSError, sqlite3.Error, StoreUnavailableError) as error:
                 raise CoordinatorUnavailableError(
@@ -187,10 +196,23 @@ class WriteBehind:
             error = None
         elif error is None:
             self._note_refused(jobs, None)
-        if error is not None:
+        if error is None and self._full_since is not None:
+            log.warning(
+                "the store takes writes again: the state of %d job(s) kept since %s is written",
+                len(jobs),
+                time.strftime("%H:%M:%S", time.localtime(self._full_since)),
+            )
+            self._full_since = None
+        if isinstance(error, StoreFullError) and self._full_since is not None:
+            log.debug("the store is still full: %s", error)
+        elif error is not None:
+            if isinstance(error, StoreFullError):
+                # Once per episode: the line says what to do; every second it would drown the log.
+                self._full_since = time.time()
             log.error(
                 "writing the state of %d job(s) failed: %s; retrying in %g s", len(jobs), error, RETRY_DELAY_S
             )
+        if error is not None:
             for job in jobs:
                 # A newer change of the same job, marked meanwhile, supersedes this one anyway.
                 self._dirty.setdefault((job.name, job.generation), job)

@@ -9,13 +9,15 @@
 #   2. wheelhouse (deploy/docker/wheelhouse/): every wheel the image installs (torch, sarcomm's
 #      dependencies, setuptools and wheel), downloaded here with pip for the base image's Python
 #      and platform. Kept while pyproject.toml's dependencies and the torch version are unchanged.
-#   3. the image ($SARCOMM_IMAGE, default sarcomm:latest) from deploy/docker/Dockerfile, with
+#   3. the image ($SARCOMM_IMAGE, default sarcomm:latest, also tagged sarcomm:<version>, the
+#      project's version in pyproject.toml, which deploy/kubernetes pins) from deploy/docker/Dockerfile, with
 #      --build-arg PIP_INSTALL_OPTIONS=--no-index: pip installs from the wheelhouse only. Docker's
 #      layer cache makes a rebuild with unchanged sources take seconds.
 #   4. with --prometheus: $SARCOMM_PROMETHEUS_IMAGE (default sarcomm-prometheus:local), Prometheus
 #      from Debian's `prometheus` package on the same base, for machines that cannot pull
 #      prom/prometheus. Kept by its tag and the package's version.
-#   5. with --etcd: $SARCOMM_ETCD_IMAGE (default sarcomm-etcd:local), etcd from Debian's
+#   5. with --etcd: $SARCOMM_ETCD_IMAGE (default sarcomm-etcd:local, also tagged
+#      sarcomm-etcd:<version>), etcd from Debian's
 #      `etcd-server` package (3.4) on the same base, for docker-compose.etcd.yml. Kept by its tag
 #      and the package's version.
 #
@@ -40,6 +42,8 @@ TORCH_VERSION="${SARCOMM_TORCH_VERSION:-2.13.0}"
 IMAGE="${SARCOMM_IMAGE:-sarcomm:latest}"
 PROMETHEUS_IMAGE="${SARCOMM_PROMETHEUS_IMAGE:-sarcomm-prometheus:local}"
 ETCD_IMAGE="${SARCOMM_ETCD_IMAGE:-sarcomm-etcd:local}"
+# Each image is also tagged with the project's version, the tag deploy/kubernetes pins.
+PROJECT_VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml" | head -n 1)"
 EXIT_CANNOT=3
 
 with_prometheus=0
@@ -171,6 +175,7 @@ if ! docker build --network none --file "$HERE/Dockerfile" --tag "$IMAGE" \
   echo "build-images.sh: docker build of $IMAGE failed (log above)" >&2
   exit 1
 fi
+docker tag "$IMAGE" "sarcomm:$PROJECT_VERSION"
 step "image $IMAGE: $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1 / 1e6}')"
 
 # -- 4. Prometheus from Debian's package -----------------------------------------------------------
@@ -228,5 +233,6 @@ if [ "$with_etcd" = 1 ]; then
       exit 1
     fi
   fi
+  docker tag "$ETCD_IMAGE" "sarcomm-etcd:$PROJECT_VERSION"
 fi
 step "done"
