@@ -13,6 +13,7 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
+from sarcomm.common import durations
 from sarcomm.common.client.channel import connection_broke
 from sarcomm.common.client.replicas import Replicas
 from sarcomm.common.errors import InvalidArgumentError
@@ -67,8 +68,7 @@ class HeartbeatStream:
         *,
         stream_timeout: float = 3600.0,
     ) -> None:
-        if not interval > 0:
-            raise InvalidArgumentError(f"interval={interval!r} must be a positive number of seconds.")
+        durations.checked(interval, f"interval={interval!r}")
         if not stream_timeout > interval:
             raise InvalidArgumentError(
                 f"stream_timeout={stream_timeout!r} must be longer than the interval ({interval!r} s)."
