@@ -121,7 +121,12 @@ _shared_lock = threading.Lock()
 
 class RendezvousSession:
     """The coordinator client of one torchrun agent. Every method blocks the calling thread (the
-    agent's) until the loop thread has done the work; they raise :mod:`sarcomm.common.errors`."""
+    agent's) until the loop thread has done the work; they raise :mod:`sarcomm.common.errors`.
+
+    :attr:`news` has one owner, this object, under its lock (as torch's own rendezvous holds its
+    state under one): the agent's thread replaces it when a world forms, the loop thread's watcher
+    of that generation updates it, and a watcher of an earlier generation, should one still run,
+    never writes over a later one's."""
 
     def __init__(self, settings: RendezvousSettings, socket_name: str = "") -> None:
         self.settings = settings
@@ -137,11 +142,18 @@ class RendezvousSession:
         self._thread, self._client = shared.thread, shared.client
         self._stream: HeartbeatStream | None = None
         self._watcher: concurrent.futures.Future[None] | None = None
-        self.news = News()
+        self._lock = threading.Lock()
+        self._news = News()
         self._closed = False
         # The host's interfaces, read when the session connects, for its first join (every later
         # join reads them afresh).
         self._interfaces: list[InterfaceInfo] | None = None
+
+    @property
+    def news(self) -> News:
+        """What the heartbeat stream said of the node's generation (see :class:`News`)."""
+        with self._lock:
+            return self._news
 
     @property
     def _margin(self) -> float:
@@ -175,7 +187,8 @@ class RendezvousSession:
             ),
             s.join_timeout + self._margin,
         )
-        self.news = News(result.generation)
+        with self._lock:
+            self._news = News(result.generation)
         return result
 
     def connect(self) -> None:
@@ -220,8 +233,19 @@ class RendezvousSession:
                 )  # fmt: skip
 
     def _hear(self, reply: HeartbeatReply, result: JoinResult, member_id: str) -> bool:
-        """Take the news of ``reply``; True when the generation is over (heartbeats stop)."""
-        news = self.news
+        """Take the news of ``reply`` for ``result``'s generation; True when the generation is over
+        (heartbeats stop). A read-modify-write of :attr:`news`, under the lock: the agent's thread
+        may replace it meanwhile with a later generation's, which this one must not touch."""
+        with self._lock:
+            if self._news.generation != result.generation:
+                return True  # a later world formed: this generation's news is nobody's any more
+            news = self._news = self._heard(self._news, reply, result, member_id)
+        return bool(news.ended) and member_id in reply.unknown_members
+
+    @staticmethod
+    def _heard(news: News, reply: HeartbeatReply, result: JoinResult, member_id: str) -> News:
+        """``news`` (of ``result``'s generation) after ``reply``."""
+        before = news
         ended = news.ended
         if member_id in reply.unknown_members:
             ended = ended or "the coordinator no longer knows this node's member: its generation ended"
@@ -241,23 +265,33 @@ class RendezvousSession:
                 "job=%s node_rank=%d generation=%d: %s; the nodes re-form",
                 result.job, result.assignments[0].rank, result.generation, ended,
             )  # fmt: skip
-        elif news.waiting and not self.news.waiting:
+        elif news.waiting and not before.waiting:
             log.warning(
                 "job=%s node_rank=%d generation=%d: %d node(s) wait to join; the nodes re-form",
                 result.job, result.assignments[0].rank, result.generation, news.waiting,
             )  # fmt: skip
-        self.news = dataclasses.replace(news, ended=ended)
-        return bool(ended) and member_id in reply.unknown_members
+        return dataclasses.replace(news, ended=ended)
 
     def stop_heartbeats(self) -> None:
         """End the heartbeat stream in order (the coordinator then judges the member by silence
-        alone: the next join, or the leave, comes well within that)."""
+        alone: the next join, or the leave, comes well within that). Never raises: a stream or
+        watcher that does not end in time is cancelled, and said so."""
         stream, self._stream = self._stream, None
         watcher, self._watcher = self._watcher, None
         if stream is not None:
-            self._thread.run(stream.aclose(), self._margin)
+            try:
+                self._thread.run(stream.aclose(), self._margin)
+            except TimeoutError as exc:  # run() cancelled the close, and with it the stream
+                run_id = self.settings.run_id
+                log.warning("job=%s: the heartbeat stream did not end in order: %s", run_id, exc)
         if watcher is not None:
-            concurrent.futures.wait([watcher], timeout=self._margin)
+            done, _ = concurrent.futures.wait([watcher], timeout=self._margin)
+            if not done:
+                watcher.cancel()
+                log.warning(
+                    "job=%s: the heartbeat stream's reader did not end within %g s; cancelled",
+                    self.settings.run_id, self._margin,
+                )  # fmt: skip
 
     def close_job(self, member_id: str, secret: str) -> None:
         """Close the job's rendezvous (torch's ``set_closed``), through a one-off report."""
