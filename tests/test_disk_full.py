@@ -147,6 +147,9 @@ def test_a_world_that_cannot_be_written_is_not_shown_running_and_its_joins_end_n
         assert (job["state"], job["generation"]) == ("FORMING", 1), job
         assert "no member has been told its rank" in str(job["reason"]), job
         assert [m["state"] for m in job["members"]] == ["JOINING", "JOINING"], job
+        metrics = coord.get_text("/metrics")
+        assert 'sar_coordinator_jobs{state="FORMING"} 1.0' in metrics
+        assert 'sar_coordinator_jobs{state="RUNNING"} 0.0' in metrics
         for agent in agents:
             _, err = agent.communicate(timeout=AGENT_DEADLINE_S)
             last = err.strip().splitlines()[-1]
