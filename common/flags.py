@@ -15,15 +15,17 @@ is generated from (``scripts/gen_flags.py``).
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sarcomm.common import durations
 from sarcomm.common.errors import InvalidArgumentError, shorten
 
 __all__ = [
     "ENV_PREFIX",
+    "NONNEGATIVE_SECONDS_RULE",
+    "SECONDS_RULE",
     "Fallback",
     "Option",
     "add_options",
@@ -157,20 +159,19 @@ def integer(low: int, high: int | None = None) -> tuple[Callable[[str], int], st
     return convert, f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
 
 
+#: The rules of :func:`seconds` and :func:`nonnegative_seconds` in words (:mod:`.durations`).
+SECONDS_RULE = durations.rule()
+NONNEGATIVE_SECONDS_RULE = durations.rule(zero=True)
+
+
 def seconds(text: str) -> float:
-    """A positive, finite number of seconds."""
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError
-    return value
+    """A number of seconds under :data:`SECONDS_RULE`."""
+    return durations.duration(text)
 
 
 def nonnegative_seconds(text: str) -> float:
-    """A finite number of seconds >= 0."""
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError
-    return value
+    """A number of seconds under :data:`NONNEGATIVE_SECONDS_RULE`."""
+    return durations.duration(text, zero=True)
 
 
 def nonempty(text: str) -> str:

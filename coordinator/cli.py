@@ -18,6 +18,8 @@ from pathlib import Path
 from sarcomm import __version__
 from sarcomm.common.errors import CoordinatorFailedError, InvalidArgumentError, SarcommError
 from sarcomm.common.flags import (
+    NONNEGATIVE_SECONDS_RULE,
+    SECONDS_RULE,
     Option,
     add_options,
     integer,
@@ -67,7 +69,6 @@ def _ranks(text: str) -> tuple[tuple[int, int], ...]:
 
 
 _LIMITS = Limits()
-_SECONDS = "a positive number of seconds"
 
 #: The daemon's flags (each also read from SARCOMM_<FLAG>; see sarcomm.common.flags).
 SERVER_OPTIONS: tuple[Option, ...] = (
@@ -95,15 +96,16 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     Option("--etcd-key", Path, "a path", "PEM key for --etcd-cert"),
     Option("--etcd-user", str, "a user name", "etcd user name (etcd auth), with --etcd-password-file"),
     Option("--etcd-password-file", Path, "a path", "file holding --etcd-user's password"),
-    Option("--heartbeat-interval", seconds, _SECONDS, "seconds between member reports", default=1.0),
+    Option("--heartbeat-interval", seconds, SECONDS_RULE, "seconds between member reports", default=1.0),
     Option("--heartbeat-misses", *integer(1), "missed reports after which a member is judged dead",
            default=3),
-    Option("--stall-threshold", seconds, _SECONDS, "seconds ranks wait in one collective before status "
+    Option("--stall-threshold", seconds, SECONDS_RULE, "seconds ranks wait in one collective before status "
            "names the ranks they wait for", default=30.0),
-    Option("--reconnect-grace", nonnegative_seconds, "a number of seconds >= 0", "seconds members restored "
+    Option("--reconnect-grace", nonnegative_seconds, NONNEGATIVE_SECONDS_RULE, "seconds members restored "
            "from --state get to reconnect before they are judged", default=10.0),
-    Option("--join-timeout", seconds, _SECONDS, "seconds a join waits for its world to form", default=600.0),
-    Option("--shutdown-grace", nonnegative_seconds, "a number of seconds >= 0", "seconds in-flight calls get "
+    Option("--join-timeout", seconds, SECONDS_RULE, "seconds a join waits for its world to form",
+           default=600.0),
+    Option("--shutdown-grace", nonnegative_seconds, NONNEGATIVE_SECONDS_RULE, "seconds in-flight calls get "
            "on SIGTERM/SIGINT", default=5.0),
     Option("--acceptors", *integer(1, MAX_ACCEPTORS), "gRPC servers sharing --listen's port, each taking new "
            "calls: 8 for jobs of thousands of agents, whose Joins and streams arrive at once", default=1),
@@ -146,7 +148,7 @@ STATUS_OPTIONS: tuple[Option, ...] = (
            default=(), metavar="RANKS"),
     Option("--json", switch, "a boolean word (1, true, yes, on or 0, false, no, off)",
            "print JSON instead of a table", default=False, is_switch=True),
-    Option("--watch", seconds, "a positive number of seconds between refreshes (e.g. --watch 2)",
+    Option("--watch", seconds, f"{SECONDS_RULE} between refreshes (e.g. --watch 2)",
            "refresh every SECONDS until interrupted", metavar="SECONDS", const="2",
            shown_default="no refresh; 2 with --watch alone"),
 )  # fmt: skip

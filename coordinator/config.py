@@ -6,11 +6,11 @@ a :class:`CoordinatorConfig`, and the server only ever reads that object.
 
 from __future__ import annotations
 
-import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from sarcomm.common import durations
 from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
@@ -109,10 +109,8 @@ class CoordinatorConfig:
         _positive("heartbeat_interval", self.heartbeat_interval)
         _positive("join_timeout", self.join_timeout)
         _positive("stall_threshold", self.stall_threshold)
-        if self.reconnect_grace < 0 or not math.isfinite(self.reconnect_grace):
-            raise InvalidArgumentError(f"reconnect_grace {self.reconnect_grace!r} must be >= 0 seconds")
-        if self.shutdown_grace < 0 or not math.isfinite(self.shutdown_grace):
-            raise InvalidArgumentError(f"shutdown_grace {self.shutdown_grace!r} must be >= 0 seconds")
+        _positive("reconnect_grace", self.reconnect_grace, zero=True)
+        _positive("shutdown_grace", self.shutdown_grace, zero=True)
         if self.store is not None and self.state is not None:
             raise InvalidArgumentError(
                 f"--store {self.store.url} and --state {self.state} were both given: the state lives in "
@@ -158,6 +156,8 @@ class CoordinatorConfig:
         return self.heartbeat_interval * self.heartbeat_misses
 
 
-def _positive(field: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise InvalidArgumentError(f"{field} {value!r} must be a positive number of seconds")
+def _positive(field: str, value: float, *, zero: bool = False) -> None:
+    try:
+        durations.duration(value, zero=zero)
+    except ValueError:
+        raise InvalidArgumentError(f"{field} {value!r} must be {durations.rule(zero=zero)}") from None

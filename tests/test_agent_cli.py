@@ -69,7 +69,7 @@ BAD_SETTINGS: list[tuple[list[str], dict[str, str], str]] = [
     (
         [*BASE, "--join-timeout", "-1", "--", "x"],
         {},
-        "--join-timeout '-1' must be a positive number of seconds.",
+        "--join-timeout '-1' must be a positive number of seconds, at most 604800 (a week).",
     ),
     (
         [*BASE, "--metrics-port", "70000", "--", "x"],
@@ -153,7 +153,7 @@ BAD_RANGES: list[tuple[list[str], str]] = [
      "--rank 0 cannot be used with --world-size 2:4: the coordinator deals the ranks of an elastic world; "
      "leave --rank out."),
     (["--world-size", "2:4", "--last-call-timeout", "-1"],
-     "--last-call-timeout '-1' must be a number of seconds >= 0."),
+     "--last-call-timeout '-1' must be a number of seconds >= 0, at most 604800 (a week)."),
 ]  # fmt: skip
 
 

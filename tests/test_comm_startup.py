@@ -105,8 +105,8 @@ def test_timeouts_have_their_default_and_read_their_variable(
     for bad in ("abc", "0", "-3", "inf", "nan"):
         with pytest.raises(
             InvalidArgumentError,
-            match=rf"^{variable}='{bad}' is not a valid timeout: it must be a number of seconds "
-            r"greater than 0\.$",
+            match=rf"^{variable}='{bad}' is not a valid timeout: it must be a positive number of seconds, "
+            r"at most 604800 \(a week\)\.$",
         ):
             read({variable: bad})
 

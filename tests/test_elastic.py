@@ -415,3 +415,22 @@ def test_restored_job_stays_elastic_if_coordinator_restarts(tmp_path: Path, cloc
     second.sweep()
     assert job.state is JobState.RESTARTED
     store.close()
+
+
+def test_join_ids_of_a_generation_go_with_its_re_rendezvous(membership: Membership) -> None:
+    """A long elastic job that re-forms often keeps only its running generation's join ids (each
+    holds its members' secrets and the whole generation): they went only when the job ended, so
+    memory grew with every re-rendezvous. A Join sent again into the new generation still gets its
+    own ticket."""
+    ids = iter(f"{i:032x}" for i in range(10_000))
+    a = membership.join(espec("a", low=2, high=2), next(ids))
+    b = membership.join(espec("b", low=2, high=2), next(ids))
+    for generation in range(2, 52):
+        a_id, b_id = next(ids), next(ids)
+        a = membership.join(espec("a", low=2, high=2, rejoin=a), a_id)
+        b = membership.join(espec("b", low=2, high=2, rejoin=b), b_id)
+        assert (a.job.generation, state(a)) == (generation, JobState.RUNNING)
+        assert len(membership._join_ids) == 2
+    again = membership.join(espec("b", low=2, high=2, rejoin=None), b_id)
+    assert again.resent
+    assert again.members == b.members

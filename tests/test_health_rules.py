@@ -160,7 +160,10 @@ def test_the_new_settings_name_field_value_and_rule() -> None:
         InvalidArgumentError, match=r"^stall_threshold 0 must be a positive number of seconds"
     ):
         CoordinatorConfig(stall_threshold=0)
-    with pytest.raises(InvalidArgumentError, match=r"^reconnect_grace -1 must be >= 0 seconds$"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^reconnect_grace -1 must be a number of seconds >= 0, at most 604800 \(a week\)$",
+    ):
         CoordinatorConfig(reconnect_grace=-1)
     with pytest.raises(InvalidArgumentError, match=r"^reports\[2\]\.age_seconds -1\.0 must be a finite"):
         validation.age_seconds(-1.0, "reports[2].age_seconds")

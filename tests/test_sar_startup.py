@@ -311,7 +311,8 @@ def test_registration_settings_let_arguments_win_without_reading_the_variables(t
     )
     with pytest.raises(
         InvalidArgumentError,
-        match=r"^SARCOMM_HEARTBEAT_INTERVAL='often' must be a positive number of seconds\.$",
+        match=r"^SARCOMM_HEARTBEAT_INTERVAL='often' must be a positive number of seconds, "
+        r"at most 604800 \(a week\)\.$",
     ):
         launch_env.registration_settings(env, None, "secret")
     with pytest.raises(

@@ -186,10 +186,7 @@ def translate(
     seconds at monotonic time ``started``; ``connected``: whether ``target``'s connection is up."""
     code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
     details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
-    elapsed = time.monotonic() - started
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED and (
-        details == _OWN_DEADLINE_DETAILS or elapsed >= deadline - 0.05
-    ):
+    if own_deadline(err, deadline, started):
         if not connected:
             return CoordinatorUnavailableError(
                 f"The coordinator at {target} could not be reached within the {deadline:g} s "
@@ -215,6 +212,15 @@ def translate(
             f"The coordinator at {target} is unavailable ({method}): {details or 'no details'}"
         )
     return from_rpc_error(err)
+
+
+def own_deadline(err: grpc.RpcError, deadline: float, started: float) -> bool:
+    """Whether ``err`` is the client's own deadline of ``deadline`` seconds from monotonic
+    ``started`` passing, not the coordinator's answer (a Join's ``join_timeout``, also
+    ``DEADLINE_EXCEEDED``)."""
+    if not isinstance(err, grpc.aio.AioRpcError) or err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    return err.details() == _OWN_DEADLINE_DETAILS or time.monotonic() - started >= deadline - 0.05
 
 
 def unreachable_error(target: str, found: Unreachable) -> SarcommError:

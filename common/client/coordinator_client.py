@@ -31,6 +31,7 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
+from sarcomm.common import durations
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.client.channel import Channels
 from sarcomm.common.client.heartbeats import HeartbeatStream
@@ -95,8 +96,7 @@ class CoordinatorClient:
         tls: ClientTls | None = None,
     ) -> None:
         targets = parse_targets(target)
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds.")
+        durations.checked(timeout, f"timeout={timeout!r}")
         if tls is not None and credentials is not None:
             raise InvalidArgumentError("give tls= or credentials=, not both.")
         self.timeout = float(timeout)

@@ -13,6 +13,7 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
+from sarcomm.common import durations
 from sarcomm.common.client.channel import connection_broke
 from sarcomm.common.client.replicas import Replicas
 from sarcomm.common.errors import InvalidArgumentError
@@ -67,8 +68,7 @@ class HeartbeatStream:
         *,
         stream_timeout: float = 3600.0,
     ) -> None:
-        if not interval > 0:
-            raise InvalidArgumentError(f"interval={interval!r} must be a positive number of seconds.")
+        durations.checked(interval, f"interval={interval!r}")
         if not stream_timeout > interval:
             raise InvalidArgumentError(
                 f"stream_timeout={stream_timeout!r} must be longer than the interval ({interval!r} s)."
@@ -110,20 +110,31 @@ class HeartbeatStream:
 
     async def aclose(self) -> None:
         """Stop sending and end the stream in order (at most about one second; cancelled after
-        that, e.g. while the coordinator is unreachable); waits for the background task."""
+        that, e.g. while the coordinator is unreachable); waits for the background task.
+
+        Cancellable: a caller cancelled while it waits gets its ``CancelledError`` (the background
+        task is cancelled, not waited for); only the task's own end is kept quiet."""
         task, self._task = self._task, None
         self._ended = True
         self._closing.set()
         self._wake.set()
-        if task is not None and not task.done():
-            # The writer half-closes and the coordinator ends the stream; the shield keeps the
-            # timeout from cancelling the task half-way.
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(task), timeout=_ORDERLY_CLOSE_S)
-        if task is not None and not task.done():
+        if task is None:
+            return
+        try:
+            if not task.done():
+                # The writer half-closes and the coordinator ends the stream. asyncio.wait neither
+                # cancels the task at the timeout nor raises what the task raised; it raises only
+                # this caller's own cancellation.
+                await asyncio.wait({task}, timeout=_ORDERLY_CLOSE_S)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=5.0)
+        except asyncio.CancelledError:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-                await asyncio.wait_for(task, timeout=5.0)
+            raise
+        finally:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: asyncio would log it as never retrieved
 
     def __aiter__(self) -> HeartbeatStream:
         return self

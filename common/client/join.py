@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
-from sarcomm.common import netinfo
+from sarcomm.common import durations, netinfo
 from sarcomm.common.constants import DEFAULT_JOIN_TIMEOUT, JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import InvalidArgumentError, JobClosedError, SarcommError
 from sarcomm.common.interfaces import InterfaceInfo
@@ -53,8 +53,8 @@ def join_request(
         raise InvalidArgumentError(
             f"local_ranks={list(local_ranks)!r} must have nproc={nproc} entries, one per member."
         )
-    if join_timeout is not None and not join_timeout > 0:
-        raise InvalidArgumentError(f"join_timeout={join_timeout!r} must be a positive number of seconds.")
+    if join_timeout is not None:
+        durations.checked(join_timeout, f"join_timeout={join_timeout!r}")
     members: list[pb.MemberSpec] = []
     try:
         for i in range(nproc):

@@ -43,14 +43,19 @@ class LoopThread:
         """Run ``coro`` on the loop; block until it is done or ``timeout`` seconds passed.
 
         Raises:
-            TimeoutError: ``timeout`` passed (the coroutine is cancelled), or what ``coro`` raised.
+            TimeoutError: ``timeout`` passed (the coroutine is cancelled); otherwise what ``coro``
+                raised, as it raised it (a ``TimeoutError`` of its own, such as
+                :class:`~sarcomm.common.errors.JoinTimeoutError`, included: only this wait's own
+                deadline reads as this wait's).
         """
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        # concurrent.futures.TimeoutError is the builtin TimeoutError: future.result(timeout) would
+        # raise the same type for this wait's deadline and for a TimeoutError that coro raised.
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:
             future.cancel()
-            raise TimeoutError(f"a coordinator call did not finish within {timeout:g} s") from None
+            raise TimeoutError(f"a coordinator call did not finish within {timeout:g} s")
+        return future.result()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

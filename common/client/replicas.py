@@ -57,6 +57,7 @@ from sarcomm.common.client.channel import (
     Channels,
     connection_broke,
     leader_hint,
+    own_deadline,
     translate,
     unreachable_error,
 )
@@ -200,11 +201,12 @@ class Replicas:
             except grpc.aio.AioRpcError as err:
                 delay = self.after_failure(target, err)
                 if delay is None:  # the coordinator's answer: the call ends
-                    # When the deadline cut a try that followed a standby's refusal, the refusal
-                    # says more than the deadline.
-                    cut = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                    answer = attempt.refusal if cut and attempt.refusal is not None else err
-                    raise await self.explained(self.translate(answer, method, deadline, started)) from err
+                    # When the deadline cut a try that followed the coordinator's own answer (a
+                    # standby's refusal; UNAVAILABLE while it cannot write its state: a full
+                    # disk), that answer says more than the deadline: it is the last cause.
+                    last = self._own_answer(attempt, target) if own_deadline(err, deadline, started) else None
+                    error = last if last is not None else self.translate(err, method, deadline, started)
+                    raise await self.explained(error) from err
                 attempt.last = err
                 attempt.refusal = err if leader_hint(err) is not None else None
                 await self._wait_next(attempt, delay)

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from sarcomm.common.constants import FailureReason
+from sarcomm.coordinator.api.views import job_state
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.domain.model import JobState, MemberState
 
@@ -70,7 +71,7 @@ def snapshot_state(membership: Membership, now: float) -> StateSnapshot:
     blocking: list[tuple[str, str, str, float]] = []
     running = MemberState.RUNNING
     for job in membership.jobs():
-        job_counts[job.state] += 1
+        job_counts[JobState(job_state(job))] += 1  # a world no member was told of is not RUNNING
         for member in job.members:
             member_counts[member.state] += 1
         if job.state is JobState.RUNNING:

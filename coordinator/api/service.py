@@ -15,7 +15,6 @@ import grpc
 
 from sarcomm.common.constants import JOIN_ANSWER_SLACK_S
 from sarcomm.common.errors import (
-    CoordinatorUnavailableError,
     FailedPreconditionError,
     JobClosedError,
     JoinTimeoutError,
@@ -118,12 +117,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return self._closed_answer(spec.job, closed)
         if job.state is JobState.FORMING:
             raise FailedPreconditionError(f"{job.label} was abandoned before its world formed")
+        # Not told yet: until the world is written and this answer goes, its members show JOINING
+        # and a world none of whose members was told shows FORMING (views.job_state).
+        self._membership.answered(ticket, False)
         try:
+            # When the state cannot be written (a full disk: CoordinatorUnavailableError), no answer
+            # and so no liveness yet; the client sends this Join again (same join_id) and gets the
+            # answer once it is written.
             await self._durable(job)
-        except CoordinatorUnavailableError:
-            # The state cannot be written (a full disk): no answer, and so no liveness yet; the
-            # client sends this Join again (same join_id) and gets the answer once it is written.
-            self._membership.answered(ticket, False)
+        except asyncio.CancelledError:
+            # The caller hung up: its members are judged by their silence, as answered ones are.
+            self._membership.answered(ticket)
             raise
         self._membership.answered(ticket)
         first = ticket.members[0]

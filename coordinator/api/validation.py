@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from sarcomm.common import durations
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.constants import JOB_NAME_RULE, is_job_name
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
@@ -78,8 +79,10 @@ def join_spec(request: pb.JoinRequest, peer_address: str | None, limits: Limits)
     if not 0 <= request.max_restarts <= MAX_RESTARTS:
         raise invalid("max_restarts", request.max_restarts, f"must be in 0..{MAX_RESTARTS}")
     timeout = request.join_timeout_seconds
-    if not (math.isfinite(timeout) and timeout >= 0):
-        raise invalid("join_timeout_seconds", timeout, "must be a finite number of seconds >= 0")
+    try:
+        durations.duration(timeout, zero=True)  # 0: the coordinator's --join-timeout
+    except ValueError:
+        raise invalid("join_timeout_seconds", timeout, f"must be {durations.rule(zero=True)}") from None
     interfaces = _interfaces(request, limits.max_interfaces)
     members = _members(request, world_size)
     if elastic is not None and any(m.rank is not None for m in members):

@@ -13,11 +13,34 @@ from google.protobuf import json_format
 
 from sarcomm.common.messages import failure_to_proto
 from sarcomm.coordinator.domain.elastic import waiting
-from sarcomm.coordinator.domain.model import Job, JobEvent, Member, Stall
+from sarcomm.coordinator.domain.model import Job, JobEvent, JobState, Member, MemberState, Stall
 from sarcomm.v1 import coordinator_pb2 as pb
 
 #: The proto's number of a failure reason (shared with the clients, which read it back).
 failure_message = failure_to_proto
+
+
+#: Why a generation shows FORMING although its world formed (see :func:`job_state`).
+UNANNOUNCED = (
+    "its world formed, but no member has been told its rank: the coordinator could not write its "
+    "state yet (see its log), and answers the Joins once it can"
+)
+
+
+def job_state(job: Job) -> str:
+    """The state ``job`` is shown in: its own, except that a world formed in memory of which no
+    member has learned (no Join of it answered: its state could not be written, e.g. a full disk)
+    shows FORMING, not RUNNING: nothing runs until a member is told its rank."""
+    if job.state is JobState.RUNNING and job.members and not any(m.answered for m in job.members):
+        return JobState.FORMING.value
+    return job.state.value
+
+
+def member_state(member: Member) -> str:
+    """The state ``member`` is shown in: JOINING until its Join is answered (see :func:`job_state`)."""
+    if member.state is MemberState.RUNNING and not member.answered:
+        return MemberState.JOINING.value
+    return member.state.value
 
 
 def event_message(event: JobEvent) -> pb.JobEvent:
@@ -42,7 +65,7 @@ def member_status(member: Member) -> pb.MemberStatus:
         host=member.host,
         address=member.address,
         interface=member.interface,
-        state=member.state.value,
+        state=member_state(member),
         exit_code=member.exit_code or 0,
         reason=member.reason,
         last_heartbeat=member.last_heartbeat,
@@ -83,11 +106,12 @@ def _generation_record(record: dict[str, Any]) -> pb.GenerationRecord:
 def job_status(job: Job, stall: Stall | None = None, members: Sequence[Member] | None = None) -> pb.JobStatus:
     """``job`` as a message; ``stall`` is the membership's :meth:`~Membership.stall` of it;
     ``members`` the ones to list (default: every one, in rank order)."""
-    counts = Counter(m.state.value for m in job.members)
+    counts = Counter(member_state(m) for m in job.members)
+    state = job_state(job)
     return pb.JobStatus(
         job=job.name,
         generation=job.generation,
-        state=job.state.value,
+        state=state,
         world_size=job.world_size,
         master_addr=job.master_addr,
         master_port=job.master_port,
@@ -96,7 +120,7 @@ def job_status(job: Job, stall: Stall | None = None, members: Sequence[Member] |
         formed=job.formed,
         ended=job.ended,
         members=[member_status(m) for m in (job.ranked_members() if members is None else members)],
-        reason=job.reason,
+        reason=UNANNOUNCED if state != job.state.value else job.reason,
         stall=stall_message(stall) if stall is not None else None,
         history=[_generation_record(r) for r in job.history],
         max_restarts=job.max_restarts,
@@ -125,7 +149,7 @@ class MemberSelection:
             return None
         ranked = job.ranked_members()
         if self.states:
-            ranked = [m for m in ranked if m.state.value in self.states]
+            ranked = [m for m in ranked if member_state(m) in self.states]
         return ranked[self.offset : self.offset + self.limit] if self.limit else ranked[self.offset :]
 
 
@@ -160,7 +184,7 @@ def member_view(member: Member) -> dict[str, Any]:
         "host": member.host,
         "address": member.address,
         "interface": member.interface,
-        "state": member.state.value,
+        "state": member_state(member),
         "exit_code": member.exit_code or 0,
         "reason": member.reason,
         "last_heartbeat": _json_double(member.last_heartbeat),

@@ -161,6 +161,10 @@ class JoinIds:
         # The digests of each job name's entries, so that an ended generation drops them at once.
         self._by_job: dict[str, set[str]] = {}
 
+    def __len__(self) -> int:
+        """How many join ids it holds now."""
+        return len(self._entries)
+
     def restore(self, job: Job) -> None:
         """Know the join ids of a running ``job`` read from the store (by their digests)."""
         if job.state is not JobState.RUNNING:
@@ -244,10 +248,19 @@ class JoinIds:
 
     def forget_ended(self, event: JobEvent) -> None:
         """A listener of the membership's events: a generation that ended takes its join ids along
-        (they hold its members' secrets); a Join sent again after that joins the next one."""
+        (they hold its members' secrets and the whole generation); a Join sent again after that
+        joins the next one. A re-rendezvous (JOB_RESTARTING) ends one generation of a job that
+        goes on: its join ids go, those of the next generation (joins parked behind it, re-joins)
+        stay."""
         if event.kind in (EventKind.JOB_FINISHED, EventKind.JOB_FAILED):
             for key in self._by_job.pop(event.job, set()):
                 self._entries.pop(key, None)
+        elif event.kind is EventKind.JOB_RESTARTING:
+            for key in list(self._by_job.get(event.job, ())):
+                ticket = self._entries[key].ticket
+                # No ticket: restored from the store for the generation running then, over now.
+                if ticket is None or ticket.job.generation <= event.generation:
+                    self._drop(key)
 
     def _add(self, key: str, entry: _Entry) -> None:
         self._drop(key)

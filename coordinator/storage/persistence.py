@@ -147,8 +147,9 @@ class WriteBehind:
                 raise
             except (OSError, sqlite3.Error, StoreUnavailableError) as error:
                 raise CoordinatorUnavailableError(
-                    f"the coordinator could not write {self._where} ({error}); the change is kept and "
-                    f"written again in {RETRY_DELAY_S:g} s, retry the call"
+                    f"the coordinator could not write {self._where} ({error}): free space there, or "
+                    f"bring its store back; the change is kept and written again every "
+                    f"{RETRY_DELAY_S:g} s, and a call sent again is answered once it is written"
                 ) from error
         if job is not None and (job.name, job.generation) in self._refused:
             raise StoreLimitError(self._refused[(job.name, job.generation)])

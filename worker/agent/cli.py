@@ -43,6 +43,8 @@ from sarcomm.common.constants import (
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.flags import (
+    NONNEGATIVE_SECONDS_RULE,
+    SECONDS_RULE,
     Option,
     add_options,
     integer,
@@ -152,13 +154,13 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--extra-ports", *integer(0, MAX_EXTRA_PORTS), "ports after the master port to reserve "
             "with it for SAR's sampling workers, given to the ranks as SAR_EXTRA_PORTS", default=0,
             metavar="K"),
-    Option("--join-timeout", seconds, "a positive number of seconds", "seconds to wait for the "
+    Option("--join-timeout", seconds, SECONDS_RULE, "seconds to wait for the "
             "world to form, reaching the coordinator included (default: the coordinator's "
             "--join-timeout)", metavar="S"),
-    Option("--last-call-timeout", nonnegative_seconds, "a number of seconds >= 0", "with --world-size "
+    Option("--last-call-timeout", nonnegative_seconds, NONNEGATIVE_SECONDS_RULE, "with --world-size "
             "MIN:MAX: once MIN ranks have joined, the world forms when this long passes without a new "
             "arrival", default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S"),
-    Option("--heartbeat-interval", seconds, "a positive number of seconds", "seconds between "
+    Option("--heartbeat-interval", seconds, SECONDS_RULE, "seconds between "
             "heartbeats; at most the coordinator's", default=1.0, metavar="S"),
     Option("--token-file", Path, "a path", "file holding the coordinator's bearer token",
             metavar="PATH"),

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sarcomm.common import durations
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
@@ -200,14 +201,15 @@ class AgentConfig:
                 f"--metrics-host {shorten(self.metrics_host)} must be an IP address written as "
                 f"{metrics_host(self.metrics_host, '--metrics-host')!r} (or '' for every interface)."
             )
-        if self.join_timeout is not None and not self.join_timeout > 0:
-            raise InvalidArgumentError(
-                f"--join-timeout {self.join_timeout} must be a positive number of seconds."
-            )
-        if not self.heartbeat_interval > 0:
-            raise InvalidArgumentError(
-                f"--heartbeat-interval {self.heartbeat_interval} must be a positive number of seconds."
-            )
+        for flag, value in (
+            ("--join-timeout", self.join_timeout),
+            ("--heartbeat-interval", self.heartbeat_interval),
+        ):
+            try:
+                if value is not None:
+                    durations.duration(value)
+            except ValueError:
+                raise InvalidArgumentError(f"{flag} {value} must be {durations.rule()}.") from None
         check_extra_ports(self.extra_ports, "--extra-ports")
         if not self.stop_grace >= 0:
             raise InvalidArgumentError(f"stop_grace {self.stop_grace} must be a number of seconds >= 0.")

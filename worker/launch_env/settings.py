@@ -13,12 +13,12 @@ returned together, as frozen dataclasses validated when built (:class:`ProgressS
 from __future__ import annotations
 
 import ipaddress
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from sarcomm.common import durations
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
     BACKEND_VARIABLE,
@@ -168,16 +168,15 @@ def heartbeat_interval_setting(env: Mapping[str, str], value: float | None) -> f
         if text is None:
             return DEFAULT_HEARTBEAT_INTERVAL
         try:
-            value = float(text)
+            return durations.duration(text)
         except ValueError:
-            value = float("nan")
-        if not value > 0:
             raise InvalidArgumentError(
-                f"{HEARTBEAT_INTERVAL_VARIABLE}={shorten(text)} must be a positive number of seconds."
-            )
-    if not value > 0:
-        raise InvalidArgumentError(f"heartbeat_interval={value!r} must be a positive number of seconds.")
-    return value
+                f"{HEARTBEAT_INTERVAL_VARIABLE}={shorten(text)} must be {durations.rule()}."
+            ) from None
+    try:
+        return durations.duration(value)
+    except ValueError:
+        raise InvalidArgumentError(f"heartbeat_interval={value!r} must be {durations.rule()}.") from None
 
 
 def agent_pid_setting(env: Mapping[str, str]) -> int | None:
@@ -331,15 +330,11 @@ def _seconds(environ: Mapping[str, str], variable: str, default: float) -> float
     if raw is None or raw.strip() == "":
         return default
     try:
-        seconds = float(raw)
+        return durations.duration(raw)
     except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidArgumentError(
-            f"{variable}={shorten(raw)} is not a valid timeout: it must be a number of seconds "
-            "greater than 0."
-        )
-    return seconds
+            f"{variable}={shorten(raw)} is not a valid timeout: it must be {durations.rule()}."
+        ) from None
 
 
 def master_port_setting(environ: Mapping[str, str], master_port_number: int | None) -> int | None:

@@ -186,7 +186,7 @@ class SarcommRendezvousHandler(RendezvousHandler):
         self._store = None  # the previous generation's store (its server, on node rank 0) goes
         self._clear_endpoints()  # the previous generation's workers are stopped
         server = self._spare if self._spare is not None else self._serve_store()
-        with _torch_errors(s.run_id):
+        with _torch_errors(s.run_id, s.join_timeout):
             result = self._session.join(server.port, rejoin)
         store: Store = server
         if result.assignments[0].rank == 0:
@@ -229,7 +229,11 @@ class SarcommRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """Leave the job (see the module docstring) and close the connection; True when the
-        coordinator heard the leave (or there was nothing to leave)."""
+        coordinator heard the leave (or there was nothing to leave).
+
+        Never raises: torch's launcher calls it in a ``finally``, where an error of its own would
+        hide the one the user needs (the ``ChildFailedError`` of a failed worker). What goes wrong
+        (the coordinator unreachable, a call that does not end in time) is logged instead."""
         code, reason = _outcome(sys.exc_info()[1])
         heard = True
         try:
@@ -242,15 +246,17 @@ class SarcommRendezvousHandler(RendezvousHandler):
                     "job=%s node_rank=%d generation=%d: left with code %d; the job is %s",
                     self._result.job, member.rank, self._result.generation, code, state,
                 )  # fmt: skip
-        except SarcommError as exc:
+        except (SarcommError, OSError) as exc:  # OSError: TimeoutError (the loop thread's deadline)
             run_id = self._settings.run_id
             log.warning("job=%s: could not report the node's end to the coordinator: %s", run_id, exc)
             heard = False
-        finally:
-            self._store = self._spare = None
+        self._store = self._spare = None
+        try:
             self._session.close()
-            if self._endpoints is not None:
-                shutil.rmtree(self._endpoints, ignore_errors=True)
+        except (SarcommError, OSError) as exc:
+            log.warning("job=%s: closing the connection to the coordinator: %s", self._settings.run_id, exc)
+        if self._endpoints is not None:
+            shutil.rmtree(self._endpoints, ignore_errors=True)
         return heard
 
     # -- the store and the workers' environment ---------------------------------------------------
@@ -319,8 +325,9 @@ class SarcommRendezvousHandler(RendezvousHandler):
 
 
 @contextmanager
-def _torch_errors(run_id: str) -> Iterator[None]:
-    """sarcomm's errors as torch's rendezvous errors, with sarcomm's messages."""
+def _torch_errors(run_id: str, join_timeout: float | None = None) -> Iterator[None]:
+    """sarcomm's errors as torch's rendezvous errors, with sarcomm's messages; around a join,
+    ``join_timeout`` is the node's (``--rdzv-conf join_timeout``)."""
     try:
         yield
     except JobClosedError as exc:
@@ -331,7 +338,8 @@ def _torch_errors(run_id: str) -> Iterator[None]:
         log.warning("job=%s: %s; this node waited beyond --nnodes MAX and exits", run_id, exc)
         raise RendezvousGracefulExitError(f"job {run_id}: {exc}") from exc
     except JoinTimeoutError as exc:
-        raise RendezvousTimeoutError(f"job {run_id}: {exc}") from exc
+        within = "" if join_timeout is None else f" within --rdzv-conf join_timeout={join_timeout:g} s"
+        raise RendezvousTimeoutError(f"job {run_id}: no world formed{within}: {exc}") from exc
     except (CoordinatorUnavailableError, UnauthenticatedError, TimeoutError) as exc:
         raise RendezvousConnectionError(f"job {run_id}: {exc}") from exc
     except SarcommError as exc:

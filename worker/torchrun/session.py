@@ -1,10 +1,10 @@
-"""The coordinator side of one torchrun agent: its joins, its heartbeat stream, and what that
-stream says of the node's generation, on a private event loop (torch's agent is synchronous).
+"""The coordinator side of one torchrun agent: its joins, its heartbeat stream, and the status that
+stream brings, on a private event loop (torch's agent is synchronous).
 
 One sarcomm member per node: the agent. It joins the elastic job with one member (node rank and
 node count come back), heartbeats for it while its workers run, and reads from every answer how
 many nodes wait to join and whether the rendezvous is closed; a job event that ends its generation
-(a node lost, another node re-joining, the job failed) is kept too. :attr:`RendezvousSession.status`
+(a node lost, another node re-joining, the job failed) is kept too. :meth:`RendezvousSession.status`
 is what ``num_nodes_waiting()`` and ``is_closed()`` answer from: no call to the coordinator.
 
 The sessions of one process share one client (one channel, one loop thread) per coordinator:
@@ -121,7 +121,12 @@ _shared_lock = threading.Lock()
 
 class RendezvousSession:
     """The coordinator client of one torchrun agent. Every method blocks the calling thread (the
-    agent's) until the loop thread has done the work; they raise :mod:`sarcomm.common.errors`."""
+    agent's) until the loop thread has done the work; they raise :mod:`sarcomm.common.errors`.
+
+    :attr:`status` has one owner, this object, under its lock (as torch's own rendezvous holds its
+    state under one): the agent's thread replaces it when a world forms, the loop thread's watcher
+    of that generation updates it, and a watcher of an earlier generation, should one still run,
+    never writes over a later one's."""
 
     def __init__(self, settings: RendezvousSettings, socket_name: str = "") -> None:
         self.settings = settings
@@ -137,11 +142,18 @@ class RendezvousSession:
         self._thread, self._client = shared.thread, shared.client
         self._stream: HeartbeatStream | None = None
         self._watcher: concurrent.futures.Future[None] | None = None
-        self.status = GenerationStatus()
+        self._lock = threading.Lock()
+        self._status = GenerationStatus()
         self._closed = False
         # The host's interfaces, read when the session connects, for its first join (every later
         # join reads them afresh).
         self._interfaces: list[InterfaceInfo] | None = None
+
+    @property
+    def status(self) -> GenerationStatus:
+        """What the heartbeat stream said of the node's generation (see :class:`GenerationStatus`)."""
+        with self._lock:
+            return self._status
 
     @property
     def _margin(self) -> float:
@@ -175,7 +187,8 @@ class RendezvousSession:
             ),
             s.join_timeout + self._margin,
         )
-        self.status = GenerationStatus(result.generation)
+        with self._lock:
+            self._status = GenerationStatus(result.generation)
         return result
 
     def connect(self) -> None:
@@ -197,9 +210,9 @@ class RendezvousSession:
         await self._client.list_jobs(self.settings.run_id)
 
     def watch(self, result: JoinResult, endpoints: Path | None = None) -> None:
-        """Heartbeat for the node's member of ``result`` and keep what the answers say of its
-        generation. Each report carries the ``/metrics`` endpoints its workers noted in
-        ``endpoints`` (the node's ``SAR_ENDPOINTS_DIR``), for the coordinator's ``/sd``."""
+        """Heartbeat for the node's member of ``result`` and keep the status of its generation. Each
+        report carries the ``/metrics`` endpoints its workers noted in ``endpoints`` (the node's
+        ``SAR_ENDPOINTS_DIR``), for the coordinator's ``/sd``."""
         member = result.assignments[0]
         reports = _WorkerReports(MemberReport(member.member_id, member.secret), endpoints, result)
         interval = paced_interval(HEARTBEAT_INTERVAL_S, result.heartbeat_interval)
@@ -220,8 +233,21 @@ class RendezvousSession:
                 )  # fmt: skip
 
     def _hear(self, reply: HeartbeatReply, result: JoinResult, member_id: str) -> bool:
-        """Take what ``reply`` says of the generation; True when it is over (heartbeats stop)."""
-        status = self.status
+        """Take the status of ``reply`` for ``result``'s generation; True when the generation is over
+        (heartbeats stop). A read-modify-write of :attr:`status`, under the lock: the agent's thread
+        may replace it meanwhile with a later generation's, which this one must not touch."""
+        with self._lock:
+            if self._status.generation != result.generation:
+                return True  # a later world formed: this generation's status is nobody's any more
+            status = self._status = self._heard(self._status, reply, result, member_id)
+        return bool(status.ended) and member_id in reply.unknown_members
+
+    @staticmethod
+    def _heard(
+        status: GenerationStatus, reply: HeartbeatReply, result: JoinResult, member_id: str
+    ) -> GenerationStatus:
+        """``status`` (of ``result``'s generation) after ``reply``."""
+        before = status
         ended = status.ended
         if member_id in reply.unknown_members:
             ended = ended or "the coordinator no longer knows this node's member: its generation ended"
@@ -241,23 +267,33 @@ class RendezvousSession:
                 "job=%s node_rank=%d generation=%d: %s; the nodes re-form",
                 result.job, result.assignments[0].rank, result.generation, ended,
             )  # fmt: skip
-        elif status.waiting and not self.status.waiting:
+        elif status.waiting and not before.waiting:
             log.warning(
                 "job=%s node_rank=%d generation=%d: %d node(s) wait to join; the nodes re-form",
                 result.job, result.assignments[0].rank, result.generation, status.waiting,
             )  # fmt: skip
-        self.status = dataclasses.replace(status, ended=ended)
-        return bool(ended) and member_id in reply.unknown_members
+        return dataclasses.replace(status, ended=ended)
 
     def stop_heartbeats(self) -> None:
         """End the heartbeat stream in order (the coordinator then judges the member by silence
-        alone: the next join, or the leave, comes well within that)."""
+        alone: the next join, or the leave, comes well within that). Never raises: a stream or
+        watcher that does not end in time is cancelled, and said so."""
         stream, self._stream = self._stream, None
         watcher, self._watcher = self._watcher, None
         if stream is not None:
-            self._thread.run(stream.aclose(), self._margin)
+            try:
+                self._thread.run(stream.aclose(), self._margin)
+            except TimeoutError as exc:  # run() cancelled the close, and with it the stream
+                run_id = self.settings.run_id
+                log.warning("job=%s: the heartbeat stream did not end in order: %s", run_id, exc)
         if watcher is not None:
-            concurrent.futures.wait([watcher], timeout=self._margin)
+            done, _ = concurrent.futures.wait([watcher], timeout=self._margin)
+            if not done:
+                watcher.cancel()
+                log.warning(
+                    "job=%s: the heartbeat stream's reader did not end within %g s; cancelled",
+                    self.settings.run_id, self._margin,
+                )  # fmt: skip
 
     def close_job(self, member_id: str, secret: str) -> None:
         """Close the job's rendezvous (torch's ``set_closed``), through a one-off report."""

@@ -19,11 +19,11 @@ Pure: reads only what it is given, imports neither torch nor gRPC.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sarcomm.common import durations
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     DEFAULT_JOIN_TIMEOUT,
@@ -131,10 +131,7 @@ def _seconds(config: Mapping[str, Any], key: str, default: float, *, positive: b
     if raw is None:
         return default
     try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        rule = "a positive number of seconds" if positive else "a number of seconds >= 0"
-        raise InvalidArgumentError(f"--rdzv-conf {key}={shorten(raw)} must be {rule}")
-    return value
+        return durations.duration(raw, zero=not positive)
+    except ValueError:
+        rule = durations.rule(zero=not positive)
+        raise InvalidArgumentError(f"--rdzv-conf {key}={shorten(raw)} must be {rule}") from None
