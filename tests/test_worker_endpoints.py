@@ -176,25 +176,72 @@ async def test_sd_lists_one_group_per_worker_endpoint_with_its_rank_and_node(
     ],
     ids=["not-its-host", "same-rank-twice", "negative-rank", "host-name", "empty"],
 )
-async def test_bad_worker_endpoint_is_refused_naming_the_field(
+async def test_bad_worker_endpoint_costs_that_endpoint_not_the_node(
     coord: InProcessCoordinator,
     stub: pb_grpc.CoordinatorAsyncStub,
     entries: tuple[tuple[int, int, str], ...],
     message: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    node0, _ = await form_nodes(stub, "bad")
+    """The bad entry is dropped and told once (the answer's ``refused``, the coordinator's log);
+    the node's report is taken, its good workers listed, and the node stays in its world."""
+    node0, node1 = await form_nodes(stub, "bad")
+    good = (7, 5, "0.0.0.0:9107")
     report = pb.MemberReport(
-        member_id=node0.member_id, secret=node0.secret, worker_endpoints=endpoints(*entries)
+        member_id=node0.member_id, secret=node0.secret, worker_endpoints=endpoints(*entries, good)
     )
-    call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[report], closing=True)]), timeout=WAIT_S)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for _ in call:
-            pass
-    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    details = caught.value.details() or ""
+    other = pb.MemberReport(member_id=node1.member_id, secret=node1.secret)
+    stream = Stream(stub)
+    answer = await stream.send(report, other)
     expected = message.format(field="reports[0].worker_endpoints.endpoints", host=coord.member("bad", 0).host)
-    assert details.startswith(expected), details
-    assert await sd(coord, "bad") == []
+    assert len(answer.refused) == 1, answer.refused
+    assert answer.refused[0].startswith(expected), answer.refused
+    assert not answer.unknown_members
+    kept = ["0", "7"] if len(entries) == 2 else ["7"]  # the first of two rank 0s stays
+    assert sorted(g["labels"]["rank"] for g in await sd(coord, "bad")) == kept
+    logged = [r.getMessage() for r in caplog.records if expected in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert "dropped from its heartbeat, the rest was taken" in logged[0]
+    # Sent again (every interval): not told again, still taken; both nodes run on.
+    for _ in range(3):
+        answer = await stream.send(report, other)
+        assert list(answer.refused) == []
+        assert not answer.unknown_members
+    assert len([r for r in caplog.records if expected in r.getMessage()]) == 1
+    coord.sweep()
+    assert [coord.member("bad", r).state.name for r in (0, 1)] == ["RUNNING", "RUNNING"]
+    await stream.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("metrics_address", "10.9.9.9:9100", "reports[0].metrics_address '10.9.9.9:9100' must be on an"),
+        ("metrics_address", "nowhere", "reports[0].metrics_address 'nowhere' must be IP:PORT"),
+        ("progress", pb.Progress(seq=-1), "reports[0].progress.seq -1 must be >= 0"),
+    ],
+    ids=["endpoint-not-its-host", "endpoint-not-ip-port", "progress"],
+)
+async def test_bad_monitoring_field_of_a_report_costs_only_itself(
+    coord: InProcessCoordinator, stub: pb_grpc.CoordinatorAsyncStub, field: str, value: Any, message: str
+) -> None:
+    """The same root as the workers' endpoints: a member's own metrics endpoint and its progress
+    are monitoring too."""
+    node0, _ = await form_nodes(stub, "mon")
+    report = pb.MemberReport(member_id=node0.member_id, secret=node0.secret)
+    if field == "progress":
+        report.progress.CopyFrom(value)
+    else:
+        report.metrics_address = value
+    stream = Stream(stub)
+    answer = await stream.send(report)
+    assert len(answer.refused) == 1, answer.refused
+    assert answer.refused[0].startswith(message), answer.refused
+    assert not answer.unknown_members
+    member = coord.member("mon", 0)
+    assert member.metrics_address == ""
+    assert member.last_report > 0
+    await stream.close()
 
 
 def test_worker_endpoints_survive_a_restart_of_the_coordinator(tmp_path: Path) -> None:
