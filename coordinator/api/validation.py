@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from sarcomm.common import constants
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.constants import JOB_NAME_RULE, is_job_name
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
@@ -44,9 +45,8 @@ MAX_REPORTS = 4096
 # A member's workers' endpoints in one report (a torchrun node's workers: one per local rank).
 MAX_WORKER_ENDPOINTS = 1024
 _OP_NAME = re.compile(r"[A-Za-z0-9_.:-]*")
-MAX_RESTARTS = 1_000_000
-# An elastic world's last call, at most (seconds): an hour is already far beyond any use.
-MAX_LAST_CALL_S = 3600.0
+MAX_RESTARTS = constants.MAX_RESTARTS
+MAX_LAST_CALL_S = constants.MAX_LAST_CALL_TIMEOUT
 
 
 def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:

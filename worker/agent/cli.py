@@ -39,6 +39,8 @@ from sarcomm.common.constants import (
     BACKENDS,
     DEFAULT_LAST_CALL_TIMEOUT,
     MAX_EXTRA_PORTS,
+    MAX_LAST_CALL_TIMEOUT,
+    MAX_RESTARTS,
     SOCKET_NAME_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
@@ -47,9 +49,9 @@ from sarcomm.common.flags import (
     add_options,
     integer,
     nonempty,
-    nonnegative_seconds,
     resolve_all,
     seconds,
+    seconds_up_to,
 )
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.agent import bench
@@ -133,7 +135,7 @@ _OPTIONS: tuple[Option, ...] = (
             "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
             required=True),
     Option("--job", nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
-    Option("--world-size", WorldSize.parse, "an integer >= 1", "ranks in the whole job, or MIN:MAX for an "
+    Option("--world-size", WorldSize.parse, WorldSize.RULE, "ranks in the whole job, or MIN:MAX for an "
             "elastic world of MIN to MAX ranks that re-forms when agents come or go", metavar="N",
             required=True),
     Option("--rank", *integer(0), "global rank of local rank 0 (default: the coordinator deals "
@@ -143,8 +145,8 @@ _OPTIONS: tuple[Option, ...] = (
             default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
     Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
             "the coordinator chooses)", default="", metavar="IFACE", also_env=(SOCKET_NAME_VARIABLE,)),
-    Option("--max-restarts", *integer(0), "times to rejoin and restart after a failure", default=0,
-            metavar="M"),
+    Option("--max-restarts", *integer(0, MAX_RESTARTS), "times to rejoin and restart after a failure",
+            default=0, metavar="M"),
     Option("--metrics-port", *integer(-1, 65535), "where the ranks serve /metrics: local rank i "
             "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
     Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
@@ -155,7 +157,7 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--join-timeout", seconds, "a positive number of seconds", "seconds to wait for the "
             "world to form, reaching the coordinator included (default: the coordinator's "
             "--join-timeout)", metavar="S"),
-    Option("--last-call-timeout", nonnegative_seconds, "a number of seconds >= 0", "with --world-size "
+    Option("--last-call-timeout", *seconds_up_to(MAX_LAST_CALL_TIMEOUT), "with --world-size "
             "MIN:MAX: once MIN ranks have joined, the world forms when this long passes without a new "
             "arrival", default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S"),
     Option("--heartbeat-interval", seconds, "a positive number of seconds", "seconds between "

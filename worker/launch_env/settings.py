@@ -408,10 +408,11 @@ def client_tls_setting(env: Mapping[str, str]) -> ClientTls | None:
         InvalidArgumentError: a file cannot be read or is no PEM, or only one of the certificate
             and its key is set (see :class:`~sarcomm.common.tls.ClientTls`).
     """
-    ca, cert, key = (env.get(name) or None for name in (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE))
+    names = (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE)
+    ca, cert, key = (env.get(name) or None for name in names)
     if ca is None and cert is None and key is None:
         return None
-    return ClientTls(*(Path(value) if value else None for value in (ca, cert, key)))
+    return ClientTls(*(Path(value) if value else None for value in (ca, cert, key)), names=names)
 
 
 @dataclass(frozen=True)
