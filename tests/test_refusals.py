@@ -1,10 +1,12 @@
 """Refusals that name the setting as the user wrote it, with the value and the rule: the TLS
-variables under torchrun and the library (not sar-worker's flags), and ``/v1/jobs?job=`` (the rule
-gRPC's ListJobs applies, 400 instead of an empty list). In process: a coordinator on port 0.
-(sar-worker's bounds and exit status: tests/test_agent_cli.py.)"""
+variables under torchrun and the library (not sar-worker's flags), ``/v1/jobs?job=`` (the rule
+gRPC's ListJobs applies, 400 instead of an empty list), and the metrics variables under torchrun
+(refused before any worker starts, or, what only a worker can find, costing only its endpoint).
+In process: a coordinator on port 0. (sar-worker's bounds and exit status: test_agent_cli.py.)"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.launch_env import client_tls_setting
+from sarcomm.worker.library.services import start_rank_services
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import FakeClock
 
@@ -74,3 +77,51 @@ async def test_v1_jobs_answers_a_well_formed_name_it_does_not_know_with_no_jobs(
             async with session.get(url + query) as response:
                 assert response.status == 200
                 assert (await response.json())["jobs"] == []
+
+
+# -- a bad metrics variable under torchrun: refused up front, or it costs only the endpoint ---------
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SAR_METRICS_PORT", "abc", "SAR_METRICS_PORT='abc' must be an integer in -1..65535 "),
+        ("SAR_METRICS_PORT", "70000", "SAR_METRICS_PORT='70000' must be an integer in -1..65535 "),
+        ("SAR_METRICS_HOST", "not-an-ip", "SAR_METRICS_HOST='not-an-ip' must be an IP address of this host "),
+    ],
+)
+def test_torchrun_refuses_a_malformed_metrics_variable_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    params = RendezvousParameters("sarcomm", "127.0.0.1:1", "ok", 1, 1)
+    with pytest.raises(ValueError, match=r"^sarcomm rendezvous: ") as caught:
+        get_rendezvous_handler(params)
+    assert str(caught.value).startswith(f"sarcomm rendezvous: {message}"), caught.value
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"SAR_METRICS_PORT": "65535", "LOCAL_RANK": "1"},
+            "SAR_METRICS_PORT=65535 gives local rank 1 port 65536, beyond 65535",
+        ),
+        ({"SAR_METRICS_PORT": "abc", "LOCAL_RANK": "0"}, "SAR_METRICS_PORT='abc' must be an integer"),
+        ({"SAR_METRICS_HOST": "not-an-ip", "LOCAL_RANK": "0"}, "SAR_METRICS_HOST='not-an-ip' must be an IP"),
+    ],
+    ids=["port-plus-local-rank", "port", "host"],
+)
+def test_a_worker_with_a_bad_metrics_variable_trains_on_without_its_endpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, env: dict[str, str], message: str
+) -> None:
+    """What only the worker can find (its local rank's port): one line, no endpoint, no raise."""
+    worker_env = {"SAR_ENDPOINTS_DIR": str(tmp_path), "RANK": "1", "SAR_GENERATION": "1", **env}
+    with caplog.at_level(logging.ERROR, logger="sarcomm.worker.library.services"):
+        start_rank_services(worker_env)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sarcomm.worker.library.services"]
+    assert len(lines) == 1, lines
+    assert message in lines[0], lines
+    assert lines[0].endswith("Training goes on without the /metrics endpoint."), lines
+    assert list(tmp_path.iterdir()) == []  # nothing noted for /sd

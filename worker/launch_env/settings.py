@@ -59,6 +59,7 @@ __all__ = [
     "RegistrationSettings",
     "agent_pid_setting",
     "backend_setting",
+    "check_metrics_settings",
     "client_tls_setting",
     "collective_timeout_setting",
     "endpoints_dir_setting",
@@ -271,6 +272,18 @@ def node_worker_metrics_port(environ: Mapping[str, str]) -> int | None:
     return mine
 
 
+def check_metrics_settings(environ: Mapping[str, str]) -> None:
+    """Refuse a malformed ``SAR_METRICS_PORT`` or ``SAR_METRICS_HOST`` before any worker starts
+    (torchrun's sarcomm rendezvous: its workers inherit them). What only a worker can find (its
+    first port plus its local rank beyond 65535) costs that worker's endpoint, not its training.
+
+    Raises:
+        InvalidArgumentError: naming the variable, its value and the rule.
+    """
+    metrics_port_setting(environ, member=True)
+    metrics_host_setting(environ)
+
+
 #: Where a rank's ``/metrics`` endpoint listens unless told: every IPv4 interface.
 ALL_INTERFACES: Final = "0.0.0.0"
 
@@ -441,7 +454,10 @@ def registration_settings(
     """
     interval = heartbeat_interval_setting(env, heartbeat_interval)
     socket_name = socket_name_setting(env)
-    host = metrics_host_setting(env)
+    try:
+        host = metrics_host_setting(env)
+    except InvalidArgumentError:  # no endpoint then: start_rank_services says so, once
+        host = ALL_INTERFACES
     tls = client_tls_setting(env)
     token_file = env.get(TOKEN_FILE_VARIABLE) if token is None else None
     if token_file:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.endpoints import EndpointNote, note_endpoint
 from sarcomm.worker.launch_env import (
     RankIdentity,
@@ -139,8 +140,11 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     (:func:`~sarcomm.worker.launch_env.metrics_port_setting`), whose bound port goes to the
     coordinator through the agent's or this process's own heartbeats.
 
-    A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
-    a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
+    A metrics variable that breaks its rule (``SAR_METRICS_PORT``, ``SAR_METRICS_HOST``, or a
+    torchrun worker's first port plus its local rank beyond 65535) and a port that cannot be bound
+    are logged once, not raised: losing the endpoint must not stop a training run. (The launchers
+    that can refuse a bad variable before training starts do: ``sar-worker``'s flags, torchrun's
+    sarcomm rendezvous.) Raises :class:`InvalidArgumentError` for a malformed progress setting.
     """
     env = process_environ() if environ is None else environ
     writer = _progress
@@ -150,13 +154,17 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
         writer = install_progress(progress.path, progress.interval, progress.agent_pid, progress.rank_label)
     identity = rank_identity(env)
     endpoints = endpoints_dir_setting(env)
-    if endpoints is not None:
-        port = node_worker_metrics_port(env)
-    else:
-        port = metrics_port_setting(env, member=bool(identity.member_id))
+    try:
+        if endpoints is not None:
+            port = node_worker_metrics_port(env)
+        else:
+            port = metrics_port_setting(env, member=bool(identity.member_id))
+        host = metrics_host_setting(env)
+    except InvalidArgumentError as exc:
+        log.error("rank %s: %s Training goes on without the /metrics endpoint.", identity.rank_label, exc)
+        return
     if port is None:
         return
-    host = metrics_host_setting(env)
     bound = metrics.serving_port()
     if bound is None:
         try:
