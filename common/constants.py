@@ -27,6 +27,7 @@ __all__ = [
     "EXTRA_PORTS_VARIABLE",
     "GENERATION_VARIABLE",
     "GLOO_INTERFACE_VARIABLE",
+    "GROUP_RANK_VARIABLE",
     "HEARTBEAT_INTERVAL_VARIABLE",
     "INTERFACE_VARIABLES",
     "JOB_NAME",
@@ -72,6 +73,8 @@ LOCAL_RANK_VARIABLE: Final = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_VARIABLE: Final = "LOCAL_WORLD_SIZE"
 MASTER_ADDR_VARIABLE: Final = "MASTER_ADDR"
 MASTER_PORT_VARIABLE: Final = "MASTER_PORT"
+#: torchrun's node rank of a worker's agent (its workers' ``GROUP_RANK``).
+GROUP_RANK_VARIABLE: Final = "GROUP_RANK"
 #: The coordinator's address (a comma-separated list of replicas), the job, the world's generation
 #: and the backend asked for ("auto" lets ``initialize_comms`` choose).
 COORD_VARIABLE: Final = "SAR_COORD"

@@ -165,7 +165,7 @@ class ClientTls:
     key: Path | None = None
     #: The settings ``ca``, ``cert`` and ``key`` came from, as the user wrote them (flags, or the
     #: ``SARCOMM_TLS_*`` variables under torchrun and the library): what every refusal names.
-    names: tuple[str, str, str] = field(default=TLS_FLAGS, compare=False)
+    names: tuple[str, str, str] = field(default=TLS_FLAGS, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         _, cert_name, key_name = self.names

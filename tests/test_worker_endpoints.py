@@ -33,7 +33,14 @@ from sarcomm.coordinator.storage.records import (
 from sarcomm.coordinator.storage.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from sarcomm.worker.endpoints import EndpointNote, clear_notes, note_endpoint, read_notes
+from sarcomm.worker.endpoints import (
+    MAX_NOTES,
+    EndpointNote,
+    NoteReader,
+    clear_notes,
+    note_endpoint,
+    read_notes,
+)
 from sarcomm.worker.launch_env import node_worker_metrics_port
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import LO_PB, FakeClock, spec
@@ -283,19 +290,62 @@ def test_member_report_carries_worker_endpoints_on_the_wire_present_even_when_em
 
 
 def test_notes_are_read_back_by_rank_for_their_generation_only(tmp_path: Path) -> None:
-    note_endpoint(tmp_path, EndpointNote(3, 1, "0.0.0.0", 9101, generation=2))
-    note_endpoint(tmp_path, EndpointNote(2, 0, "127.0.0.1", 9100, generation=2))
-    note_endpoint(tmp_path, EndpointNote(4, 0, "0.0.0.0", 9102, generation=1))  # an earlier world's
+    # Node 1 of a world of 2 nodes x 2 workers: ranks 2 and 3.
+    note_endpoint(
+        tmp_path, EndpointNote(3, 1, "0.0.0.0", 9101, 2, node_rank=1, local_world_size=2, world_size=4)
+    )
+    note_endpoint(tmp_path, EndpointNote(2, 0, "127.0.0.1", 9100, 2, 1, 2, 4))
     (tmp_path / "rank-9.json").write_text("{half a no")  # never a note: passed over
     (tmp_path / "unrelated.txt").write_text("x")
-    assert read_notes(tmp_path, 2) == [
-        EndpointNote(2, 0, "127.0.0.1", 9100, 2),
-        EndpointNote(3, 1, "0.0.0.0", 9101, 2),
+    assert read_notes(tmp_path, 2, node_rank=1) == [
+        EndpointNote(2, 0, "127.0.0.1", 9100, 2, 1, 2, 4),
+        EndpointNote(3, 1, "0.0.0.0", 9101, 2, 1, 2, 4),
     ]
+    assert read_notes(tmp_path, 1, node_rank=1) == []  # an earlier world's
+    assert read_notes(tmp_path, 2, node_rank=0) == []  # another node's
     clear_notes(tmp_path)
-    assert read_notes(tmp_path, 2) == []
+    assert read_notes(tmp_path, 2, node_rank=1) == []
     assert (tmp_path / "unrelated.txt").exists()
-    assert read_notes(tmp_path / "gone", 1) == []
+    assert read_notes(tmp_path / "gone", 1, node_rank=0) == []
+
+
+def test_notes_for_ranks_outside_the_nodes_workers_are_never_listed(tmp_path: Path) -> None:
+    """A world of one worker whose directory also holds notes for ranks 5 and 999999 (copies of
+    the real one with another rank, and one that claims a larger world): only rank 0 is read."""
+    real = EndpointNote(0, 0, "0.0.0.0", 9100, 1, node_rank=0, local_world_size=1, world_size=1)
+    note_endpoint(tmp_path, real)
+    for rank, local_rank, local_size, world in ((5, 0, 1, 1), (999999, 0, 1, 1), (5, 5, 6, 6)):
+        note_endpoint(tmp_path, EndpointNote(rank, local_rank, "0.0.0.0", 9200, 1, 0, local_size, world))
+    # A note of rank 7 in a file named for rank 8, and one that places itself outside its world.
+    (tmp_path / "rank-8.json").write_text(
+        json.dumps(EndpointNote(7, 0, "0.0.0.0", 9300, 1, 0, 1, 1).__dict__)
+    )
+    assert read_notes(tmp_path, 1, node_rank=0) == [real]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    note_endpoint(alone, EndpointNote(5, 0, "0.0.0.0", 9200, 1, 0, 1, 1))  # rank 5 of a world of 1
+    assert read_notes(alone, 1, node_rank=0) == []
+
+
+def test_junk_named_like_notes_never_starves_the_real_ones_and_the_work_is_bounded(tmp_path: Path) -> None:
+    """Junk files whose names sort ahead of ``rank-0.json`` (before, only the first 1,024 names
+    were read and the real worker was never listed), and junk named for real ranks."""
+    for i in range(MAX_NOTES + 100):
+        (tmp_path / f"rank--{i}.json").write_text("{}")  # not a rank: never read
+    real = EndpointNote(0, 0, "0.0.0.0", 9100, 1, node_rank=0, local_world_size=1, world_size=1)
+    note_endpoint(tmp_path, real)
+    assert read_notes(tmp_path, 1, node_rank=0) == [real]
+    # Node 1 of a world of 2 x 1, its real note behind more junk notes of lower ranks than one
+    # pass reads: found on the second pass, then read by its name alone.
+    for rank in range(1, MAX_NOTES + 100):
+        (tmp_path / f"rank-{rank}.json").write_text("junk")
+    first = MAX_NOTES + 100
+    second = EndpointNote(first, 0, "0.0.0.0", 9101, 1, node_rank=1, local_world_size=1, world_size=first + 1)
+    note_endpoint(tmp_path, second)
+    reader = NoteReader(tmp_path, 1, node_rank=1)
+    assert reader.read() == []  # the first MAX_NOTES candidates: junk, and rank 0 of node 0
+    assert reader.read() == [second]
+    assert reader.read() == [second]
 
 
 @pytest.mark.parametrize(

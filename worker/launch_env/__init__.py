@@ -58,6 +58,7 @@ from sarcomm.worker.launch_env.settings import (
     required_master_port,
     socket_environment,
     socket_name_setting,
+    torchrun_place_setting,
 )
 
 __all__ = [
@@ -99,4 +100,5 @@ __all__ = [
     "slurm_task",
     "socket_environment",
     "socket_name_setting",
+    "torchrun_place_setting",
 ]

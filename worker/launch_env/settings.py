@@ -29,10 +29,12 @@ from sarcomm.common.constants import (
     EXIT_TIMEOUT_VARIABLE,
     GENERATION_VARIABLE,
     GLOO_INTERFACE_VARIABLE,
+    GROUP_RANK_VARIABLE,
     HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
     JOB_VARIABLE,
     LOCAL_RANK_VARIABLE,
+    LOCAL_WORLD_SIZE_VARIABLE,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     MEMBER_ID_VARIABLE,
@@ -45,6 +47,7 @@ from sarcomm.common.constants import (
     TLS_CERT_VARIABLE,
     TLS_KEY_VARIABLE,
     TOKEN_FILE_VARIABLE,
+    WORLD_SIZE_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
@@ -80,6 +83,7 @@ __all__ = [
     "required_master_port",
     "socket_environment",
     "socket_name_setting",
+    "torchrun_place_setting",
 ]
 
 #: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
@@ -394,6 +398,19 @@ def required_master_port(environ: Mapping[str, str], master_port_number: int | N
             "coordinator handed out."
         )
     return port
+
+
+def torchrun_place_setting(environ: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """A torchrun worker's place: (``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), as
+    torchrun sets them, or None when one is unset or not an integer (never raises)."""
+    try:
+        return (
+            int(environ[GROUP_RANK_VARIABLE]),
+            int(environ[LOCAL_WORLD_SIZE_VARIABLE]),
+            int(environ[WORLD_SIZE_VARIABLE]),
+        )
+    except (KeyError, ValueError):
+        return None
 
 
 def local_rank_setting(environ: Mapping[str, str]) -> int | None:

@@ -39,6 +39,7 @@ from sarcomm.worker.launch_env import (
     process_environ,
     progress_settings,
     rank_identity,
+    torchrun_place_setting,
 )
 from sarcomm.worker.library import metrics
 from sarcomm.worker.progress import ProgressWriter
@@ -179,16 +180,22 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
         # The stamping thread (or this process's heartbeats) carries it from the next interval on.
         writer.metrics_port = bound
     if endpoints is not None:
-        _note_for_agent(endpoints, identity, local_rank_setting(env) or 0, host, bound)
+        _note_for_agent(endpoints, identity, env, host, bound)
 
 
-def _note_for_agent(directory: Path, identity: RankIdentity, local_rank: int, host: str, port: int) -> None:
+def _note_for_agent(
+    directory: Path, identity: RankIdentity, env: Mapping[str, str], host: str, port: int
+) -> None:
     """Note this torchrun worker's endpoint where its agent reads it (logged, not raised, when it
     cannot: the endpoint then goes unlisted, the training on)."""
     try:
         rank, generation = int(identity.rank or ""), int(identity.generation or "0")
-        note_endpoint(directory, EndpointNote(rank, local_rank, host, port, generation))
-    except (OSError, ValueError) as exc:
+        place = torchrun_place_setting(env)
+        if place is None:
+            raise ValueError("GROUP_RANK, LOCAL_WORLD_SIZE or WORLD_SIZE is unset or not an integer")
+        local_rank = local_rank_setting(env) or 0
+        note_endpoint(directory, EndpointNote(rank, local_rank, host, port, generation, *place))
+    except (OSError, ValueError, InvalidArgumentError) as exc:
         log.warning(
             "rank %s: cannot note its /metrics endpoint (port %d) for its torchrun agent in %s (%s); "
             "the coordinator's /sd will not list it", identity.rank_label, port, directory, exc,
