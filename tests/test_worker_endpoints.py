@@ -220,6 +220,23 @@ async def test_bad_worker_endpoint_costs_that_endpoint_not_the_node(
     await stream.close()
 
 
+async def test_the_agents_stream_logs_a_refused_endpoint_once_and_keeps_beating(
+    coord: InProcessCoordinator, stub: pb_grpc.CoordinatorAsyncStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client side of the same: what a torchrun agent's heartbeat stream does with ``refused``."""
+    node0, _ = await form_nodes(stub, "agent")
+    listed = (WorkerEndpoint(0, 0, "10.9.9.9:9100"), WorkerEndpoint(1, 1, "0.0.0.0:9101"))
+    report = MemberReport(node0.member_id, node0.secret, worker_endpoints=listed)
+    async with coord.client() as client, client.heartbeats(lambda: [report], 0.05) as stream:
+        replies = [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(3)]
+    assert [len(r.refused) for r in replies] == [1, 0, 0]
+    assert replies[0].refused[0].startswith("reports[0].worker_endpoints.endpoints[0].metrics_address '10.9")
+    assert all(not r.unknown_members for r in replies)
+    warned = [r.getMessage() for r in caplog.records if "dropped from a heartbeat" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert [g["labels"]["rank"] for g in await sd(coord, "agent")] == ["1"]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
