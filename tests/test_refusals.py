@@ -16,6 +16,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.worker.agent import cli
 from sarcomm.worker.launch_env import client_tls_setting
 from sarcomm.worker.library.services import start_rank_services
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
@@ -125,3 +126,13 @@ def test_a_worker_with_a_bad_metrics_variable_trains_on_without_its_endpoint(
     assert message in lines[0], lines
     assert lines[0].endswith("Training goes on without the /metrics endpoint."), lines
     assert list(tmp_path.iterdir()) == []  # nothing noted for /sd
+
+
+def test_sar_worker_names_the_tls_variable_it_fell_back_to_and_the_flag_it_was_given() -> None:
+    argv = ["--coord", "127.0.0.1:1", "--job", "j", "--world-size", "1"]
+    with pytest.raises(InvalidArgumentError) as caught:
+        cli.parse([*argv, "--", "true"], {"SARCOMM_TLS_CA": "/missing"})
+    assert str(caught.value).startswith("SARCOMM_TLS_CA '/missing' must be a readable PEM file")
+    with pytest.raises(InvalidArgumentError) as caught:
+        cli.parse([*argv, "--tls-ca", "/missing", "--", "true"], {"SARCOMM_TLS_CA": "/elsewhere"})
+    assert str(caught.value).startswith("--tls-ca '/missing' must be a readable PEM file")

@@ -42,6 +42,9 @@ from sarcomm.common.constants import (
     MAX_LAST_CALL_TIMEOUT,
     MAX_RESTARTS,
     SOCKET_NAME_VARIABLE,
+    TLS_CA_VARIABLE,
+    TLS_CERT_VARIABLE,
+    TLS_KEY_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.flags import (
@@ -53,7 +56,7 @@ from sarcomm.common.flags import (
     seconds,
     seconds_up_to,
 )
-from sarcomm.common.tls import ClientTls, read_token_file
+from sarcomm.common.tls import TLS_FLAGS, ClientTls, read_token_file
 from sarcomm.worker.agent import bench
 from sarcomm.worker.agent.config import AgentConfig, WorldSize
 from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee, check_log_dir
@@ -224,7 +227,21 @@ def parse(
     values = resolve_all(_OPTIONS, args, env, launcher)
     token_file: Path | None = values.pop("token_file")
     tls_paths: tuple[Path | None, ...] = tuple(values.pop(name) for name in ("tls_ca", "tls_cert", "tls_key"))
-    tls = ClientTls(*tls_paths) if any(p is not None for p in tls_paths) else None
+    # Each file named as the user gave it: the flag, or the variable it fell back to.
+    ca_name, cert_name, key_name = (
+        variable if getattr(args, dest) is None and env.get(variable) else flag
+        for dest, flag, variable in zip(
+            ("tls_ca", "tls_cert", "tls_key"),
+            TLS_FLAGS,
+            (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE),
+            strict=True,
+        )
+    )
+    tls = (
+        ClientTls(*tls_paths, names=(ca_name, cert_name, key_name))
+        if any(p is not None for p in tls_paths)
+        else None
+    )
     log_level: str = values.pop("log_level")
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InvalidArgumentError(f"--log-level {shorten(log_level)} must be DEBUG, INFO, WARNING or ERROR.")
