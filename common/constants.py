@@ -27,6 +27,7 @@ __all__ = [
     "EXTRA_PORTS_VARIABLE",
     "GENERATION_VARIABLE",
     "GLOO_INTERFACE_VARIABLE",
+    "GROUP_RANK_VARIABLE",
     "HEARTBEAT_INTERVAL_VARIABLE",
     "INTERFACE_VARIABLES",
     "JOB_NAME",
@@ -38,6 +39,9 @@ __all__ = [
     "MASTER_ADDR_VARIABLE",
     "MASTER_PORT_VARIABLE",
     "MAX_EXTRA_PORTS",
+    "MAX_LAST_CALL_TIMEOUT",
+    "MAX_RESTARTS",
+    "MAX_WORLD_SIZE",
     "MEMBER_ID_VARIABLE",
     "MEMBER_SECRET_VARIABLE",
     "METRICS_HOST_VARIABLE",
@@ -69,6 +73,8 @@ LOCAL_RANK_VARIABLE: Final = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_VARIABLE: Final = "LOCAL_WORLD_SIZE"
 MASTER_ADDR_VARIABLE: Final = "MASTER_ADDR"
 MASTER_PORT_VARIABLE: Final = "MASTER_PORT"
+#: torchrun's node rank of a worker's agent (its workers' ``GROUP_RANK``).
+GROUP_RANK_VARIABLE: Final = "GROUP_RANK"
 #: The coordinator's address (a comma-separated list of replicas), the job, the world's generation
 #: and the backend asked for ("auto" lets ``initialize_comms`` choose).
 COORD_VARIABLE: Final = "SAR_COORD"
@@ -143,6 +149,14 @@ JOIN_ANSWER_SLACK_S: Final = 2.0
 #: seconds: long enough for nodes started together to arrive, short enough that survivors of a lost
 #: node train again soon (torch's own backends wait 30 s).
 DEFAULT_LAST_CALL_TIMEOUT: Final = 3.0
+#: The longest last call a Join may ask for, in seconds: an hour is already far beyond any use.
+#: The coordinator refuses more; the clients refuse it first, naming their own setting.
+MAX_LAST_CALL_TIMEOUT: Final = 3600.0
+#: The most restarts a Join may ask for (the coordinator refuses more; the clients first).
+MAX_RESTARTS: Final = 1_000_000
+#: The largest count of ranks or members the protocol carries (its int32 fields); a coordinator's
+#: --max-world-size may allow fewer.
+MAX_WORLD_SIZE: Final = 2**31 - 1
 
 
 class EventKind(enum.IntEnum):

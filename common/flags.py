@@ -174,6 +174,18 @@ def nonnegative_seconds(text: str) -> float:
     return durations.duration(text, zero=True)
 
 
+def seconds_up_to(high: float) -> tuple[Callable[[str], float], str]:
+    """A converter of finite seconds in ``0..high`` and its rule."""
+
+    def convert(text: str) -> float:
+        value = nonnegative_seconds(text)
+        if value > high:
+            raise ValueError
+        return value
+
+    return convert, f"a number of seconds in 0..{high:g}"
+
+
 def nonempty(text: str) -> str:
     """Text with something in it, without surrounding blanks."""
     if not text.strip():

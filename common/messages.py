@@ -198,13 +198,15 @@ class RendezvousState:
 class HeartbeatReply:
     """The coordinator's answer to one heartbeat: members it no longer knows, job events (a
     ``MEMBER_FAILED`` here means the reporters should stop), its current heartbeat interval
-    (0: not told), which the reporters follow (see :func:`paced_interval`), and the rendezvous of
-    the reported members' elastic jobs."""
+    (0: not told), which the reporters follow (see :func:`paced_interval`), the rendezvous of
+    the reported members' elastic jobs, and what it dropped from the reports."""
 
     unknown_members: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     heartbeat_interval: float = 0.0
     rendezvous: tuple[RendezvousState, ...] = ()
+    #: What the coordinator dropped from the reports (a bad metrics endpoint), one line each.
+    refused: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
@@ -213,6 +215,7 @@ class HeartbeatReply:
             tuple(Event.from_proto(e) for e in msg.events),
             msg.heartbeat_interval_seconds,
             tuple(RendezvousState(r.job, r.generation, r.waiting_members, r.closed) for r in msg.rendezvous),
+            tuple(msg.refused),
         )
 
 

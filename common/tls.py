@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -144,6 +144,10 @@ def server_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.Se
 # -- the clients' side ---------------------------------------------------------------------------
 
 
+#: A client's TLS flags (``sar-worker``, ``sar-coordinator status``).
+TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
+
+
 @dataclass(frozen=True)
 class ClientTls:
     """How a client talks TLS to the coordinator.
@@ -159,22 +163,27 @@ class ClientTls:
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None
+    #: The settings ``ca``, ``cert`` and ``key`` came from, as the user wrote them (flags, or the
+    #: ``SARCOMM_TLS_*`` variables under torchrun and the library): what every refusal names.
+    names: tuple[str, str, str] = field(default=TLS_FLAGS, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        _, cert_name, key_name = self.names
         if (self.cert is None) != (self.key is None):
             raise InvalidArgumentError(
-                f"--tls-cert {_shown(self.cert)} and --tls-key {_shown(self.key)} must be given together "
+                f"{cert_name} {_shown(self.cert)} and {key_name} {_shown(self.key)} must be given together "
                 "(this client's certificate and its private key)"
             )
-        for field, path in (("--tls-ca", self.ca), ("--tls-cert", self.cert), ("--tls-key", self.key)):
+        for name, path in zip(self.names, (self.ca, self.cert, self.key), strict=True):
             if path is not None:
-                _read(field, path)
+                _read(name, path)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        ca_name, cert_name, key_name = self.names
         return grpc.ssl_channel_credentials(
-            root_certificates=_read("--tls-ca", self.ca) if self.ca else None,
-            private_key=_read("--tls-key", self.key) if self.key else None,
-            certificate_chain=_read("--tls-cert", self.cert) if self.cert else None,
+            root_certificates=_read(ca_name, self.ca) if self.ca else None,
+            private_key=_read(key_name, self.key) if self.key else None,
+            certificate_chain=_read(cert_name, self.cert) if self.cert else None,
         )
 
     def ssl_context(self) -> ssl.SSLContext:
@@ -253,7 +262,7 @@ def _tls_client(sock: socket.socket, host: str, tls: ClientTls) -> Diagnosis | N
     except ssl.SSLCertVerificationError as error:
         return Diagnosis(
             Rejection.CLIENT_REJECTED_SERVER,
-            f"this client rejected the coordinator's certificate ({error.verify_message}): --tls-ca "
+            f"this client rejected the coordinator's certificate ({error.verify_message}): {tls.names[0]} "
             f"must hold the CA that signed the coordinator's --tls-cert, and that certificate must "
             f"name {host!r}",
         )
@@ -265,7 +274,7 @@ def _tls_client(sock: socket.socket, host: str, tls: ClientTls) -> Diagnosis | N
             return Diagnosis(
                 Rejection.PROTOCOL_MISMATCH,
                 "it does not speak TLS (it answered the TLS handshake in plaintext): start it with "
-                "--tls-cert and --tls-key, or connect without --tls-ca/--tls-cert",
+                f"--tls-cert and --tls-key, or connect without {tls.names[0]}/{tls.names[1]}",
             )
         return Diagnosis(Rejection.PROTOCOL_MISMATCH, f"the TLS handshake failed: {reason or error}")
     except OSError:

@@ -55,11 +55,15 @@ def test_parse_falls_back_to_sarcomm_variables_and_the_flag_wins() -> None:
 
 BAD_SETTINGS: list[tuple[list[str], dict[str, str], str]] = [
     (["--job", "j", "--world-size", "2", "--", "x"], {}, "--coord is required (or set SARCOMM_COORD)."),
-    ([*BASE[:4], "--world-size", "0", "--", "x"], {}, "--world-size '0' must be an integer >= 1."),
+    (
+        [*BASE[:4], "--world-size", "0", "--", "x"],
+        {},
+        "--world-size '0' must be an integer in 1..2147483647.",
+    ),
     (
         [*BASE[:4], "--", "x"],
         {"SARCOMM_WORLD_SIZE": "many"},
-        "SARCOMM_WORLD_SIZE='many' must be an integer >= 1.",
+        "SARCOMM_WORLD_SIZE='many' must be an integer in 1..2147483647.",
     ),
     (
         [*BASE, "--backend", "tcp", "--", "x"],
@@ -109,7 +113,8 @@ def test_main_returns_usage_status_for_bad_settings_without_exiting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert cli.main([*BASE, "--world-size", "x", "--", "true"]) == cli.EXIT_USAGE
-    assert "sar-worker: error: --world-size 'x' must be an integer >= 1." in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "sar-worker: error: --world-size 'x' must be an integer in 1..2147483647." in error
     assert cli.main(["--help"]) == 0
 
 
@@ -139,9 +144,11 @@ BAD_RANGES: list[tuple[list[str], str]] = [
     (["--world-size", "3:2"],
      "--world-size '3:2': MIN 3 must be at most MAX 2: an elastic world has MIN to MAX ranks (e.g. 2:3)."),
     (["--world-size", "0:2"],
-     "--world-size '0:2': MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."),
+     "--world-size '0:2': MIN and MAX of an elastic world must be integers in 1..2147483647 (MIN:MAX "
+     "ranks, e.g. 2:4)."),
     (["--world-size", "2:"],
-     "--world-size '2:': MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."),
+     "--world-size '2:': MIN and MAX of an elastic world must be integers in 1..2147483647 (MIN:MAX "
+     "ranks, e.g. 2:4)."),
     (["--world-size", "3:6", "--nproc-per-node", "2"],
      "--world-size 3:6 with --nproc-per-node 2: MIN and MAX count ranks and each agent brings its 2, so "
      "both must be multiples of 2 (e.g. --world-size 4:6)."),
@@ -153,7 +160,17 @@ BAD_RANGES: list[tuple[list[str], str]] = [
      "--rank 0 cannot be used with --world-size 2:4: the coordinator deals the ranks of an elastic world; "
      "leave --rank out."),
     (["--world-size", "2:4", "--last-call-timeout", "-1"],
-     "--last-call-timeout '-1' must be a number of seconds >= 0, at most 604800 (a week)."),
+     "--last-call-timeout '-1' must be a number of seconds in 0..3600."),
+    # The coordinator's bounds and the protocol's, checked here first: exit 2 naming the flag
+    # (the Indexed Job's pod failure policy relies on it), not the coordinator's refusal.
+    (["--world-size", "2:4", "--last-call-timeout", "1e9"],
+     "--last-call-timeout '1e9' must be a number of seconds in 0..3600."),
+    (["--world-size", "1:99999999999"],
+     "--world-size '1:99999999999': MIN and MAX of an elastic world must be integers in 1..2147483647 "
+     "(MIN:MAX ranks, e.g. 2:4)."),
+    (["--world-size", "99999999999"], "--world-size '99999999999' must be an integer in 1..2147483647."),
+    (["--world-size", "2:4", "--max-restarts", "99999999999"],
+     "--max-restarts '99999999999' must be an integer in 0..1000000."),
 ]  # fmt: skip
 
 

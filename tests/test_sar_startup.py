@@ -188,7 +188,7 @@ def test_detect_launcher_prefers_rank_over_mpi_and_slurm() -> None:
             {"RANK": "-1", "WORLD_SIZE": "4"},
             "RANK='-1' must be an integer in 0..WORLD_SIZE-1 (WORLD_SIZE=4).",
         ),
-        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be an integer >= 1."),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be an integer in 1..2147483647."),
         ({"RANK": "0"}, "WORLD_SIZE is not set although RANK is; a launcher sets both."),
         (
             {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
@@ -223,7 +223,7 @@ def test_detect_launcher_prefers_rank_over_mpi_and_slurm() -> None:
             "OMPI_COMM_WORLD_RANK='2' must be an integer in 0..OMPI_COMM_WORLD_SIZE-1 "
             "(OMPI_COMM_WORLD_SIZE=2).",
         ),
-        ({"PMI_RANK": "0", "PMI_SIZE": "two"}, "PMI_SIZE='two' must be an integer >= 1."),
+        ({"PMI_RANK": "0", "PMI_SIZE": "two"}, "PMI_SIZE='two' must be an integer in 1..2147483647."),
         (
             {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x", "SLURM_NODEID": "0"},
             "SLURM_TASKS_PER_NODE='2(x' must be a list like '2(x3),1' (tasks per node).",

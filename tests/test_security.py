@@ -232,8 +232,7 @@ async def test_another_members_secret_is_refused_and_a_refused_request_changes_n
             [report(a[1], metrics_address="127.0.0.1:9100"), report(a[0], a[1].secret)],
             grpc.StatusCode.UNAUTHENTICATED,
         ),
-        ([report(b[0]), report(b[1], metrics_address="10.0.0.1:99999")], grpc.StatusCode.INVALID_ARGUMENT),
-        ([report(b[0]), report(b[1], progress=pb.Progress(seq=-1))], grpc.StatusCode.INVALID_ARGUMENT),
+        # (A bad metrics endpoint or progress costs only that field: test_worker_endpoints.)
     ]
     for reports, expected in refused:
         call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=reports)]), timeout=5)

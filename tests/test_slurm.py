@@ -167,7 +167,7 @@ ALL_FLAGS = ["--coord", "h:1", "--job", "mine", "--world-size", "8", "--rank", "
          "SLURM_LOCALID='2' must be an integer in 0..1 (this node runs 2 task(s) of the step)."),
         ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' must be an integer in 0..3 (SLURM_STEP_NUM_TASKS=4)."),
         ({"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "many"},
-         "SLURM_NTASKS='many' must be an integer >= 1."),
+         "SLURM_NTASKS='many' must be an integer in 1..2147483647."),
     ],
     ids=["step-tasks-per-node", "job-tasks-per-node", "node-id", "local-id", "procid", "ntasks"],
 )  # fmt: skip

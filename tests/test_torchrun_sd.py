@@ -66,9 +66,10 @@ class MetricsNodes:
         nnodes: str,
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        script_args: tuple[str, ...] = (),
     ) -> Node:
         name = f"node{len(self.started)}"
-        args = torchrun_args(coord, job, self.out, nnodes=nnodes)
+        args = torchrun_args(coord, job, self.out, nnodes=nnodes, script_args=script_args)
         args[args.index(str(TRAIN))] = str(METRICS_SCRIPT)
         node = PrefixedNode(name, args, self.tmp_path / f"{name}.log", env=env or {}, prefix=prefix or [])
         self.started.append(node.start())
@@ -177,3 +178,50 @@ def test_sd_lists_every_torchrun_worker_and_each_scrape_is_that_ranks_metrics(
     metrics_nodes.stop_training()
     assert [node_a.wait(), node_b.wait()] == [0, 0], metrics_nodes.logs(coord)
     assert sd_groups(coord.http_url, job) == []
+
+
+def test_a_bad_note_and_a_bad_metrics_port_cost_only_the_endpoints_never_the_job(
+    module_coordinator: CoordinatorProcess, metrics_nodes: MetricsNodes
+) -> None:
+    """One node x two workers with SAR_METRICS_PORT=65535: local rank 1's port would be 65536, so
+    it trains without an endpoint, saying so once; local rank 0 rewrites its note to an address not
+    on its host, which the coordinator drops, saying so once in its log and to the agent. The node
+    keeps its place and the job ends FINISHED (before: local rank 1 died with a traceback, and a
+    bad note failed the node for silence, the job ending RESTARTED)."""
+    coord, job = module_coordinator, "badnote"
+    node = metrics_nodes.start(
+        coord.grpc_target,
+        job,
+        "1",
+        env={"SAR_METRICS_PORT": "65535"},
+        script_args=("--forge-note", "10.9.9.9"),
+    )
+    metrics_nodes.wait_for_training(coord, 2, steps=3)
+    wait_for(
+        lambda: "dropped from a heartbeat" in node.log(),
+        30,
+        what=lambda: f"the agent told\n{metrics_nodes.logs(coord)}",
+    )
+    assert sd_groups(coord.http_url, job) == []
+    metrics_nodes.stop_training()
+    assert node.wait() == 0, metrics_nodes.logs(coord)
+    steps = [r for r in records(metrics_nodes.out) if "ok" in r]
+    assert steps
+    assert all(r["ok"] for r in steps), "an all_reduce gave a wrong value"
+    assert {r["rank"] for r in steps} == {0, 1}
+    jobs = coord.get_json(f"/v1/jobs?job={job}")
+    assert isinstance(jobs, dict)
+    assert [j["state"] for j in jobs["jobs"]] == ["FINISHED"], metrics_nodes.logs(coord)
+    log = node.log()
+    assert log.count("SAR_METRICS_PORT=65535 gives local rank 1 port 65536") == 1, log
+    assert log.count("Training goes on without the /metrics endpoint.") == 1, log
+    assert (
+        log.count(
+            "dropped from a heartbeat: reports[0].worker_endpoints.endpoints[0].metrics_address '10.9.9.9:"
+        )
+        == 1
+    )
+    told = [line for line in coord.log().splitlines() if f"job={job} member=" in line]
+    assert len(told) == 1, coord.log()
+    assert told[0].endswith("; dropped from its heartbeat, the rest was taken"), told
+    assert "Traceback" not in log

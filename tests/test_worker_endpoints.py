@@ -33,7 +33,14 @@ from sarcomm.coordinator.storage.records import (
 from sarcomm.coordinator.storage.store import SqliteStore
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
-from sarcomm.worker.endpoints import EndpointNote, clear_notes, note_endpoint, read_notes
+from sarcomm.worker.endpoints import (
+    MAX_NOTES,
+    EndpointNote,
+    NoteReader,
+    clear_notes,
+    note_endpoint,
+    read_notes,
+)
 from sarcomm.worker.launch_env import node_worker_metrics_port
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import LO_PB, FakeClock, spec
@@ -176,25 +183,89 @@ async def test_sd_lists_one_group_per_worker_endpoint_with_its_rank_and_node(
     ],
     ids=["not-its-host", "same-rank-twice", "negative-rank", "host-name", "empty"],
 )
-async def test_bad_worker_endpoint_is_refused_naming_the_field(
+async def test_bad_worker_endpoint_costs_that_endpoint_not_the_node(
     coord: InProcessCoordinator,
     stub: pb_grpc.CoordinatorAsyncStub,
     entries: tuple[tuple[int, int, str], ...],
     message: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    node0, _ = await form_nodes(stub, "bad")
+    """The bad entry is dropped and told once (the answer's ``refused``, the coordinator's log);
+    the node's report is taken, its good workers listed, and the node stays in its world."""
+    node0, node1 = await form_nodes(stub, "bad")
+    good = (7, 5, "0.0.0.0:9107")
     report = pb.MemberReport(
-        member_id=node0.member_id, secret=node0.secret, worker_endpoints=endpoints(*entries)
+        member_id=node0.member_id, secret=node0.secret, worker_endpoints=endpoints(*entries, good)
     )
-    call = stub.Heartbeat(iter([pb.HeartbeatRequest(reports=[report], closing=True)]), timeout=WAIT_S)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for _ in call:
-            pass
-    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    details = caught.value.details() or ""
+    other = pb.MemberReport(member_id=node1.member_id, secret=node1.secret)
+    stream = Stream(stub)
+    answer = await stream.send(report, other)
     expected = message.format(field="reports[0].worker_endpoints.endpoints", host=coord.member("bad", 0).host)
-    assert details.startswith(expected), details
-    assert await sd(coord, "bad") == []
+    assert len(answer.refused) == 1, answer.refused
+    assert answer.refused[0].startswith(expected), answer.refused
+    assert not answer.unknown_members
+    kept = ["0", "7"] if len(entries) == 2 else ["7"]  # the first of two rank 0s stays
+    assert sorted(g["labels"]["rank"] for g in await sd(coord, "bad")) == kept
+    logged = [r.getMessage() for r in caplog.records if expected in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert "dropped from its heartbeat, the rest was taken" in logged[0]
+    # Sent again (every interval): not told again, still taken; both nodes run on.
+    for _ in range(3):
+        answer = await stream.send(report, other)
+        assert list(answer.refused) == []
+        assert not answer.unknown_members
+    assert len([r for r in caplog.records if expected in r.getMessage()]) == 1
+    coord.sweep()
+    assert [coord.member("bad", r).state.name for r in (0, 1)] == ["RUNNING", "RUNNING"]
+    await stream.close()
+
+
+async def test_the_agents_stream_logs_a_refused_endpoint_once_and_keeps_beating(
+    coord: InProcessCoordinator, stub: pb_grpc.CoordinatorAsyncStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client side of the same: what a torchrun agent's heartbeat stream does with ``refused``."""
+    node0, _ = await form_nodes(stub, "agent")
+    listed = (WorkerEndpoint(0, 0, "10.9.9.9:9100"), WorkerEndpoint(1, 1, "0.0.0.0:9101"))
+    report = MemberReport(node0.member_id, node0.secret, worker_endpoints=listed)
+    async with coord.client() as client, client.heartbeats(lambda: [report], 0.05) as stream:
+        replies = [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(3)]
+    assert [len(r.refused) for r in replies] == [1, 0, 0]
+    assert replies[0].refused[0].startswith("reports[0].worker_endpoints.endpoints[0].metrics_address '10.9")
+    assert all(not r.unknown_members for r in replies)
+    warned = [r.getMessage() for r in caplog.records if "dropped from a heartbeat" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert [g["labels"]["rank"] for g in await sd(coord, "agent")] == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("metrics_address", "10.9.9.9:9100", "reports[0].metrics_address '10.9.9.9:9100' must be on an"),
+        ("metrics_address", "nowhere", "reports[0].metrics_address 'nowhere' must be IP:PORT"),
+        ("progress", pb.Progress(seq=-1), "reports[0].progress.seq -1 must be >= 0"),
+    ],
+    ids=["endpoint-not-its-host", "endpoint-not-ip-port", "progress"],
+)
+async def test_bad_monitoring_field_of_a_report_costs_only_itself(
+    coord: InProcessCoordinator, stub: pb_grpc.CoordinatorAsyncStub, field: str, value: Any, message: str
+) -> None:
+    """The same root as the workers' endpoints: a member's own metrics endpoint and its progress
+    are monitoring too."""
+    node0, _ = await form_nodes(stub, "mon")
+    report = pb.MemberReport(member_id=node0.member_id, secret=node0.secret)
+    if field == "progress":
+        report.progress.CopyFrom(value)
+    else:
+        report.metrics_address = value
+    stream = Stream(stub)
+    answer = await stream.send(report)
+    assert len(answer.refused) == 1, answer.refused
+    assert answer.refused[0].startswith(message), answer.refused
+    assert not answer.unknown_members
+    member = coord.member("mon", 0)
+    assert member.metrics_address == ""
+    assert member.last_report > 0
+    await stream.close()
 
 
 def test_worker_endpoints_survive_a_restart_of_the_coordinator(tmp_path: Path) -> None:
@@ -236,19 +307,62 @@ def test_member_report_carries_worker_endpoints_on_the_wire_present_even_when_em
 
 
 def test_notes_are_read_back_by_rank_for_their_generation_only(tmp_path: Path) -> None:
-    note_endpoint(tmp_path, EndpointNote(3, 1, "0.0.0.0", 9101, generation=2))
-    note_endpoint(tmp_path, EndpointNote(2, 0, "127.0.0.1", 9100, generation=2))
-    note_endpoint(tmp_path, EndpointNote(4, 0, "0.0.0.0", 9102, generation=1))  # an earlier world's
+    # Node 1 of a world of 2 nodes x 2 workers: ranks 2 and 3.
+    note_endpoint(
+        tmp_path, EndpointNote(3, 1, "0.0.0.0", 9101, 2, node_rank=1, local_world_size=2, world_size=4)
+    )
+    note_endpoint(tmp_path, EndpointNote(2, 0, "127.0.0.1", 9100, 2, 1, 2, 4))
     (tmp_path / "rank-9.json").write_text("{half a no")  # never a note: passed over
     (tmp_path / "unrelated.txt").write_text("x")
-    assert read_notes(tmp_path, 2) == [
-        EndpointNote(2, 0, "127.0.0.1", 9100, 2),
-        EndpointNote(3, 1, "0.0.0.0", 9101, 2),
+    assert read_notes(tmp_path, 2, node_rank=1) == [
+        EndpointNote(2, 0, "127.0.0.1", 9100, 2, 1, 2, 4),
+        EndpointNote(3, 1, "0.0.0.0", 9101, 2, 1, 2, 4),
     ]
+    assert read_notes(tmp_path, 1, node_rank=1) == []  # an earlier world's
+    assert read_notes(tmp_path, 2, node_rank=0) == []  # another node's
     clear_notes(tmp_path)
-    assert read_notes(tmp_path, 2) == []
+    assert read_notes(tmp_path, 2, node_rank=1) == []
     assert (tmp_path / "unrelated.txt").exists()
-    assert read_notes(tmp_path / "gone", 1) == []
+    assert read_notes(tmp_path / "gone", 1, node_rank=0) == []
+
+
+def test_notes_for_ranks_outside_the_nodes_workers_are_never_listed(tmp_path: Path) -> None:
+    """A world of one worker whose directory also holds notes for ranks 5 and 999999 (copies of
+    the real one with another rank, and one that claims a larger world): only rank 0 is read."""
+    real = EndpointNote(0, 0, "0.0.0.0", 9100, 1, node_rank=0, local_world_size=1, world_size=1)
+    note_endpoint(tmp_path, real)
+    for rank, local_rank, local_size, world in ((5, 0, 1, 1), (999999, 0, 1, 1), (5, 5, 6, 6)):
+        note_endpoint(tmp_path, EndpointNote(rank, local_rank, "0.0.0.0", 9200, 1, 0, local_size, world))
+    # A note of rank 7 in a file named for rank 8, and one that places itself outside its world.
+    (tmp_path / "rank-8.json").write_text(
+        json.dumps(EndpointNote(7, 0, "0.0.0.0", 9300, 1, 0, 1, 1).__dict__)
+    )
+    assert read_notes(tmp_path, 1, node_rank=0) == [real]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    note_endpoint(alone, EndpointNote(5, 0, "0.0.0.0", 9200, 1, 0, 1, 1))  # rank 5 of a world of 1
+    assert read_notes(alone, 1, node_rank=0) == []
+
+
+def test_junk_named_like_notes_never_starves_the_real_ones_and_the_work_is_bounded(tmp_path: Path) -> None:
+    """Junk files whose names sort ahead of ``rank-0.json`` (before, only the first 1,024 names
+    were read and the real worker was never listed), and junk named for real ranks."""
+    for i in range(MAX_NOTES + 100):
+        (tmp_path / f"rank--{i}.json").write_text("{}")  # not a rank: never read
+    real = EndpointNote(0, 0, "0.0.0.0", 9100, 1, node_rank=0, local_world_size=1, world_size=1)
+    note_endpoint(tmp_path, real)
+    assert read_notes(tmp_path, 1, node_rank=0) == [real]
+    # Node 1 of a world of 2 x 1, its real note behind more junk notes of lower ranks than one
+    # pass reads: found on the second pass, then read by its name alone.
+    for rank in range(1, MAX_NOTES + 100):
+        (tmp_path / f"rank-{rank}.json").write_text("junk")
+    first = MAX_NOTES + 100
+    second = EndpointNote(first, 0, "0.0.0.0", 9101, 1, node_rank=1, local_world_size=1, world_size=first + 1)
+    note_endpoint(tmp_path, second)
+    reader = NoteReader(tmp_path, 1, node_rank=1)
+    assert reader.read() == []  # the first MAX_NOTES candidates: junk, and rank 0 of node 0
+    assert reader.read() == [second]
+    assert reader.read() == [second]
 
 
 @pytest.mark.parametrize(

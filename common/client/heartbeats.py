@@ -188,6 +188,8 @@ class HeartbeatStream:
                 )  # fmt: skip
                 self.interval = paced
                 self._wake.set()  # the next report goes at the new pace, not after the old interval
+            for line in reply.refused:  # the coordinator tells each once; the rest was taken
+                log.warning("the coordinator at %s dropped from a heartbeat: %s", self._target, line)
             self._queue.put_nowait(reply)
 
     async def _one_stream(self) -> float | None:

@@ -18,7 +18,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sarcomm.common.addresses import parse_address
-from sarcomm.common.errors import SarcommError
+from sarcomm.common.errors import InvalidArgumentError, SarcommError
+from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.api.interceptor import bearer_matches
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.api.views import jobs_json
@@ -144,6 +145,11 @@ class HttpApi:
 
     async def jobs(self, request: web.Request) -> web.Response:
         name = request.query.get("job")
+        if name:  # the rule gRPC's ListJobs applies (empty: every job, as there)
+            try:
+                validation.job_name(name)
+            except InvalidArgumentError as error:
+                raise web.HTTPBadRequest(text=str(error)) from None
         membership = await self._view()
         jobs = membership.jobs()
         if name:

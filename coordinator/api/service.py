@@ -26,13 +26,13 @@ from sarcomm.common.interfaces import parse_peer
 from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.api.events import EventHub, FormedWaiters
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
-from sarcomm.coordinator.api.reports import StreamReports
+from sarcomm.coordinator.api.reports import CheckedReport, StreamReports, check_own, check_report
 from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain import ranks
 from sarcomm.coordinator.domain.elastic import waiting
 from sarcomm.coordinator.domain.membership import Membership
-from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState, Progress, WorkerEndpoint
+from sarcomm.coordinator.domain.model import EventKind, Job, JobEvent, JobState
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -274,67 +274,42 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
         watched, reported = state.watched, state.reported
         try:
-            # A request is taken whole or not at all: every field of every report is checked, and
-            # every known member's secret, before the first report is recorded.
+            # A request's members are checked, every known member's secret too, before the first
+            # report is recorded: a bad id, secret or age refuses the request. A bad monitoring
+            # field (progress, a metrics endpoint) costs only itself (reports.check_report).
             validation.report_count(len(request.reports))
-            checked: list[tuple[str, str, Progress | None, str, float]] = []
-            workers: dict[str, tuple[WorkerEndpoint, ...]] = {}
-            for i, report in enumerate(request.reports):
-                field = f"reports[{i}]"
-                member_id = validation.member_id(report.member_id, f"{field}.member_id")
-                secret = validation.secret(report.secret, f"{field}.secret")
-                progress = (
-                    validation.progress(report.progress, f"{field}.progress")
-                    if report.HasField("progress")
-                    else None
-                )
-                address = validation.metrics_address(report.metrics_address, f"{field}.metrics_address")
-                age = validation.age_seconds(report.age_seconds, f"{field}.age_seconds")
-                checked.append((member_id, secret, progress, address, age))
-                if report.HasField("worker_endpoints"):
-                    listed, where = report.worker_endpoints.endpoints, f"{field}.worker_endpoints.endpoints"
-                    workers[member_id] = validation.worker_endpoints(listed, where)
-            known: list[tuple[str, str, Progress | None, str, float]] = []
-            for i, report_fields in enumerate(checked):
+            checked = [check_report(report, f"reports[{i}]") for i, report in enumerate(request.reports)]
+            known: list[CheckedReport] = []
+            for i, report in enumerate(checked):
                 try:
-                    _, member = self._membership.authenticate(report_fields[0], report_fields[1])
+                    _, member = self._membership.authenticate(report.member_id, report.secret)
                 except SarcommError as error:
                     if not isinstance(error, NotFoundError):
                         raise
-                    response.unknown_members.append(report_fields[0])
+                    response.unknown_members.append(report.member_id)
                     continue
-                if report_fields[3] != member.metrics_address:  # checked once per endpoint
-                    validation.own_metrics_address(
-                        report_fields[3], f"reports[{i}].metrics_address", member.host, member.interfaces
-                    )
-                endpoints = workers.get(member.member_id)
-                if endpoints is not None and endpoints != member.worker_endpoints:
-                    # The rule of the member's own endpoint, checked once per list.
-                    for j, endpoint in enumerate(endpoints):
-                        validation.own_metrics_address(
-                            endpoint.address,
-                            f"reports[{i}].worker_endpoints.endpoints[{j}].metrics_address",
-                            member.host,
-                            member.interfaces,
-                        )
-                known.append(report_fields)
+                check_own(report, member, f"reports[{i}]")
+                known.append(report)
             elastic: dict[str, Job] = {}
-            for member_id, secret, progress, address, age in known:
+            for report in known:
+                member_id = report.member_id
                 job, _ = self._membership.heartbeat(
                     member_id,
-                    secret,
-                    progress,
-                    address,
-                    age=age,
+                    report.secret,
+                    report.progress,
+                    report.address,
+                    age=report.age,
                     stream=state.token,
-                    worker_endpoints=workers.get(member_id),
+                    worker_endpoints=report.endpoints,
                 )
+                if report.refused:
+                    self._refused(response, job, member_id, state.tell(member_id, report.refused))
                 if job.elastic is not None:
                     elastic[job.name] = job
                 reported.add(member_id)
                 found = self._membership.current(member_id)
                 if found is not None:
-                    state.accepted(member_id, secret, found)
+                    state.accepted(report, found)
                 self._metrics.heartbeats.inc()
                 if job.name not in watched:
                     watched.add(job.name)
@@ -348,6 +323,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except SarcommError as error:
             return error
         return response
+
+    @staticmethod
+    def _refused(response: pb.HeartbeatResponse, job: Job, member_id: str, lines: list[str]) -> None:
+        """Tell the coordinator's log and the reporter (once each, see StreamReports.tell) what was
+        dropped from a member's report."""
+        for line in lines:
+            log.warning(
+                "job=%s member=%s: %s; dropped from its heartbeat, the rest was taken",
+                job.name, member_id, line,
+            )  # fmt: skip
+        response.refused.extend(lines)
 
     def _elastic_jobs(self, names: set[str]) -> dict[str, Job]:
         """The elastic jobs among ``names`` (a stream's watched jobs), by name."""

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from sarcomm.common import durations
+from sarcomm.common import constants, durations
 from sarcomm.common.addresses import parse_address
 from sarcomm.common.constants import JOB_NAME_RULE, is_job_name
 from sarcomm.common.errors import InvalidArgumentError, ResourceExhaustedError, shorten
@@ -45,9 +45,8 @@ MAX_REPORTS = 4096
 # A member's workers' endpoints in one report (a torchrun node's workers: one per local rank).
 MAX_WORKER_ENDPOINTS = 1024
 _OP_NAME = re.compile(r"[A-Za-z0-9_.:-]*")
-MAX_RESTARTS = 1_000_000
-# An elastic world's last call, at most (seconds): an hour is already far beyond any use.
-MAX_LAST_CALL_S = 3600.0
+MAX_RESTARTS = constants.MAX_RESTARTS
+MAX_LAST_CALL_S = constants.MAX_LAST_CALL_TIMEOUT
 
 
 def invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
@@ -352,31 +351,42 @@ def metrics_address(value: str, field: str) -> str:
     return value
 
 
-def worker_endpoints(values: Sequence[pb.WorkerEndpoint], field: str) -> tuple[WorkerEndpoint, ...]:
-    """A report's ``worker_endpoints.endpoints``: at most :data:`MAX_WORKER_ENDPOINTS`, each with a
-    rank and local rank >= 0 (ranks distinct) and an ``IP:PORT`` (:func:`metrics_address`, never
-    empty). ``field`` names the list."""
-    if len(values) > MAX_WORKER_ENDPOINTS:
-        raise invalid(
-            field, f"<{len(values)} entries>", f"must hold at most {MAX_WORKER_ENDPOINTS} endpoints"
-        )
+def worker_endpoints(
+    values: Sequence[pb.WorkerEndpoint], field: str
+) -> tuple[tuple[WorkerEndpoint, ...], list[str]]:
+    """A report's ``worker_endpoints.endpoints``: the entries that keep the rule (a rank and local
+    rank >= 0, ranks distinct, an ``IP:PORT`` as :func:`metrics_address`, never empty; at most
+    :data:`MAX_WORKER_ENDPOINTS`), and one line for each entry that does not (``field`` names the
+    list). An entry costs only itself: a worker's metrics endpoint is monitoring, never a reason to
+    refuse its node's report."""
     result: list[WorkerEndpoint] = []
+    refused: list[str] = []
     ranks: set[int] = set()
     for i, value in enumerate(values):
-        if value.rank < 0 or value.rank in ranks:
-            raise invalid(
-                f"{field}[{i}].rank", value.rank, "must be a worker's global rank: >= 0 and distinct"
+        if i == MAX_WORKER_ENDPOINTS:
+            refused.append(
+                f"{field}: {len(values) - i} entries beyond the first {MAX_WORKER_ENDPOINTS} dropped "
+                f"(a list holds at most {MAX_WORKER_ENDPOINTS} endpoints)"
             )
-        if value.local_rank < 0:
-            raise invalid(f"{field}[{i}].local_rank", value.local_rank, "must be >= 0")
-        if not value.metrics_address:
-            raise invalid(
-                f"{field}[{i}].metrics_address", "", "must be IP:PORT of the worker's metrics endpoint"
-            )
-        address = metrics_address(value.metrics_address, f"{field}[{i}].metrics_address")
+            break
+        try:
+            if value.rank < 0 or value.rank in ranks:
+                raise invalid(
+                    f"{field}[{i}].rank", value.rank, "must be a worker's global rank: >= 0 and distinct"
+                )
+            if value.local_rank < 0:
+                raise invalid(f"{field}[{i}].local_rank", value.local_rank, "must be >= 0")
+            if not value.metrics_address:
+                raise invalid(
+                    f"{field}[{i}].metrics_address", "", "must be IP:PORT of the worker's metrics endpoint"
+                )
+            address = metrics_address(value.metrics_address, f"{field}[{i}].metrics_address")
+        except InvalidArgumentError as error:
+            refused.append(str(error))
+            continue
         ranks.add(value.rank)
         result.append(WorkerEndpoint(value.rank, value.local_rank, address))
-    return tuple(result)
+    return tuple(result), refused
 
 
 _JOIN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

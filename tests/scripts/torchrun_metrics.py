@@ -2,7 +2,10 @@
 (which serves ``/metrics`` and notes it for the torchrun agent), then ``sar.all_reduce`` steps,
 each counted in the library's collective metrics.
 
-Usage: ``torchrun ... torchrun_metrics.py OUT_DIR [--step-s S]``.
+Usage: ``torchrun ... torchrun_metrics.py OUT_DIR [--step-s S] [--forge-note HOST]``.
+
+``--forge-note HOST``: local rank 0 rewrites its endpoint note to name ``HOST`` (an address not on
+its host, which the coordinator must drop without costing the node anything).
 
 Each step all-reduces ``rank + 1`` (the sum must be ``W (W + 1) / 2``) and a stop flag (set once
 ``OUT_DIR/stop`` exists, on any rank: all ranks stop at the same step), and appends one JSON line
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 import sarcomm.worker as sar
+from sarcomm.worker.endpoints import EndpointNote, note_endpoint
 from sarcomm.worker.library import metrics
 
 # Run as a file (its own folder on sys.path): the repository root makes the shared loop importable.
@@ -31,9 +35,16 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--step-s", type=float, default=0.2)
+    parser.add_argument("--forge-note", default="")
     args = parser.parse_args()
     env = os.environ
     info = sar.init(backend="gloo")
+    if args.forge_note and env["LOCAL_RANK"] == "0":
+        note = EndpointNote(
+            info.rank, 0, args.forge_note, metrics.serving_port() or 65535, int(env["SAR_GENERATION"]),
+            int(env["GROUP_RANK"]), int(env["LOCAL_WORLD_SIZE"]), info.world_size,
+        )  # fmt: skip
+        note_endpoint(Path(env["SAR_ENDPOINTS_DIR"]), note)
     rank, world = info.rank, info.world_size
     record = {
         "pid": os.getpid(),

@@ -39,21 +39,25 @@ from sarcomm.common.constants import (
     BACKENDS,
     DEFAULT_LAST_CALL_TIMEOUT,
     MAX_EXTRA_PORTS,
+    MAX_LAST_CALL_TIMEOUT,
+    MAX_RESTARTS,
     SOCKET_NAME_VARIABLE,
+    TLS_CA_VARIABLE,
+    TLS_CERT_VARIABLE,
+    TLS_KEY_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.flags import (
-    NONNEGATIVE_SECONDS_RULE,
     SECONDS_RULE,
     Option,
     add_options,
     integer,
     nonempty,
-    nonnegative_seconds,
     resolve_all,
     seconds,
+    seconds_up_to,
 )
-from sarcomm.common.tls import ClientTls, read_token_file
+from sarcomm.common.tls import TLS_FLAGS, ClientTls, read_token_file
 from sarcomm.worker.agent import bench
 from sarcomm.worker.agent.config import AgentConfig, WorldSize
 from sarcomm.worker.agent.output import DEFAULT_OUTPUT_TAG, ConsoleLogHandler, Tee, check_log_dir
@@ -135,7 +139,7 @@ _OPTIONS: tuple[Option, ...] = (
             "coordinator gRPC address, or its replicas' as HOST:PORT,HOST:PORT,...", metavar="HOST:PORT",
             required=True),
     Option("--job", nonempty, "a non-empty job name", "job name", metavar="NAME", required=True),
-    Option("--world-size", WorldSize.parse, "an integer >= 1", "ranks in the whole job, or MIN:MAX for an "
+    Option("--world-size", WorldSize.parse, WorldSize.RULE, "ranks in the whole job, or MIN:MAX for an "
             "elastic world of MIN to MAX ranks that re-forms when agents come or go", metavar="N",
             required=True),
     Option("--rank", *integer(0), "global rank of local rank 0 (default: the coordinator deals "
@@ -145,8 +149,8 @@ _OPTIONS: tuple[Option, ...] = (
             default="auto", metavar="{" + ",".join(BACKENDS) + "}"),
     Option("--socket-name", str.strip, "an interface name", "network interface the ranks use (default: "
             "the coordinator chooses)", default="", metavar="IFACE", also_env=(SOCKET_NAME_VARIABLE,)),
-    Option("--max-restarts", *integer(0), "times to rejoin and restart after a failure", default=0,
-            metavar="M"),
+    Option("--max-restarts", *integer(0, MAX_RESTARTS), "times to rejoin and restart after a failure",
+            default=0, metavar="M"),
     Option("--metrics-port", *integer(-1, 65535), "where the ranks serve /metrics: local rank i "
             "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
     Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
@@ -157,7 +161,7 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--join-timeout", seconds, SECONDS_RULE, "seconds to wait for the "
             "world to form, reaching the coordinator included (default: the coordinator's "
             "--join-timeout)", metavar="S"),
-    Option("--last-call-timeout", nonnegative_seconds, NONNEGATIVE_SECONDS_RULE, "with --world-size "
+    Option("--last-call-timeout", *seconds_up_to(MAX_LAST_CALL_TIMEOUT), "with --world-size "
             "MIN:MAX: once MIN ranks have joined, the world forms when this long passes without a new "
             "arrival", default=DEFAULT_LAST_CALL_TIMEOUT, metavar="S"),
     Option("--heartbeat-interval", seconds, SECONDS_RULE, "seconds between "
@@ -224,7 +228,21 @@ def parse(
     values = resolve_all(_OPTIONS, args, env, launcher)
     token_file: Path | None = values.pop("token_file")
     tls_paths: tuple[Path | None, ...] = tuple(values.pop(name) for name in ("tls_ca", "tls_cert", "tls_key"))
-    tls = ClientTls(*tls_paths) if any(p is not None for p in tls_paths) else None
+    # Each file named as the user gave it: the flag, or the variable it fell back to.
+    ca_name, cert_name, key_name = (
+        variable if getattr(args, dest) is None and env.get(variable) else flag
+        for dest, flag, variable in zip(
+            ("tls_ca", "tls_cert", "tls_key"),
+            TLS_FLAGS,
+            (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE),
+            strict=True,
+        )
+    )
+    tls = (
+        ClientTls(*tls_paths, names=(ca_name, cert_name, key_name))
+        if any(p is not None for p in tls_paths)
+        else None
+    )
     log_level: str = values.pop("log_level")
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InvalidArgumentError(f"--log-level {shorten(log_level)} must be DEBUG, INFO, WARNING or ERROR.")

@@ -20,6 +20,9 @@ from sarcomm.common.constants import (
     DEFAULT_LAST_CALL_TIMEOUT,
     HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
+    MAX_LAST_CALL_TIMEOUT,
+    MAX_RESTARTS,
+    MAX_WORLD_SIZE,
     METRICS_HOST_VARIABLE,
     METRICS_PORT_VARIABLE,
     OMP_THREADS_VARIABLE,
@@ -56,6 +59,9 @@ class WorldSize:
     """``--world-size``: ``N`` ranks (``low == high``, fixed), or ``MIN:MAX`` (``elastic``: the
     world forms with MIN to MAX ranks and re-forms when agents come or go)."""
 
+    #: The flag's rule: counts of ranks the protocol carries.
+    RULE = f"an integer in 1..{MAX_WORLD_SIZE}"
+
     low: int
     high: int
     elastic: bool = False
@@ -65,12 +71,12 @@ class WorldSize:
         """``N`` or ``MIN:MAX``.
 
         Raises:
-            ValueError: ``N`` is no integer >= 1 (the flag's rule says so).
+            ValueError: ``N`` breaks :attr:`RULE` (the flag's rule says so).
             InvalidArgumentError: a range that breaks its rule (the message says which).
         """
         if ":" not in text:
             value = int(text.strip())
-            if value < 1:
+            if not 1 <= value <= MAX_WORLD_SIZE:
                 raise ValueError
             return cls(value, value)
         low_text, _, high_text = text.partition(":")
@@ -78,9 +84,10 @@ class WorldSize:
             low, high = int(low_text.strip()), int(high_text.strip())
         except ValueError:
             low = high = 0
-        if low < 1 or high < 1:
+        if not (1 <= low <= MAX_WORLD_SIZE and 1 <= high <= MAX_WORLD_SIZE):
             raise InvalidArgumentError(
-                "MIN and MAX of an elastic world must be integers >= 1 (MIN:MAX ranks, e.g. 2:4)."
+                f"MIN and MAX of an elastic world must be integers in 1..{MAX_WORLD_SIZE} (MIN:MAX ranks, "
+                "e.g. 2:4)."
             )
         if low > high:
             raise InvalidArgumentError(
@@ -169,8 +176,8 @@ class AgentConfig:
             raise InvalidArgumentError(
                 "--job '' must name the job (1 to 128 letters, digits, '.', '_', '-')."
             )
-        if self.world_size < 1:
-            raise InvalidArgumentError(f"--world-size {self.world_size} must be an integer >= 1.")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgumentError(f"--world-size {self.world_size} must be {WorldSize.RULE}.")
         if not 1 <= self.nproc_per_node <= self.world_size:
             raise InvalidArgumentError(
                 f"--nproc-per-node {self.nproc_per_node} must be in 1..--world-size ({self.world_size})."
@@ -187,8 +194,10 @@ class AgentConfig:
             raise InvalidArgumentError(
                 f"--backend {shorten(self.backend)} must be one of {', '.join(BACKENDS)}."
             )
-        if self.max_restarts < 0:
-            raise InvalidArgumentError(f"--max-restarts {self.max_restarts} must be an integer >= 0.")
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise InvalidArgumentError(
+                f"--max-restarts {self.max_restarts} must be an integer in 0..{MAX_RESTARTS}."
+            )
         if self.metrics_port not in (METRICS_ANY_PORT, METRICS_OFF) and not (
             1 <= self.metrics_port <= 65536 - self.nproc_per_node
         ):
@@ -242,9 +251,12 @@ class AgentConfig:
                 f"--rank {self.rank} cannot be used with --world-size {world}: the coordinator deals the "
                 "ranks of an elastic world; leave --rank out."
             )
-        if not (math.isfinite(self.last_call_timeout) and self.last_call_timeout >= 0):
+        if not (
+            math.isfinite(self.last_call_timeout) and 0 <= self.last_call_timeout <= MAX_LAST_CALL_TIMEOUT
+        ):
             raise InvalidArgumentError(
-                f"--last-call-timeout {self.last_call_timeout} must be a number of seconds >= 0."
+                f"--last-call-timeout {self.last_call_timeout:g} must be a number of seconds in "
+                f"0..{MAX_LAST_CALL_TIMEOUT:g}."
             )
 
     @property

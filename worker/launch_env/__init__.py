@@ -37,6 +37,7 @@ from sarcomm.worker.launch_env.settings import (
     RegistrationSettings,
     agent_pid_setting,
     backend_setting,
+    check_metrics_settings,
     client_tls_setting,
     collective_timeout_setting,
     endpoints_dir_setting,
@@ -57,6 +58,7 @@ from sarcomm.worker.launch_env.settings import (
     required_master_port,
     socket_environment,
     socket_name_setting,
+    torchrun_place_setting,
 )
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "agent_pid_setting",
     "backend_setting",
     "check_backend",
+    "check_metrics_settings",
     "client_tls_setting",
     "collective_timeout_setting",
     "detect_launcher",
@@ -97,4 +100,5 @@ __all__ = [
     "slurm_task",
     "socket_environment",
     "socket_name_setting",
+    "torchrun_place_setting",
 ]

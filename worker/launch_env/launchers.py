@@ -23,6 +23,7 @@ from sarcomm.common.constants import (
     LOCAL_WORLD_SIZE_VARIABLE,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
+    MAX_WORLD_SIZE,
     MEMBER_ID_VARIABLE,
     RANK_VARIABLE,
     RESTART_COUNT_VARIABLE,
@@ -168,7 +169,7 @@ def _parse_local(
 def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     """Rank, world size, local rank and size, master and ``SAR_*`` settings from ``env``.
 
-    Pure: reads only ``env``. Rules: the world size is an integer >= 1, the rank one in
+    Pure: reads only ``env``. Rules: the world size is an integer in 1..2**31-1, the rank one in
     0..world_size-1, the local world size one in 1..world_size, the local rank one in
     0..local_world_size-1 (without local variables, a process counts as alone on its host: 0 of
     1); MASTER_PORT is an integer in 1..65535, MASTER_ADDR is not empty; SAR_GENERATION and
@@ -193,7 +194,7 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     _, rank_var, size_var, local_rank_var, local_size_var = names
     if size_var not in env:
         raise InvalidArgumentError(f"{size_var} is not set although {rank_var} is; a launcher sets both.")
-    world_size = parse_int(env, size_var, 1, None, "an integer >= 1")
+    world_size = parse_int(env, size_var, 1, MAX_WORLD_SIZE, f"an integer in 1..{MAX_WORLD_SIZE}")
     rank = parse_int(
         env, rank_var, 0, world_size - 1, f"an integer in 0..{size_var}-1 ({size_var}={world_size})"
     )
@@ -280,7 +281,8 @@ class SlurmTask:
 
     @property
     def tasks(self) -> int:
-        return parse_int(self.env, self.tasks_variable, 1, None, "an integer >= 1")
+        rule = f"an integer in 1..{MAX_WORLD_SIZE}"
+        return parse_int(self.env, self.tasks_variable, 1, MAX_WORLD_SIZE, rule)
 
     @property
     def procid(self) -> int:

@@ -29,10 +29,12 @@ from sarcomm.common.constants import (
     EXIT_TIMEOUT_VARIABLE,
     GENERATION_VARIABLE,
     GLOO_INTERFACE_VARIABLE,
+    GROUP_RANK_VARIABLE,
     HEARTBEAT_INTERVAL_VARIABLE,
     INTERFACE_VARIABLES,
     JOB_VARIABLE,
     LOCAL_RANK_VARIABLE,
+    LOCAL_WORLD_SIZE_VARIABLE,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     MEMBER_ID_VARIABLE,
@@ -45,6 +47,7 @@ from sarcomm.common.constants import (
     TLS_CERT_VARIABLE,
     TLS_KEY_VARIABLE,
     TOKEN_FILE_VARIABLE,
+    WORLD_SIZE_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.tls import ClientTls, read_token_file
@@ -59,6 +62,7 @@ __all__ = [
     "RegistrationSettings",
     "agent_pid_setting",
     "backend_setting",
+    "check_metrics_settings",
     "client_tls_setting",
     "collective_timeout_setting",
     "endpoints_dir_setting",
@@ -79,6 +83,7 @@ __all__ = [
     "required_master_port",
     "socket_environment",
     "socket_name_setting",
+    "torchrun_place_setting",
 ]
 
 #: Seconds a collective may block before the backend gives up, unless SAR_COLLECTIVE_TIMEOUT says.
@@ -270,6 +275,18 @@ def node_worker_metrics_port(environ: Mapping[str, str]) -> int | None:
     return mine
 
 
+def check_metrics_settings(environ: Mapping[str, str]) -> None:
+    """Refuse a malformed ``SAR_METRICS_PORT`` or ``SAR_METRICS_HOST`` before any worker starts
+    (torchrun's sarcomm rendezvous: its workers inherit them). What only a worker can find (its
+    first port plus its local rank beyond 65535) costs that worker's endpoint, not its training.
+
+    Raises:
+        InvalidArgumentError: naming the variable, its value and the rule.
+    """
+    metrics_port_setting(environ, member=True)
+    metrics_host_setting(environ)
+
+
 #: Where a rank's ``/metrics`` endpoint listens unless told: every IPv4 interface.
 ALL_INTERFACES: Final = "0.0.0.0"
 
@@ -378,6 +395,19 @@ def required_master_port(environ: Mapping[str, str], master_port_number: int | N
     return port
 
 
+def torchrun_place_setting(environ: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """A torchrun worker's place: (``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), as
+    torchrun sets them, or None when one is unset or not an integer (never raises)."""
+    try:
+        return (
+            int(environ[GROUP_RANK_VARIABLE]),
+            int(environ[LOCAL_WORLD_SIZE_VARIABLE]),
+            int(environ[WORLD_SIZE_VARIABLE]),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
 def local_rank_setting(environ: Mapping[str, str]) -> int | None:
     """``LOCAL_RANK``, or None when it is unset or blank (then the caller derives one).
 
@@ -403,10 +433,11 @@ def client_tls_setting(env: Mapping[str, str]) -> ClientTls | None:
         InvalidArgumentError: a file cannot be read or is no PEM, or only one of the certificate
             and its key is set (see :class:`~sarcomm.common.tls.ClientTls`).
     """
-    ca, cert, key = (env.get(name) or None for name in (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE))
+    names = (TLS_CA_VARIABLE, TLS_CERT_VARIABLE, TLS_KEY_VARIABLE)
+    ca, cert, key = (env.get(name) or None for name in names)
     if ca is None and cert is None and key is None:
         return None
-    return ClientTls(*(Path(value) if value else None for value in (ca, cert, key)))
+    return ClientTls(*(Path(value) if value else None for value in (ca, cert, key)), names=names)
 
 
 @dataclass(frozen=True)
@@ -435,7 +466,10 @@ def registration_settings(
     """
     interval = heartbeat_interval_setting(env, heartbeat_interval)
     socket_name = socket_name_setting(env)
-    host = metrics_host_setting(env)
+    try:
+        host = metrics_host_setting(env)
+    except InvalidArgumentError:  # no endpoint then: start_rank_services says so, once
+        host = ALL_INTERFACES
     tls = client_tls_setting(env)
     token_file = env.get(TOKEN_FILE_VARIABLE) if token is None else None
     if token_file:

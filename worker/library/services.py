@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.endpoints import EndpointNote, note_endpoint
 from sarcomm.worker.launch_env import (
     RankIdentity,
@@ -38,6 +39,7 @@ from sarcomm.worker.launch_env import (
     process_environ,
     progress_settings,
     rank_identity,
+    torchrun_place_setting,
 )
 from sarcomm.worker.library import metrics
 from sarcomm.worker.progress import ProgressWriter
@@ -141,8 +143,11 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     (:func:`~sarcomm.worker.launch_env.metrics_port_setting`), whose bound port goes to the
     coordinator through the agent's or this process's own heartbeats.
 
-    A metrics port that cannot be bound is logged, not raised: losing the endpoint must not stop
-    a training run. Raises :class:`InvalidArgumentError` for a malformed variable.
+    A metrics variable that breaks its rule (``SAR_METRICS_PORT``, ``SAR_METRICS_HOST``, or a
+    torchrun worker's first port plus its local rank beyond 65535) and a port that cannot be bound
+    are logged once, not raised: losing the endpoint must not stop a training run. (The launchers
+    that can refuse a bad variable before training starts do: ``sar-worker``'s flags, torchrun's
+    sarcomm rendezvous.) Raises :class:`InvalidArgumentError` for a malformed progress setting.
     """
     env = process_environ() if environ is None else environ
     writer = _progress
@@ -152,13 +157,17 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
         writer = install_progress(progress.path, progress.interval, progress.agent_pid, progress.rank_label)
     identity = rank_identity(env)
     endpoints = endpoints_dir_setting(env)
-    if endpoints is not None:
-        port = node_worker_metrics_port(env)
-    else:
-        port = metrics_port_setting(env, member=bool(identity.member_id))
+    try:
+        if endpoints is not None:
+            port = node_worker_metrics_port(env)
+        else:
+            port = metrics_port_setting(env, member=bool(identity.member_id))
+        host = metrics_host_setting(env)
+    except InvalidArgumentError as exc:
+        log.error("rank %s: %s Training goes on without the /metrics endpoint.", identity.rank_label, exc)
+        return
     if port is None:
         return
-    host = metrics_host_setting(env)
     bound = metrics.serving_port()
     if bound is None:
         try:
@@ -173,16 +182,22 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
         # The stamping thread (or this process's heartbeats) carries it from the next interval on.
         writer.metrics_port = bound
     if endpoints is not None:
-        _note_for_agent(endpoints, identity, local_rank_setting(env) or 0, host, bound)
+        _note_for_agent(endpoints, identity, env, host, bound)
 
 
-def _note_for_agent(directory: Path, identity: RankIdentity, local_rank: int, host: str, port: int) -> None:
+def _note_for_agent(
+    directory: Path, identity: RankIdentity, env: Mapping[str, str], host: str, port: int
+) -> None:
     """Note this torchrun worker's endpoint where its agent reads it (logged, not raised, when it
     cannot: the endpoint then goes unlisted, the training on)."""
     try:
         rank, generation = int(identity.rank or ""), int(identity.generation or "0")
-        note_endpoint(directory, EndpointNote(rank, local_rank, host, port, generation))
-    except (OSError, ValueError) as exc:
+        place = torchrun_place_setting(env)
+        if place is None:
+            raise ValueError("GROUP_RANK, LOCAL_WORLD_SIZE or WORLD_SIZE is unset or not an integer")
+        local_rank = local_rank_setting(env) or 0
+        note_endpoint(directory, EndpointNote(rank, local_rank, host, port, generation, *place))
+    except (OSError, ValueError, InvalidArgumentError) as exc:
         log.warning(
             "rank %s: cannot note its /metrics endpoint (port %d) for its torchrun agent in %s (%s); "
             "the coordinator's /sd will not list it", identity.rank_label, port, directory, exc,

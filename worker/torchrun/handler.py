@@ -82,7 +82,7 @@ from sarcomm.common.errors import (
 )
 from sarcomm.common.messages import JoinResult
 from sarcomm.worker.endpoints import clear_notes
-from sarcomm.worker.launch_env import socket_name_setting
+from sarcomm.worker.launch_env import check_metrics_settings, socket_name_setting
 from sarcomm.worker.torchrun.session import RendezvousSession
 from sarcomm.worker.torchrun.settings import BACKEND, RendezvousSettings
 
@@ -133,6 +133,8 @@ class SarcommRendezvousHandler(RendezvousHandler):
             socket_name = socket_name_setting(os.environ)
             if socket_name:
                 netinfo.check_socket_name(socket_name)
+            # The workers inherit them: a malformed one is refused before any worker starts.
+            check_metrics_settings(os.environ)
         except InvalidArgumentError as exc:
             raise ValueError(f"sarcomm rendezvous: {exc}") from None
         return cls(settings, RendezvousSession(settings, socket_name))

@@ -38,7 +38,7 @@ from sarcomm.common.messages import (
     paced_interval,
 )
 from sarcomm.common.tls import ClientTls
-from sarcomm.worker.endpoints import EndpointNote, read_notes
+from sarcomm.worker.endpoints import EndpointNote, NoteReader
 from sarcomm.worker.launch_env import metrics_report_host
 from sarcomm.worker.torchrun.settings import RendezvousSettings
 
@@ -74,14 +74,17 @@ class _WorkerReports:
     def __init__(self, report: MemberReport, directory: Path | None, result: JoinResult) -> None:
         self._report, self._directory, self._result = report, directory, result
         self._notes: list[EndpointNote] = []
+        # The node's own workers' notes only (node rank: the one assignment of the node's member).
+        node_rank = result.assignments[0].rank
+        self._reader = None if directory is None else NoteReader(directory, result.generation, node_rank)
         # A node with a directory always sends its list (empty: none yet); the coordinator reads an
         # absent one as unchanged.
         self._reports = [report if directory is None else dataclasses.replace(report, worker_endpoints=())]
 
     def __call__(self) -> list[MemberReport]:
-        if self._directory is None:
+        if self._reader is None:
             return self._reports
-        notes = read_notes(self._directory, self._result.generation)
+        notes = self._reader.read()
         if notes != self._notes:
             self._notes = notes
             endpoints = _endpoints(notes, self._result)

@@ -507,6 +507,7 @@ class HeartbeatResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     heartbeat_interval_seconds: _builtins.float
     """The coordinator's current --heartbeat-interval: reporters beat at least this often, also after
     the coordinator was restarted with other liveness settings.
@@ -525,6 +526,14 @@ class HeartbeatResponse(_message.Message):
         num_nodes_waiting() and is_closed() answer from).
         """
 
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Parts of the request's reports the coordinator dropped, one line each naming the field, the
+        value and the rule (a metrics endpoint not on the member's host, a malformed progress): the
+        rest of each report was taken. Told once, on the answer to the request that first carried it;
+        monitoring data never costs a member its place.
+        """
+
     def __init__(
         self,
         *,
@@ -532,10 +541,11 @@ class HeartbeatResponse(_message.Message):
         events: _abc.Iterable[Global___JobEvent] | None = ...,
         heartbeat_interval_seconds: _builtins.float = ...,
         rendezvous: _abc.Iterable[Global___RendezvousState] | None = ...,
+        refused: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "rendezvous", b"rendezvous", "unknown_members", b"unknown_members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "refused", b"refused", "rendezvous", b"rendezvous", "unknown_members", b"unknown_members"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
