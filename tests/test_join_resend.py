@@ -25,6 +25,9 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import LO_PB, FakeClock, spec, wait_for_async
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 #: Bounds each wait for something the coordinator does at once.
 WAIT_S = 10.0
 #: The join id of h1's Join, which the other requests reuse.

@@ -157,7 +157,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elastic = self._membership.elastic
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while job.state is JobState.FORMING and not job.withdrawn:
+        while job.state is JobState.FORMING and job.memory.withdrawn is None:
             left = deadline - loop.time()
             if left <= 0:
                 raise TimeoutError
@@ -368,7 +368,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     job=job.name,
                     generation=job.generation,
                     waiting_members=waiting(job),
-                    closed=bool(job.closed),
+                    closed=job.closed is not None,
                 )
             )
 

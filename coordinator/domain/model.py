@@ -216,7 +216,50 @@ class Member:
 
 
 @dataclass
+class JobMemory:
+    """What the coordinator keeps of a job generation in memory only, beside its stored record
+    (every other field of :class:`Job`, see :mod:`~sarcomm.coordinator.storage.records`): indexes
+    derived from the members, links to the generations around it, and the elastic rendezvous's
+    bookkeeping. A coordinator that restarts or takes over starts these afresh."""
+
+    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
+    requested: dict[int, Member] = field(default_factory=dict)
+    # How many Join calls brought members to this generation (the next one's Member.join_call).
+    join_calls: int = 0
+    # The ended generation this forming one replaces: put back if every join withdraws, so the
+    # name keeps its history and status.
+    previous: Job | None = None
+    # The collective whose stall was last logged, so each stall is logged once.
+    logged_stall: int = 0
+    # The next generation, forming behind this running one: the members parked in it wait (their
+    # Joins are resent to a coordinator that takes over).
+    successor: Job | None = None
+    # Monotonic time of a forming elastic generation's last arrival.
+    last_arrival: float = 0.0
+    # Monotonic time a member of this generation was last heard from for the first time (its
+    # first report to this coordinator); 0.0 while none was. Members never heard from are not
+    # failed for silence while first reports keep coming (see liveness.silence_verdict); a
+    # restarted coordinator hears every member for the first time again.
+    first_heard: float = 0.0
+    # Once formed: the members before this index are no longer RUNNING (see any_running).
+    running_from: int = 0
+    # A generation that ended RESTARTED: its members that were alive then. The generation after
+    # it: those members by id, expected back: each re-join is known (and keeps its place in the
+    # rank order) although its generation was forgotten, and the world forms at once when all
+    # are back (see .elastic, rule 1).
+    survivors: tuple[Member, ...] = ()
+    returning: dict[str, Member] = field(default_factory=dict)
+    # Why a parked generation was sent away without forming (None while it may form), and how many
+    # of its first members fitted into the world then (the rest were beyond max_members).
+    withdrawn: str | None = None
+    room: int = 0
+
+
+@dataclass
 class Job:
+    """One generation of a job: the fields here are its stored record (:mod:`records` writes and
+    reads each of them), ``memory`` what only this coordinator's memory holds."""
+
     name: str
     generation: int
     world_size: int
@@ -237,44 +280,15 @@ class Job:
     # Summaries of earlier generations under this name, oldest first (see generation_record).
     history: list[dict[str, Any]] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
-    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
-    requested: dict[int, Member] = field(default_factory=dict, repr=False)
-    join_calls: int = field(default=0, repr=False)
-    # The ended generation this forming one replaces: put back if every join withdraws, so the
-    # name keeps its history and status. Not persisted.
-    previous: Job | None = field(default=None, repr=False)
-    # The collective whose stall was last logged, so each stall is logged once.
-    logged_stall: int = field(default=0, repr=False)
     # Elastic jobs (None: a fixed world_size). See :mod:`.elastic` for the fields below.
     elastic: ElasticRange | None = None
     # Why no new world forms under this job while this generation runs (a member finished or closed
-    # its rendezvous); "" while it is open.
-    closed: str = ""
+    # its rendezvous); None while it is open.
+    closed: str | None = None
     # Generations of this name that ended in a re-rendezvous (RESTARTED), not in a failure.
     rerendezvous_count: int = 0
-    # The next generation, forming behind this running one: the members parked in it wait. Not
-    # persisted (their Joins are resent to a coordinator that takes over).
-    successor: Job | None = field(default=None, repr=False)
-    # Monotonic time of a forming elastic generation's last arrival. Not persisted.
-    last_arrival: float = field(default=0.0, repr=False)
-    # Monotonic time a member of this generation was last heard from for the first time (its
-    # first report to this coordinator); 0.0 while none was. Members never heard from are not
-    # failed for silence while first reports keep coming (see liveness.silence_verdict). Memory
-    # only: a restarted coordinator hears every member for the first time again.
-    first_heard: float = field(default=0.0, repr=False)
-    # Once formed: the members before this index are no longer RUNNING (see any_running).
-    # Memory only.
-    running_from: int = field(default=0, repr=False)
-    # A generation that ended RESTARTED: its members that were alive then. The generation after
-    # it: those members by id, expected back: each re-join is known (and keeps its place in the
-    # rank order) although its generation was forgotten, and the world forms at once when all
-    # are back (see .elastic, rule 1). Not persisted.
-    survivors: tuple[Member, ...] = field(default=(), repr=False)
-    returning: dict[str, Member] = field(default_factory=dict, repr=False)
-    # Why a parked generation was sent away without forming ("" while it may form), and how many
-    # of its first members fitted into the world then (the rest were beyond max_members).
-    withdrawn: str = field(default="", repr=False)
-    room: int = field(default=0, repr=False)
+    # What this coordinator keeps of the generation in memory only (see JobMemory).
+    memory: JobMemory = field(default_factory=JobMemory, repr=False)
 
     @property
     def label(self) -> str:
@@ -394,8 +408,8 @@ def withdraw_members(job: Job, leaving: Sequence[Member]) -> None:
         del members[-count:]
     else:
         job.members = [m for m in members if id(m) not in gone]
-    if job.requested:
-        job.requested = {r: m for r, m in job.requested.items() if id(m) not in gone}
+    if job.memory.requested:
+        job.memory.requested = {r: m for r, m in job.memory.requested.items() if id(m) not in gone}
 
 
 def any_running(job: Job) -> bool:
@@ -407,8 +421,8 @@ def any_running(job: Job) -> bool:
     members = job.members
     if job.state is JobState.FORMING:
         return any(m.state is MemberState.RUNNING for m in members)
-    i, count = job.running_from, len(members)
+    i, count = job.memory.running_from, len(members)
     while i < count and members[i].state is not MemberState.RUNNING:
         i += 1
-    job.running_from = i
+    job.memory.running_from = i
     return i < count
