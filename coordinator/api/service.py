@@ -67,7 +67,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._config = config
         # Join calls waiting for their world now (see Limits.max_join_waiters).
         self._join_waiters = 0
-        # The answer to a report that brings no news (shared: nothing changes it once built).
+        # The answer to a report that changes nothing the reporter must hear (shared: nothing changes
+        # it once built).
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
         self._event_answers: dict[tuple[JobEvent, ...], pb.HeartbeatResponse] = {}
         self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
@@ -264,9 +265,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if not watched_elastic:
                 return self._ack
             # An elastic job's reporters hear how its rendezvous stands on every answer.
-            news = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
-            self._elastic_news(news, watched_elastic, {}, state.reported)
-            return news
+            answer = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+            self._rendezvous_states(answer, watched_elastic, {}, state.reported)
+            return answer
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
         watched, reported = state.watched, state.reported
         try:
@@ -340,7 +341,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         response.events.append(self._failure_event(job.name))
             if elastic:
                 closing = {r.member_id: r.secret for r in request.reports if r.close_job}
-                self._elastic_news(response, elastic, closing, reported)
+                self._rendezvous_states(response, elastic, closing, reported)
         except SarcommError as error:
             return error
         return response
@@ -354,7 +355,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 found[name] = job
         return found
 
-    def _elastic_news(
+    def _rendezvous_states(
         self, response: pb.HeartbeatResponse, jobs: dict[str, Job], closing: dict[str, str], known: set[str]
     ) -> None:
         """Close the rendezvous of the jobs whose reports ask so, then tell how every elastic job

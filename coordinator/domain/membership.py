@@ -430,8 +430,8 @@ class Membership:
             # A rank whose process died takes its connections with it: its peers' collectives fail
             # at once and their exit may reach us before its broken stream is judged. When a member
             # of this job already has a broken stream, that one is the cause: blame it first.
-            # Asked while the job runs (its first failure): every later exit of a failed job asking
-            # it again made a 32,768-member job's end quadratic (minutes of the loop).
+            # Asked only while the job runs (its first failure): a failed job's later exits each
+            # asking again would make a big job's end quadratic.
             suspects = job.members if job.state is JobState.RUNNING else ()
             for other in suspects:
                 if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:

@@ -196,8 +196,8 @@ class Member:
     # Which join call of its generation brought the member (0, 1, ...): two agents on one host
     # each get a contiguous block, in the order they joined. Only needed until the world forms.
     join_call: int = 0
-    # The secret this member last proved it holds: a report repeats it every beat, and hashing it
-    # each time was a visible share of the coordinator's CPU at 4096 reports a second. Memory only.
+    # The secret this member last proved it holds, so that the report that repeats it every beat
+    # is checked without hashing it again (see check_secret). Memory only.
     verified_secret: bytes = field(default=b"", repr=False)
     # Elastic jobs: the rank this host had in the generation it re-joins from (a re-rendezvous), so
     # that survivors keep their order in the next world. Only needed until the world forms.
@@ -338,9 +338,9 @@ def new_members(
     """The members a Join brings, in request order, and their secrets (only digests are kept)."""
     members: list[Member] = []
     issued: list[str] = []
-    # The randomness of every member at once: two reads of the OS's random source per member were
-    # 65,536 system calls for a 4096 x 8 world. Each secret and id is what secrets.token_urlsafe(24)
-    # and token_hex(8) would make of the same bytes.
+    # The randomness of every member at once, one read of the OS's random source for the Join
+    # instead of two per member (system calls, tens of thousands for a big world). Each secret and
+    # id is what secrets.token_urlsafe(24) and token_hex(8) would make of the same bytes.
     random = secrets.token_bytes(RANDOM_BYTES_PER_MEMBER * len(spec.members))
     for i, request in enumerate(spec.members):
         own = random[i * RANDOM_BYTES_PER_MEMBER : (i + 1) * RANDOM_BYTES_PER_MEMBER]
@@ -397,7 +397,7 @@ def withdraw_members(job: Job, leaving: Sequence[Member]) -> None:
 
     When a big world does not form in time, its Joins give up one after another in the order
     they came: each one's members are then the first of the list, cut off without looking at the
-    rest (rebuilding the list for each of 32,768 Joins took minutes of the loop)."""
+    rest (rebuilding the list for each Join would make the give-up of a big world quadratic)."""
     count = len(leaving)
     members = job.members
     gone = {id(m) for m in leaving}
@@ -417,7 +417,7 @@ def any_running(job: Job) -> bool:
 
     Once a world has formed no member becomes RUNNING again (LEFT and FAILED are final), so the
     members before the first running one found last time need no second look: a job's exits cost
-    one pass over its members in all, not one each (32,768 exits took minutes of the loop)."""
+    one pass over its members in all, not one each (which would make a big job's end quadratic)."""
     members = job.members
     if job.state is JobState.FORMING:
         return any(m.state is MemberState.RUNNING for m in members)

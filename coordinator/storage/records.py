@@ -214,11 +214,11 @@ def _json_number(value: float) -> str:
 class JobEncoder:
     """The stored JSON of one job generation, encoding again only the members that changed.
 
-    :func:`encode_job` of :func:`job_record` encodes every member at every write: ~10 us a member,
-    a third of a second for a 32,768-member job, and its members' first reports (each names its
-    metrics endpoint, a change) made the coordinator encode it again at every flush for seconds
-    while the heartbeats waited. Here each member's JSON is kept with the fields it was made from
-    and made again only when one of them changed. ``last_heartbeat`` moves with every report, so it
+    :func:`encode_job` of :func:`job_record` encodes every member at every write, on the event
+    loop, while a big job's members' first reports (each names its metrics endpoint, a change)
+    mark it changed at every flush. Here each member's JSON is kept with the fields it was made
+    from (its change key, made from :data:`MEMBER_FIELDS`) and made again only when one of them
+    changed. ``last_heartbeat`` moves with every report, so it
     is written between the two kept halves of the member's JSON instead of being one of those
     fields. The text is exactly ``json.dumps(job_record(job))``.
     """
