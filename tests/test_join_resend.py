@@ -19,7 +19,7 @@ import pytest
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.coordinator.domain.model import JobState
-from sarcomm.coordinator.domain.rejoin import JoinIdentity
+from sarcomm.coordinator.domain.resent_joins import JoinIdentity
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator

@@ -83,7 +83,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
                 f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
             )
-        # A Join sent again (same join_id) waits on its first try's ticket (see rejoin).
+        # A Join sent again (same join_id) waits on its first try's ticket (see resent_joins).
         try:
             ticket = self._membership.join(
                 spec, validation.join_id(request.join_id) if request.join_id else ""

@@ -4,7 +4,7 @@
 - :mod:`.transitions`: the state diagram, the one place states change.
 - :mod:`.ranks`: laying out a world (host-contiguous ranks, the master).
 - :mod:`.liveness`: judging members (silence, stalls), finding who blocks.
-- :mod:`.rejoin`: what a repeated Join is answered with.
+- :mod:`.resent_joins`: what a Join sent again is answered with.
 - :mod:`.elastic`: elastic worlds (MIN..MAX members, the last call, parked joins, re-rendezvous,
   closing), for torchrun's ``--nnodes MIN:MAX``.
 - :mod:`.sweep`: applying the liveness rules to the jobs (broken streams, silent members, stalls).

@@ -23,7 +23,7 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
 )
 from sarcomm.common.messages import Progress, WorkerEndpoint
-from sarcomm.coordinator.domain import liveness, rejoin
+from sarcomm.coordinator.domain import liveness, resent_joins
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.context import MembershipContext, Timeouts
 from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
@@ -104,7 +104,7 @@ class Membership:
         # or was only in the store. A few bytes a name.
         self._generations: dict[str, int] = {}
         # The Joins sent with a join id, so that a resend gets its own members and nobody else's.
-        self._join_ids = rejoin.JoinIds(self._jobs.get, self._persist)
+        self._join_ids = resent_joins.JoinIds(self._jobs.get, self._persist)
         self._machine.add_listener(self._join_ids.forget_ended)
         context = MembershipContext(
             clock=clock, machine=self._machine, timeouts=self._timeouts, job=self._jobs.get,
@@ -159,7 +159,7 @@ class Membership:
         Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
         is already RUNNING) and then reads the members' assignments from the ticket. A Join sent
         again (``join_id`` of an earlier try of it) gets that try's ticket, ``resent`` set, and
-        counts as one more call waiting on it (see :mod:`rejoin` for what a resend may change).
+        counts as one more call waiting on it (see :mod:`resent_joins` for what a resend may change).
 
         Raises:
             FailedPreconditionError: the job is running, has another world size, is full, or the

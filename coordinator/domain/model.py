@@ -191,7 +191,7 @@ class Member:
     # that the end of an older stream, replaced by a newer one, does not count as a loss.
     stream: object | None = field(default=None, repr=False)
     # SHA-256 of the join id of the Join that brought it ("" when none was sent). Persisted, so a
-    # Join resent after a take-over or restart gets its world's answer (see :mod:`.rejoin`).
+    # Join resent after a take-over or restart gets its world's answer (see :mod:`.resent_joins`).
     join_digest: str = ""
     # Which join call of its generation brought the member (0, 1, ...): two agents on one host
     # each get a contiguous block, in the order they joined. Only needed until the world forms.
@@ -322,7 +322,7 @@ class Ticket:
     job: Job
     members: tuple[Member, ...]
     secrets: tuple[str, ...]
-    # Handed to a Join sent again (the same join id) rather than made for it: see :mod:`.rejoin`.
+    # Handed to a Join sent again (the same join id) rather than made for it: see :mod:`.resent_joins`.
     resent: bool = False
 
 
