@@ -249,15 +249,6 @@ class JoinIds:
             for key in self._by_job.pop(event.job, set()):
                 self._entries.pop(key, None)
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the two maps disagree (for tests: see
-        :meth:`~.membership.Membership.check_invariants`)."""
-        by_job = {(entry.job, key) for key, entry in self._entries.items()}
-        assert by_job == {(job, key) for job, keys in self._by_job.items() for key in keys}, (
-            "join ids out of step"
-        )
-        assert all(self._by_job.values()), "an empty set of join ids kept"
-
     def _add(self, key: str, entry: _Entry) -> None:
         self._drop(key)
         self._entries[key] = entry
@@ -271,6 +262,15 @@ class JoinIds:
                 keys.discard(key)
                 if not keys:
                     del self._by_job[entry.job]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the two maps disagree (for tests: see
+        :meth:`~.membership.Membership.check_invariants`)."""
+        by_job = {(entry.job, key) for key, entry in self._entries.items()}
+        assert by_job == {(job, key) for job, keys in self._by_job.items() for key in keys}, (
+            "join ids out of step"
+        )
+        assert all(self._by_job.values()), "an empty set of join ids kept"
 
 
 def reissue(job: Job, members: Sequence[Member]) -> Ticket | None:
