@@ -30,6 +30,7 @@ __all__ = [
     "FailureReason",
     "Job",
     "JobEvent",
+    "JobMemory",
     "JobState",
     "JoinSpec",
     "Member",
