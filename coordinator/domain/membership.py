@@ -526,7 +526,7 @@ class Membership:
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the membership's indexes disagree with its jobs. For tests
-        (after every operation, see tests/helpers.py): it walks every job and member.
+        (after every operation: membership_invariants in tests/conftest.py): it walks every job and member.
 
         - Every member in the index is one of its job's members, under its own id, and that job
           is the current, formed generation of its name.
@@ -535,17 +535,22 @@ class Membership:
         - A forming generation's requested ranks are exactly its members' requests.
         - A formed generation's members before ``memory.running_from`` are not RUNNING.
         """
+        members_of: dict[int, set[int]] = {}  # id(job) -> the ids of its members, made once
         for member_id, (job, member) in self._members.items():
             assert member.member_id == member_id, f"{member_id} indexed as {member.member_id}"
             assert self._jobs.get(job.name) is job, f"{member_id} indexed with a {job.label} not current"
             assert job.state is not JobState.FORMING, f"{member_id} indexed while {job.label} forms"
-            assert any(m is member for m in job.members), f"{member_id} indexed, not in {job.label}"
+            known = members_of.get(id(job))
+            if known is None:
+                known = members_of[id(job)] = {id(m) for m in job.members}
+            assert id(member) in known, f"{member_id} indexed, not in {job.label}"
         for name, job in self._jobs.items():
             assert job.name == name, f"{job.label} kept under the name {name!r}"
             memory = job.memory
             if job.state is JobState.FORMING:
-                asked = {m.requested_rank: m for m in job.members if m.requested_rank is not None}
-                assert memory.requested == asked, f"{job.label}: requested ranks out of step"
+                asked = {m.requested_rank: id(m) for m in job.members if m.requested_rank is not None}
+                kept = {rank: id(m) for rank, m in memory.requested.items()}
+                assert kept == asked, f"{job.label}: requested ranks out of step"
                 continue
             for i, member in enumerate(job.members):
                 if member.state is MemberState.RUNNING:

@@ -33,12 +33,14 @@ def write_at_once(store: StateStore) -> Callable[[Job], None]:
 
 @dataclass(frozen=True)
 class StoredField:
-    """One persisted field of :class:`Member`: its attribute (also its JSON key), how its value is
-    written to JSON and read back (None: as it is), and the value a record written before the
-    field existed reads as (:data:`REQUIRED`: every record has it)."""
+    """One persisted field of :class:`Member`: its attribute (also its JSON key); how its value
+    ``{v}`` is written to JSON, as a Python expression (compiled into :func:`member_record`, so
+    that a write costs what the same code written by hand does); how it is read back (None: as it
+    is); and the value a record written before the field existed reads as (:data:`REQUIRED`:
+    every record has it)."""
 
     name: str
-    write: Callable[[Any], Any] | None = None
+    write: str = "{v}"
     read: Callable[[Any], Any] | None = None
     missing: Any = None
 
@@ -70,8 +72,8 @@ def _read_endpoints(endpoints: list[list[Any]]) -> tuple[WorkerEndpoint, ...]:
     return tuple(WorkerEndpoint(*e) for e in endpoints)
 
 
-def _failure(failure: FailureReason | None) -> str | None:
-    return failure.value if failure is not None else None
+def _read_failure(value: str | None) -> FailureReason | None:
+    return FailureReason(value) if value is not None else None
 
 
 #: Every persisted field of a member, in the order of its stored JSON: the one list from which
@@ -84,22 +86,22 @@ MEMBER_FIELDS: tuple[StoredField, ...] = (
     StoredField("local_rank", missing=REQUIRED),
     StoredField("requested_rank", missing=REQUIRED),
     StoredField("store_port", missing=REQUIRED),
-    StoredField("interfaces", _interfaces, _read_interfaces, REQUIRED),
+    StoredField("interfaces", "_interfaces({v})", _read_interfaces, REQUIRED),
     StoredField("peer_address", missing=REQUIRED),
     StoredField("socket_name", missing=REQUIRED),
     StoredField("joined_at", missing=REQUIRED),
-    StoredField("state", lambda state: state.value, MemberState, REQUIRED),
+    StoredField("state", "{v}.value", MemberState, REQUIRED),
     StoredField("rank", missing=REQUIRED),
     StoredField("interface", missing=REQUIRED),
     StoredField("address", missing=REQUIRED),
     StoredField("exit_code", missing=REQUIRED),
     StoredField("reason", missing=REQUIRED),
     # The fields below were added after the first state files were written: .missing reads those.
-    StoredField("failure", _failure, lambda value: FailureReason(value) if value is not None else None),
+    StoredField("failure", "(None if {v} is None else {v}.value)", _read_failure),
     StoredField("last_heartbeat", missing=REQUIRED),
     StoredField("metrics_address", missing=REQUIRED),
     StoredField("join_digest", missing=""),
-    StoredField("worker_endpoints", lambda ends: [list(e) for e in ends], _read_endpoints, ()),
+    StoredField("worker_endpoints", "[list(e) for e in {v}]", _read_endpoints, ()),
 )  # fmt: skip
 
 #: The fields of :class:`Member` this coordinator keeps in memory only (see their comments in
@@ -114,32 +116,26 @@ MEMBER_MEMORY_ONLY = frozenset(
 _BEAT_FIELD = "last_heartbeat"
 
 
-def _compiled(name: str, body: str, fields: tuple[StoredField, ...]) -> Any:
-    """A function ``name(m)`` returning ``body`` with ``{write_i}`` bound to each field's writer:
-    made once from :data:`MEMBER_FIELDS`, as fast as the same code written by hand (a loop over
-    the fields at each call would make every encoding slower), as dataclasses makes its methods."""
-    namespace: dict[str, Any] = {f"write_{i}": f.write for i, f in enumerate(fields) if f.write}
+def _compiled(name: str, body: str) -> Any:
+    """A function ``name(m)`` returning ``body``, compiled once from :data:`MEMBER_FIELDS` (as
+    dataclasses makes its methods): as fast as the same code written by hand, where a loop over
+    the fields at each call would make every encoding slower."""
+    namespace = dict(globals())
     exec(f"def {name}(m):\n    return {body}", namespace)  # our own text, made once at import
     return namespace[name]
-
-
-def _value(i: int, f: StoredField) -> str:
-    return f"write_{i}(m.{f.name})" if f.write else f"m.{f.name}"
 
 
 #: The JSON-ready record of a member: one entry per field of :data:`MEMBER_FIELDS`, in order.
 member_record: Callable[[Member], dict[str, Any]] = _compiled(
     "member_record",
-    "{" + ", ".join(f"{f.name!r}: {_value(i, f)}" for i, f in enumerate(MEMBER_FIELDS)) + "}",
-    MEMBER_FIELDS,
+    "{" + ", ".join(f"{f.name!r}: " + f.write.format(v=f"m.{f.name}") for f in MEMBER_FIELDS) + "}",
 )
 
 #: Every persisted field of a member but ``last_heartbeat``, as they are in the domain: whether
 #: a member's kept JSON is stale (see :class:`JobEncoder`).
 _member_key: Callable[[Member], tuple[Any, ...]] = _compiled(
-    "member_key", "(" + ", ".join(f"m.{f.name}" for f in MEMBER_FIELDS if f.name != _BEAT_FIELD) + ",)",
-    (),
-)  # fmt: skip
+    "member_key", "(" + ", ".join(f"m.{f.name}" for f in MEMBER_FIELDS if f.name != _BEAT_FIELD) + ",)"
+)
 
 
 def member_from_record(record: dict[str, Any]) -> Member:
