@@ -9,6 +9,7 @@
   closing), for torchrun's ``--nnodes MIN:MAX``.
 - :mod:`.sweep`: applying the liveness rules to the jobs (broken streams, silent members, stalls).
 - :mod:`.context`: what :mod:`.elastic` and :mod:`.sweep` may use of the membership.
+- :mod:`.member_index`: the members that can act, by id (the report path's lookup).
 - :mod:`.membership`: the operations (join, heartbeat, leave, fail, sweep) over the above, and the
   owner of the jobs and of the index of their members.
 

@@ -27,6 +27,7 @@ from sarcomm.coordinator.domain import liveness, resent_joins
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.context import MembershipContext, Timeouts
 from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
+from sarcomm.coordinator.domain.member_index import MemberIndex
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
     EventKind,
@@ -65,8 +66,9 @@ class Membership:
     liveness timeout, one heartbeat interval at the default misses); ``restore_grace`` how long
     members restored from ``stored`` have to reconnect before they are judged (at least the
     liveness timeout); ``stall_threshold`` how long ranks must wait in one collective before
-    :meth:`stall` names the ranks they wait for. ``persist`` is told of every job whose stored
-    record changed (default: nobody, the state lives in memory only).
+    :meth:`stall` names the ranks they wait for; ``answer_timeout`` how long a formed world's
+    members wait for their Join's answer before they are judged (the join timeout). ``persist``
+    is told of every job whose stored record changed (default: nobody: memory only).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Membership:
         lost_grace: float | None = None,
         restore_grace: float = 0.0,
         stall_threshold: float = 30.0,
+        answer_timeout: float = 600.0,
         clock: Clock = SYSTEM_CLOCK,
         persist: Callable[[Job], None] | None = None,
     ) -> None:
@@ -88,7 +91,8 @@ class Membership:
         self._timeouts = Timeouts(
             liveness_timeout,
             lost_grace if lost_grace is not None else liveness_timeout / 3,
-            stall=stall_threshold,
+            answer_timeout,
+            stall_threshold,
         )
         self._restore_grace = max(restore_grace, liveness_timeout)
         self._max_jobs = max_jobs
@@ -96,9 +100,8 @@ class Membership:
         self._clock = clock
         self._machine = StateMachine(clock.wall)
         self._jobs: dict[str, Job] = {}
-        # The members of formed worlds by id, with their job: what authenticates a report. Changed
-        # only by _index and _unindex (see check_invariants for what it holds).
-        self._members: dict[str, tuple[Job, Member]] = {}
+        # The members of formed worlds by id, with their job: what authenticates a report.
+        self._members = MemberIndex()
         # The highest generation of each name as last seen outside _jobs (consulted only for names
         # not in _jobs): numbering continues after a job is forgotten in memory (max_ended_jobs)
         # or was only in the store. A few bytes a name.
@@ -117,21 +120,6 @@ class Membership:
         # Broken and ended streams, the sweep of silent members, stalls (see .sweep).
         self._sweep = LivenessSweep(context, self.elastic.form_if_ready)
         self._restore(stored or StoredState())
-
-    @property
-    def answer_timeout(self) -> float:
-        """How long a formed world waits for its Join answers (``Member.answered``), in seconds:
-        the join timeout (600 s unless set)."""
-        return self._timeouts.answer
-
-    @answer_timeout.setter
-    def answer_timeout(self, seconds: float) -> None:
-        self._timeouts.answer = seconds
-
-    @property
-    def stall_threshold(self) -> float:
-        """How long ranks wait in one collective before :meth:`stall` names them, in seconds."""
-        return self._timeouts.stall
 
     def jobs(self) -> list[Job]:
         return sorted(self._jobs.values(), key=lambda j: j.name)
@@ -301,7 +289,7 @@ class Membership:
         ended = self._jobs.get(job.name)
         if ended is not None:
             # Members of the ended generation are forgotten: their ids can never act again.
-            self._unindex(ended.members)
+            self._members.unindex(ended.members)
         self._jobs[job.name] = job
 
     def _forget_old_ended_jobs(self) -> None:
@@ -319,7 +307,7 @@ class Membership:
         for job in ended[:excess]:
             del self._jobs[job.name]
             self._generations[job.name] = job.generation
-            self._unindex(job.members)
+            self._members.unindex(job.members)
         log.debug("forgot %d ended job(s) beyond max_ended_jobs %d", excess, self._max_ended_jobs)
 
     def _form(self, job: Job, plan: Plan) -> None:
@@ -330,7 +318,7 @@ class Membership:
             member.interface, member.address = per_host[host_key(member)]
             member.rank = ranks[member.member_id]
             member.last_seen = now_mono
-        self._index(job, job.members)
+        self._members.index(job, job.members)
         master = next(m for m in job.members if m.rank == 0)
         job.master_addr = master.address
         job.master_port = master.store_port
@@ -489,7 +477,7 @@ class Membership:
             self._machine.job_to(job, JobState.FINISHED)
         elif job.state is JobState.FAILED and not job.ended:
             job.ended = self._clock.wall()
-        self._unindex(job.members)
+        self._members.unindex(job.members)
         self._forget_old_ended_jobs()
 
     def _restore(self, stored: StoredState) -> None:
@@ -505,60 +493,14 @@ class Membership:
             self._join_ids.restore(job)
             for member in job.members:
                 member.last_seen = now
-            self._index(job, [m for m in job.members if m.state is MemberState.RUNNING])
+            self._members.index(job, [m for m in job.members if m.state is MemberState.RUNNING])
         if self._jobs:
             log.info("restored %d job(s) from the state store", len(self._jobs))
         self._forget_old_ended_jobs()
 
-    # -- the index of members ----------------------------------------------------------------------
-
-    def _index(self, job: Job, members: Iterable[Member]) -> None:
-        """``members`` of formed ``job`` can act (report, leave) from now on."""
-        index = self._members
-        for member in members:
-            index[member.member_id] = (job, member)
-
-    def _unindex(self, members: Iterable[Member]) -> None:
-        """``members`` can act no more: their job settled, or it was replaced or forgotten."""
-        index = self._members
-        for member in members:
-            index.pop(member.member_id, None)
-
     def check_invariants(self) -> None:
-        """Raise AssertionError when the membership's indexes disagree with its jobs. For tests
-        (after every operation: membership_invariants in tests/conftest.py): it walks every job and member.
-
-        - Every member in the index is one of its job's members, under its own id, and that job
-          is the current, formed generation of its name.
-        - Every RUNNING member of a current RUNNING generation is in the index (a FAILED one put
-          back after the next generation's Joins all withdrew keeps its members out of it).
-        - A forming generation's requested ranks are exactly its members' requests.
-        - A formed generation's members before ``memory.running_from`` are not RUNNING.
-        """
-        members_of: dict[int, set[int]] = {}  # id(job) -> the ids of its members, made once
-        for member_id, (job, member) in self._members.items():
-            assert member.member_id == member_id, f"{member_id} indexed as {member.member_id}"
-            assert self._jobs.get(job.name) is job, f"{member_id} indexed with a {job.label} not current"
-            assert job.state is not JobState.FORMING, f"{member_id} indexed while {job.label} forms"
-            known = members_of.get(id(job))
-            if known is None:
-                known = members_of[id(job)] = {id(m) for m in job.members}
-            assert id(member) in known, f"{member_id} indexed, not in {job.label}"
-        for name, job in self._jobs.items():
-            assert job.name == name, f"{job.label} kept under the name {name!r}"
-            memory = job.memory
-            if job.state is JobState.FORMING:
-                asked = {m.requested_rank: id(m) for m in job.members if m.requested_rank is not None}
-                kept = {rank: id(m) for rank, m in memory.requested.items()}
-                assert kept == asked, f"{job.label}: requested ranks out of step"
-                continue
-            for i, member in enumerate(job.members):
-                if member.state is MemberState.RUNNING:
-                    found = self._members.get(member.member_id)
-                    if job.state is JobState.RUNNING:
-                        assert found is not None, f"{job.label}: running {member.member_id} not indexed"
-                        assert found[1] is member, f"{job.label}: {member.member_id} indexed as another"
-                    assert i >= memory.running_from, (
-                        f"{job.label}: running_from {memory.running_from} passed a RUNNING member"
-                    )
+        """Raise AssertionError when the membership's indexes disagree with its jobs (see
+        :meth:`.member_index.MemberIndex.check`). For tests, after every operation
+        (``membership_invariants`` in tests/conftest.py): it walks every job and member."""
+        self._members.check(self._jobs)
         self._join_ids.check_invariants()
