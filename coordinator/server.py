@@ -119,6 +119,9 @@ class Coordinator:
         self._interceptor = StatusInterceptor(self.metrics, self.token, config.limits.max_streams)
         self._runner: web.AppRunner | None = None
         self._lag_watcher: asyncio.Task[None] | None = None
+        # The health status changes not yet applied: kept, since the loop holds only weak
+        # references to tasks (one could be collected before it ran), and awaited by stop.
+        self._health_updates: set[asyncio.Task[None]] = set()
         self._gc_started = 0.0
 
     @property
@@ -134,7 +137,9 @@ class Coordinator:
         status = (
             health_pb2.HealthCheckResponse.SERVING if term else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
+        update = asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
 
     def _failed(self, error: CoordinatorFailedError) -> None:
         log.error("%s: shutting down", error)
@@ -300,6 +305,8 @@ class Coordinator:
         self.http.serving = False
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._time_gc)
+        # A term's change still on its way must not set SERVING again after the shutdown's status.
+        await asyncio.gather(*self._health_updates)
         await self.health.enter_graceful_shutdown()
         if self._lag_watcher is not None:
             self._lag_watcher.cancel()

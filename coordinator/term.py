@@ -36,7 +36,7 @@ def build_membership(
     config: CoordinatorConfig, stored: StoredState, clock: Clock, persist: Callable[[Job], None] | None
 ) -> Membership:
     """The membership of ``stored`` under ``config``'s rules."""
-    membership = Membership(
+    return Membership(
         stored=stored,
         clock=clock,
         persist=persist,
@@ -48,9 +48,8 @@ def build_membership(
         lost_grace=config.heartbeat_interval,
         restore_grace=config.reconnect_grace,
         stall_threshold=config.stall_threshold,
+        answer_timeout=config.join_timeout,
     )
-    membership.answer_timeout = config.join_timeout
-    return membership
 
 
 class Term:

@@ -14,10 +14,11 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 
+from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 # The three-member etcd clusters of the etcd store and failover tests, as fixtures for every file.
@@ -146,6 +147,31 @@ class StartCoordinator(Protocol):
 
 #: The two stores, as parameters: the etcd one needs etcd (the ``etcd`` marker: the system tier).
 STORES = ["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)]
+
+
+#: The operations of a Membership after which its invariants are checked (see membership_invariants).
+MEMBERSHIP_OPERATIONS = (
+    "join", "answered", "abandon", "heartbeat", "beats", "leave", "close_job", "stream_lost",
+    "stream_closed", "sweep",
+)  # fmt: skip
+
+
+@pytest.fixture
+def membership_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Membership of the test checks its invariants (:meth:`Membership.check_invariants`)
+    after each of its operations, refused ones included. A domain test module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("membership_invariants")``: a check walks every job and
+    member, so a test of a world of thousands would be quadratic with it."""
+    for name in MEMBERSHIP_OPERATIONS:
+        operation = getattr(Membership, name)
+
+        def checked(self: Membership, *args: object, _operation: Any = operation, **kwargs: object) -> Any:
+            try:
+                return _operation(self, *args, **kwargs)
+            finally:
+                self.check_invariants()
+
+        monkeypatch.setattr(Membership, name, checked)
 
 
 @pytest.fixture(params=STORES)

@@ -24,6 +24,9 @@ from sarcomm.coordinator.storage.records import load_state, write_at_once
 from sarcomm.coordinator.storage.store import SqliteStore
 from tests.helpers import FakeClock, assigned_rank, spec
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 LIVENESS_S = 3.0
 LAST_CALL_S = 2.0
 
@@ -189,7 +192,7 @@ def test_abandon_drops_parked_generation_if_last_parked_member_withdrew(
     parked = membership.join(espec("c"))
     membership.abandon(parked)
     assert waiting(a.job) == 0
-    assert a.job.successor is None
+    assert a.job.memory.successor is None
 
 
 def test_parked_join_sent_again_gets_its_ticket_and_world_reforms_at_max(
@@ -236,7 +239,7 @@ def test_member_loss_restarts_generation_if_elastic(
     assert restarting.host == "c"
     assert restarting.reason.startswith("re-rendezvous: rank 2 on host c failed: missed heartbeats")
     assert [m.state for m in job.members] == [MemberState.LEFT, MemberState.LEFT, MemberState.FAILED]
-    assert [m.host for m in job.survivors] == ["a", "b"]
+    assert [m.host for m in job.memory.survivors] == ["a", "b"]
     # The survivors re-join and form at once: both expected back, no last call.
     a2 = membership.join(espec("a", rejoin=a))
     b2 = membership.join(espec("b", rejoin=b))
@@ -264,7 +267,7 @@ def test_leave_nonzero_restarts_generation_if_a_member_of_it_was_lost_first(
     assert job.state is JobState.RESTARTED
     assert [m.state for m in job.members] == [MemberState.LEFT, MemberState.LEFT, MemberState.FAILED]
     assert kinds(events)[1:] == [(EventKind.MEMBER_FAILED, 1), (EventKind.JOB_RESTARTING, 1)]
-    assert [m.host for m in job.survivors] == ["a", "b"]
+    assert [m.host for m in job.memory.survivors] == ["a", "b"]
     assert not job.closed
 
 
@@ -288,7 +291,7 @@ def test_exit_nonzero_fails_elastic_job_and_closes_it(
     membership.leave(a.members[0].member_id, a.secrets[0], 3)
     assert state(a) is JobState.FAILED
     assert kinds(events)[-1] == (EventKind.JOB_FAILED, 1)
-    assert parked.job.withdrawn == "job 't' generation 1 failed"
+    assert parked.job.memory.withdrawn == "job 't' generation 1 failed"
     with pytest.raises(JobClosedError, match=r"^job 't' generation 1 failed \(rank 0 on host a failed: "):
         membership.join(espec("b", rejoin=b))
 
@@ -329,7 +332,7 @@ def test_rejoin_adopts_parked_members_and_forms_at_max(
     a2 = membership.join(espec("a", rejoin=a))
     assert a2.job is c.job
     assert state(c) is JobState.FORMING  # b is expected back
-    assert set(c.job.returning) == {a.members[0].member_id, b.members[0].member_id}
+    assert set(c.job.memory.returning) == {a.members[0].member_id, b.members[0].member_id}
     b2 = membership.join(espec("b", rejoin=b))
     assert state(c) is JobState.RUNNING
     assert [assigned_rank(t.members[0]) for t in (a2, b2, c)] == [0, 1, 2]

@@ -10,7 +10,7 @@ import pytest
 
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.client.coordinator_client import CoordinatorClient
-from sarcomm.common.client.failover import BACKOFF_MAX_S, Failover
+from sarcomm.common.client.failover import BACKOFF_MAX_S, Failover, Miss, MissKind
 from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.worker.agent import cli as worker_cli
 from sarcomm.worker.agent.config import AgentConfig
@@ -144,3 +144,21 @@ def test_a_standby_that_knows_no_leader_sends_the_call_on_and_a_single_address_w
     single = _plan("a:1")
     assert single.not_leader("a:1", "") == 0.1
     assert single.current == "a:1"
+
+
+def test_each_failure_is_kept_as_its_kind_and_said_as_before() -> None:
+    """The plan keeps why each replica failed as a kind (the retry layer probes only the
+    UNREACHABLE ones), and the leader-change line says it in the same words as ever."""
+    plan = Failover(["a:1", "b:1", "c:1", "d:1"], uniform=lambda low, high: high)
+    plan.not_leader("a:1", "")
+    plan.unreachable("b:1", Miss(MissKind.UNREACHABLE, "its connection broke"))
+    plan.unreachable("c:1", Miss(MissKind.SILENT, "no answer for 9 s"))
+    assert {t: m.kind for t, m in plan.why.items()} == {
+        "a:1": MissKind.STANDBY_NO_LEADER,
+        "b:1": MissKind.UNREACHABLE,
+        "c:1": MissKind.SILENT,
+    }
+    assert plan.succeeded("d:1") == (
+        "following the leader at d:1 (a:1 is a standby that knows no leader; "
+        "b:1 is unreachable (its connection broke); c:1 is silent (no answer for 9 s))"
+    )

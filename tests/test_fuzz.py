@@ -36,6 +36,9 @@ from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import CoordinatorProcess
 from tests.helpers import FakeClock, free_port, wait_for
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 #: Every status a request may get: those of sarcomm's error hierarchy (errors.py), and OK.
 DOCUMENTED = {
     grpc.StatusCode.OK,

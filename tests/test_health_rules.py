@@ -26,6 +26,9 @@ from sarcomm.coordinator.storage.store import SqliteStore
 from tests.helpers import LO, FakeClock, assigned_rank
 from tests.test_membership import stored_membership
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 
 def _formed(membership: Membership, world_size: int = 3) -> list[str]:
     tickets = [

@@ -19,11 +19,14 @@ import pytest
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.common.messages import MemberReport
 from sarcomm.coordinator.domain.model import JobState
-from sarcomm.coordinator.domain.rejoin import JoinIdentity
+from sarcomm.coordinator.domain.resent_joins import JoinIdentity
 from sarcomm.v1 import coordinator_pb2 as pb
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import LO_PB, FakeClock, spec, wait_for_async
+
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
 
 #: Bounds each wait for something the coordinator does at once.
 WAIT_S = 10.0

@@ -37,6 +37,9 @@ from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, assigned_rank, spec
 from tests.test_etcd_store import lead
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 
 def stored_membership(store: StateStore, clock: FakeClock, **settings: Any) -> Membership:
     """A membership restored from ``store`` that writes every change to it at once."""

@@ -31,6 +31,9 @@ from tests.etcd_cluster import EtcdCluster
 from tests.helpers import FakeClock, spec, stays_false_async, wait_for_async
 from tests.test_etcd_store import lead
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 
 class CountingStore:
     """A store (SQLite or etcd) that counts the batches written to it and can fail the next ones."""

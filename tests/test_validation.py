@@ -19,6 +19,9 @@ from sarcomm.v1 import coordinator_pb2 as pb
 from tests.helpers import LO_PB as LO
 from tests.helpers import FakeClock
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 
 def join(**fields: Any) -> pb.JoinRequest:
     base: dict[str, Any] = {"job": "j", "world_size": 2, "host": "h", "interfaces": [LO], "store_port": 29500}

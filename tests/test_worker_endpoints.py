@@ -45,6 +45,9 @@ from sarcomm.worker.launch_env import node_worker_metrics_port
 from tests.coordinator_fixture import InProcessCoordinator, in_process_coordinator
 from tests.helpers import LO_PB, FakeClock, spec
 
+# Every operation of every Membership here checks its invariants after it (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("membership_invariants")
+
 WAIT_S = 10.0
 
 

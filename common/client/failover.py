@@ -26,10 +26,12 @@ call already moved on) only notes why.
 
 from __future__ import annotations
 
+import enum
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-__all__ = ["BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Failover"]
+__all__ = ["BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Failover", "Miss", "MissKind"]
 
 #: Backoff after the first round in which every replica failed, in seconds; doubles each round.
 BACKOFF_FIRST_S = 0.1
@@ -37,6 +39,32 @@ BACKOFF_FIRST_S = 0.1
 #: (a few seconds) and members have ``--reconnect-grace`` (10 s by default) to re-attach: one
 #: second between rounds finds it with most of the grace left, at one call per second per client.
 BACKOFF_MAX_S = 1.0
+
+
+class MissKind(enum.Enum):
+    """How a try at a replica failed; the value is how a line names it."""
+
+    #: A standby that named the leader.
+    STANDBY = "a standby"
+    #: A standby that knows no leader.
+    STANDBY_NO_LEADER = "a standby that knows no leader"
+    #: No connection (it could not be made, or it broke): a probe can find out why.
+    UNREACHABLE = "unreachable"
+    #: Connected, but the call was answered ``UNAVAILABLE`` or dropped.
+    UNAVAILABLE = "unavailable"
+    #: Connected, but a stream heard nothing from it for too long.
+    SILENT = "silent"
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why a try at a replica failed: its kind and, for people, what was seen."""
+
+    kind: MissKind
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} ({self.detail})" if self.detail else self.kind.value
 
 
 class Failover:
@@ -56,7 +84,7 @@ class Failover:
         self._tried: set[str] = set()
         self._rounds = 0
         # Why each target failed since the last success, for the leader-change line and errors.
-        self.why: dict[str, str] = {}
+        self.why: dict[str, Miss] = {}
         self._leader: str | None = None
 
     @property
@@ -67,7 +95,7 @@ class Failover:
     def not_leader(self, target: str, leader: str) -> float:
         """``target`` answered as a standby naming ``leader`` ("" when it knows none); returns
         the seconds to wait before the next call (at ``current``)."""
-        self.why[target] = "a standby" if leader else "a standby that knows no leader"
+        self.why[target] = Miss(MissKind.STANDBY if leader else MissKind.STANDBY_NO_LEADER)
         if target != self.current:
             return 0.0
         self._tried.add(target)
@@ -78,10 +106,10 @@ class Failover:
             return 0.0
         return self._next(target, leader)
 
-    def unreachable(self, target: str, reason: str = "unreachable") -> float:
-        """``target`` could not be reached or dropped the call (``reason`` says how, for the
-        log); returns the seconds to wait before the next call (at ``current``)."""
-        self.why[target] = reason
+    def unreachable(self, target: str, why: Miss = Miss(MissKind.UNREACHABLE)) -> float:
+        """``target`` could not be reached, dropped the call or went silent (``why``); returns the
+        seconds to wait before the next call (at ``current``)."""
+        self.why[target] = why
         if target != self.current:
             return 0.0
         self._tried.add(target)

@@ -219,7 +219,7 @@ class HeartbeatStream:
                 )  # fmt: skip
                 self._was_connected = self.connected
                 self.connected = False
-                return self._pause(replicas.unreachable(target, f"silent (no answer for {silent:.0f} s)"))
+                return self._pause(replicas.silent(target, f"no answer for {silent:.0f} s"))
             if writer in done and writer.exception() is None:
                 if self._closing.is_set():
                     # Half-closed: let the coordinator end the stream before anything cancels it,

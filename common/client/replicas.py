@@ -61,7 +61,7 @@ from sarcomm.common.client.channel import (
     translate,
     unreachable_error,
 )
-from sarcomm.common.client.failover import Failover
+from sarcomm.common.client.failover import Failover, Miss, MissKind
 from sarcomm.common.client.reach import Problem, Unreachable
 from sarcomm.common.errors import CoordinatorUnavailableError, SarcommError, shorten
 from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
@@ -241,13 +241,14 @@ class Replicas:
         if not connection_broke(err):
             return None
         if self.channels.connected(target):
-            return self._failover.unreachable(target, f"unavailable ({shorten(err.details(), 200)})")
-        return self._failover.unreachable(target, "unreachable (its connection broke)")
+            return self._failover.unreachable(target, Miss(MissKind.UNAVAILABLE, shorten(err.details(), 200)))
+        return self._failover.unreachable(target, Miss(MissKind.UNREACHABLE, "its connection broke"))
 
-    def unreachable(self, target: str, reason: str) -> float:
-        """Note that ``target`` cannot be used (``reason``, e.g. a stream it stopped answering)
-        and move on; returns the seconds to wait before the next try."""
-        return self._failover.unreachable(target, reason)
+    def silent(self, target: str, detail: str) -> float:
+        """Note that ``target``, though connected, stopped answering (``detail``, e.g. a stream
+        that heard nothing for too long) and move on; returns the seconds to wait before the next
+        try."""
+        return self._failover.unreachable(target, Miss(MissKind.SILENT, detail))
 
     def answered(self, target: str) -> None:
         """Note that ``target`` answered as leader; says so when that is a change of leader."""
@@ -311,14 +312,15 @@ class Replicas:
     async def _probe_unreachable(self) -> dict[str, Unreachable]:
         """What is wrong with each replica that could not be reached (those where a probe finds
         something)."""
-        down = [t for t, why in self._failover.why.items() if why.startswith("unreachable")]
+        down = [t for t, why in self._failover.why.items() if why.kind is MissKind.UNREACHABLE]
         found = await asyncio.gather(*(self.channels.probe(t) for t in down))
         return {t: f for t, f in zip(down, found, strict=True) if f is not None}
 
     def _reasons(self, found: dict[str, Unreachable]) -> str:
         parts = []
         for target in self._failover.targets:
-            why = self._failover.why.get(target, "not tried yet")
+            miss = self._failover.why.get(target)
+            why = str(miss) if miss is not None else "not tried yet"
             problem = found.get(target)
             if problem is not None:
                 why = f"unreachable ({problem.problem.value}: {problem.message})"
@@ -328,7 +330,8 @@ class Replicas:
     def _own_answer(self, attempt: _Attempt, target: str) -> SarcommError | None:
         """The coordinator's own last answer to ``attempt`` when ``target`` was reached (a standby's
         refusal, ``UNAVAILABLE`` while it cannot write its state), as its error."""
-        if attempt.last is None or self._failover.why.get(target, "").startswith("unreachable"):
+        miss = self._failover.why.get(target)
+        if attempt.last is None or (miss is not None and miss.kind is MissKind.UNREACHABLE):
             return None
         return self.translate(attempt.last, attempt.method, attempt.deadline, attempt.started)
 
@@ -347,7 +350,7 @@ class Replicas:
             elif answer is not None:
                 what = str(answer)
             else:
-                why = self._failover.why.get(targets[0], "unreachable")
+                why = self._failover.why.get(targets[0], Miss(MissKind.UNREACHABLE))
                 what = f"the coordinator at {targets[0]} is {why}"
         else:
             what = f"no coordinator of {', '.join(targets)} leads yet ({self._reasons(found)})"

@@ -66,7 +66,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._config = config
         # Join calls waiting for their world now (see Limits.max_join_waiters).
         self._join_waiters = 0
-        # The answer to a report that brings no news (shared: nothing changes it once built).
+        # The answer to a report that changes nothing the reporter must hear (shared: nothing changes
+        # it once built).
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
         self._event_answers: dict[tuple[JobEvent, ...], pb.HeartbeatResponse] = {}
         self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
@@ -81,7 +82,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"job {spec.job!r}: the coordinator already holds {self._join_waiters} waiting joins, its "
                 f"limit max_join_waiters (--max-join-waiters) {limits.max_join_waiters}; retry later"
             )
-        # A Join sent again (same join_id) waits on its first try's ticket (see rejoin).
+        # A Join sent again (same join_id) waits on its first try's ticket (see resent_joins).
         try:
             ticket = self._membership.join(
                 spec, validation.join_id(request.join_id) if request.join_id else ""
@@ -161,7 +162,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elastic = self._membership.elastic
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while job.state is JobState.FORMING and not job.withdrawn:
+        while job.state is JobState.FORMING and job.memory.withdrawn is None:
             left = deadline - loop.time()
             if left <= 0:
                 raise TimeoutError
@@ -268,9 +269,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if not watched_elastic:
                 return self._ack
             # An elastic job's reporters hear how its rendezvous stands on every answer.
-            news = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
-            self._elastic_news(news, watched_elastic, {}, state.reported)
-            return news
+            answer = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
+            self._rendezvous_states(answer, watched_elastic, {}, state.reported)
+            return answer
         response = pb.HeartbeatResponse(heartbeat_interval_seconds=self._config.heartbeat_interval)
         watched, reported = state.watched, state.reported
         try:
@@ -319,7 +320,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         response.events.append(self._failure_event(job.name))
             if elastic:
                 closing = {r.member_id: r.secret for r in request.reports if r.close_job}
-                self._elastic_news(response, elastic, closing, reported)
+                self._rendezvous_states(response, elastic, closing, reported)
         except SarcommError as error:
             return error
         return response
@@ -344,7 +345,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 found[name] = job
         return found
 
-    def _elastic_news(
+    def _rendezvous_states(
         self, response: pb.HeartbeatResponse, jobs: dict[str, Job], closing: dict[str, str], known: set[str]
     ) -> None:
         """Close the rendezvous of the jobs whose reports ask so, then tell how every elastic job
@@ -358,7 +359,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     job=job.name,
                     generation=job.generation,
                     waiting_members=waiting(job),
-                    closed=bool(job.closed),
+                    closed=job.closed is not None,
                 )
             )
 

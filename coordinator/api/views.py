@@ -129,8 +129,8 @@ def job_status(job: Job, stall: Stall | None = None, members: Sequence[Member] |
         min_members=job.elastic.min_members if job.elastic else 0,
         max_members=job.elastic.max_members if job.elastic else 0,
         waiting_members=waiting(job),
-        closed=bool(job.closed),
-        parked_members=len(job.successor.members) if job.successor is not None else 0,
+        closed=job.closed is not None,
+        parked_members=len(job.memory.successor.members) if job.memory.successor is not None else 0,
     )
 
 

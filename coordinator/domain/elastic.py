@@ -26,16 +26,15 @@ The rules (a fixed world, ``JoinSpec.elastic`` None, follows none of them):
    was full), and the parked ones are sent away with the same answer. Once the generation has
    ended, the job's name starts afresh with the next join, as a fixed job's does.
 
-:class:`ElasticRendezvous` applies these rules to the membership's own jobs and members; it is
-kept in a module of its own for size, and changes states only through the membership's state
-machine.
+:class:`ElasticRendezvous` applies these rules to the membership's own jobs and members, through
+the :class:`~.context.MembershipContext` it is given; it is kept in a module of its own for size,
+and changes states only through the membership's state machine.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sarcomm.common.errors import (
     FailedPreconditionError,
@@ -43,6 +42,7 @@ from sarcomm.common.errors import (
     JobClosedError,
     UnauthenticatedError,
 )
+from sarcomm.coordinator.domain.context import MembershipContext
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
     Job,
@@ -54,9 +54,6 @@ from sarcomm.coordinator.domain.model import (
     new_members,
 )
 from sarcomm.coordinator.domain.ranks import plan_world
-
-if TYPE_CHECKING:  # the membership owns this object; only its type is needed here
-    from sarcomm.coordinator.domain.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +67,24 @@ def waiting(job: Job) -> int:
     O(1) (every heartbeat answer of an elastic job carries it): a running elastic world that is
     not closed has all its ``world_size`` members running (one that goes ends the generation, one
     that leaves closes it), so its room is max_members minus world_size."""
-    if job.elastic is None or job.successor is None or job.closed or job.state is not JobState.RUNNING:
+    if (
+        job.elastic is None
+        or job.memory.successor is None
+        or job.closed is not None
+        or job.state is not JobState.RUNNING
+    ):
         return 0
-    return max(0, min(len(job.successor.members), job.elastic.max_members - job.world_size))
+    return max(0, min(len(job.memory.successor.members), job.elastic.max_members - job.world_size))
 
 
 class ElasticRendezvous:
     """The elastic part of a :class:`~sarcomm.coordinator.domain.membership.Membership` (the rules
-    in this module's docstring). ``wake`` is called with a forming generation whose Join calls
-    should look again (it was adopted, so its last call counts now; or it was sent away): the
-    service sets it to wake them (default: nobody)."""
+    in this module's docstring), acting through the membership's ``context``. ``wake`` is called
+    with a forming generation whose Join calls should look again (it was adopted, so its last call
+    counts now; or it was sent away): the service sets it to wake them (default: nobody)."""
 
-    def __init__(self, membership: Membership) -> None:
-        self._m = membership
+    def __init__(self, context: MembershipContext) -> None:
+        self._m = context
         self.wake: Callable[[Job], None] = lambda job: None
 
     # -- joining -----------------------------------------------------------------------------------
@@ -100,9 +102,9 @@ class ElasticRendezvous:
         """
         m = self._m
         previous_rank = self._rejoin(spec) if spec.rejoin_member_id else None
-        current = m._jobs.get(spec.job)
+        current = m.job(spec.job)
         parked = current is not None and current.state is JobState.RUNNING
-        job = self._park(current, spec) if current is not None and parked else m._forming_job(spec)
+        job = self._park(current, spec) if current is not None and parked else m.forming_job(spec)
         check_range(job, spec)
         total = len(job.members) + len(spec.members)
         if total > job.world_size:
@@ -110,14 +112,14 @@ class ElasticRendezvous:
                 f"members: joining {len(spec.members)} more would make {total} members in {job.label}, "
                 f"which has max_members {job.world_size}"
             )
-        members, issued = new_members(spec, m._clock.wall(), job.join_calls, join_id)
+        members, issued = new_members(spec, m.clock.wall(), job.memory.join_calls, join_id)
         for member in members:
             member.previous_rank = previous_rank
-        if not parked and m._jobs.get(job.name) is not job:
-            m._adopt(job)
+        if not parked and m.job(job.name) is not job:
+            m.adopt(job)
         job.members.extend(members)
-        job.join_calls += 1
-        job.last_arrival = m._clock.monotonic()
+        job.memory.join_calls += 1
+        job.memory.last_arrival = m.clock.monotonic()
         log.debug(
             "%s: host %s joined with %d member(s)%s; %d joined (%s)", job.label, spec.host, len(members),
             " (parked behind the running world)" if parked else "", len(job.members), spec.elastic,
@@ -130,9 +132,9 @@ class ElasticRendezvous:
         """Rule 4: end the running generation of the member ``spec`` names; that member's rank
         there (None when it is not known any more: it then joins as a newcomer)."""
         m = self._m
-        found = m._members.get(spec.rejoin_member_id)
+        found = m.member(spec.rejoin_member_id)
         if found is None:
-            back = _returning(m._jobs.get(spec.job)).get(spec.rejoin_member_id)
+            back = _returning(m.job(spec.job)).get(spec.rejoin_member_id)
             if back is None:
                 return None
             if not back.check_secret(spec.rejoin_secret):
@@ -146,14 +148,14 @@ class ElasticRendezvous:
                 f"rejoin_member_id {spec.rejoin_member_id!r} is a member of job {job.name!r}, not of "
                 f"job {spec.job!r}; a member re-joins its own job"
             )
-        if job.state is JobState.RUNNING and job.closed:
+        if job.state is JobState.RUNNING and job.closed is not None:
             raise JobClosedError(_closed_text(job))
         if job.state is JobState.RUNNING:
             why = f"rank {member.rank} on host {member.host} re-joins"
             if waiting(job):
                 why += f"; {waiting(job)} member(s) wait to join"
-            m._machine.job_to(job, JobState.RESTARTED, why=why)
-            m._changed(job)
+            m.machine.job_to(job, JobState.RESTARTED, why=why)
+            m.changed(job)
         elif job.state.ended and job.state is not JobState.RESTARTED:
             raise JobClosedError(
                 f"{job.label} {job.state.value.lower()}"
@@ -165,23 +167,23 @@ class ElasticRendezvous:
     def _park(self, running: Job, spec: JoinSpec) -> Job:
         """Rule 2: the next generation behind ``running``, where a join waits."""
         if running.elastic is None:
-            return self._m._forming_job(spec)  # raises: a fixed world runs under this name
+            return self._m.forming_job(spec)  # raises: a fixed world runs under this name
         check_range(running, spec)
-        if running.closed:
+        if running.closed is not None:
             raise JobClosedError(
                 _closed_text(running), beyond_max=running.world_size >= running.elastic.max_members
             )
-        successor = running.successor
+        successor = running.memory.successor
         if successor is None:
             successor = Job(
                 name=running.name,
                 generation=running.generation + 1,
                 world_size=running.elastic.max_members,
-                created=self._m._clock.wall(),
+                created=self._m.clock.wall(),
                 backend=spec.backend,
                 elastic=running.elastic,
             )
-            running.successor = successor
+            running.memory.successor = successor
         return successor
 
     # -- forming -----------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ class ElasticRendezvous:
                 :func:`~sarcomm.coordinator.domain.ranks.plan_world`).
         """
         m = self._m
-        if job.elastic is None or job.state is not JobState.FORMING or m._jobs.get(job.name) is not job:
+        if job.elastic is None or job.state is not JobState.FORMING or m.job(job.name) is not job:
             return False
         joined = len(job.members)
         if joined < job.elastic.min_members:
@@ -203,92 +205,93 @@ class ElasticRendezvous:
         # Counted only after a re-rendezvous (survivors expected back): asked at every Join of a
         # world of thousands, a count over its members each time made forming it quadratic.
         complete = joined >= job.elastic.max_members or (
-            bool(job.returning)
-            and sum(1 for member in job.members if member.previous_rank is not None) >= len(job.returning)
+            bool(job.memory.returning)
+            and sum(1 for member in job.members if member.previous_rank is not None)
+            >= len(job.memory.returning)
         )
-        if not complete and m._clock.monotonic() - job.last_arrival < job.elastic.last_call:
+        if not complete and m.clock.monotonic() - job.memory.last_arrival < job.elastic.last_call:
             return False
         # Returning members first, in their previous order (rule 4); ranks then deal by join order.
         job.members.sort(key=lambda x: (x.previous_rank is None, x.previous_rank or 0, x.join_call))
         for call, member in enumerate(job.members):
             member.join_call = call
         job.world_size = joined
-        m._form(job, plan_world(joined, job.members))
+        m.form(job, plan_world(joined, job.members))
         return True
 
     def form_in(self, job: Job) -> float | None:
         """Seconds until the last call may form ``job`` (0: now), or None while it cannot (too few
         members, parked behind a running world, formed or sent away)."""
         m = self._m
-        if job.elastic is None or job.state is not JobState.FORMING or m._jobs.get(job.name) is not job:
+        if job.elastic is None or job.state is not JobState.FORMING or m.job(job.name) is not job:
             return None
         if len(job.members) < job.elastic.min_members:
             return None
-        return max(0.0, job.last_arrival + job.elastic.last_call - m._clock.monotonic())
+        return max(0.0, job.memory.last_arrival + job.elastic.last_call - m.clock.monotonic())
 
     # -- generations ending ------------------------------------------------------------------------
 
     def changed(self, job: Job) -> None:
         """After ``job`` (a generation) changed: a re-rendezvous hands its parked members on to the
         next generation (rules 1, 3); an end or a close sends them away (rule 5)."""
-        if job.elastic is None or job.successor is None:
+        if job.elastic is None or job.memory.successor is None:
             return
-        successor = job.successor
+        successor = job.memory.successor
         if job.state is JobState.RESTARTED:
-            job.successor = None
+            job.memory.successor = None
             self.inherit(successor, job)
-            successor.last_arrival = self._m._clock.monotonic()
-            self._m._adopt(successor)
+            successor.memory.last_arrival = self._m.clock.monotonic()
+            self._m.adopt(successor)
             self.form_if_ready(successor)
             self.wake(successor)
-        elif job.state.ended or job.closed:
-            job.successor = None
-            successor.withdrawn = (
-                _closed_text(job) if job.closed else f"{job.label} {job.state.value.lower()}"
+        elif job.state.ended or job.closed is not None:
+            job.memory.successor = None
+            successor.memory.withdrawn = (
+                _closed_text(job) if job.closed is not None else f"{job.label} {job.state.value.lower()}"
             )
-            successor.room = job.elastic.max_members - job.world_size
+            successor.memory.room = job.elastic.max_members - job.world_size
             log.info(
                 "%s: %d parked member(s) sent away: %s",
                 job.label,
                 len(successor.members),
-                successor.withdrawn,
+                successor.memory.withdrawn,
             )
             self.wake(successor)
 
     def inherit(self, job: Job, ended: Job) -> None:
         """What generation ``job`` takes over from ``ended``, which ended RESTARTED: its history and
         counts, and who is expected back (rule 1)."""
-        job.previous = ended
+        job.memory.previous = ended
         job.history = [*ended.history, ended.generation_record()][-MAX_HISTORY:]
         job.restart_count = ended.restart_count
         job.max_restarts = max(job.max_restarts, ended.max_restarts)
         job.rerendezvous_count = ended.rerendezvous_count + 1
-        job.returning = _returning(ended)
+        job.memory.returning = _returning(ended)
 
     def withdrawn(self, ticket: Ticket) -> JobClosedError | None:
         """The closed answer for ``ticket``, parked in a generation that was sent away; else None."""
         job = ticket.job
-        if not job.withdrawn:
+        if job.memory.withdrawn is None:
             return None
         index = next((i for i, m in enumerate(job.members) if m is ticket.members[0]), 0)
-        return JobClosedError(job.withdrawn, beyond_max=index >= job.room)
+        return JobClosedError(job.memory.withdrawn, beyond_max=index >= job.memory.room)
 
     def abandoned(self, job: Job) -> None:
         """Every member parked in ``job`` withdrew: the running generation has no successor."""
-        current = self._m._jobs.get(job.name)
-        if not job.members and current is not None and current.successor is job:
-            current.successor = None
+        current = self._m.job(job.name)
+        if not job.members and current is not None and current.memory.successor is job:
+            current.memory.successor = None
 
     # -- closing -----------------------------------------------------------------------------------
 
     def close(self, job: Job, why: str) -> None:
         """Rule 5: close the rendezvous of running elastic ``job`` (no-op otherwise)."""
-        if job.elastic is None or job.closed or job.state is not JobState.RUNNING:
+        if job.elastic is None or job.closed is not None or job.state is not JobState.RUNNING:
             return
         job.closed = why
         log.info("%s: rendezvous closed: %s", job.label, why)
         self.changed(job)
-        self._m._persist(job)
+        self._m.persist(job)
 
     def left(self, job: Job, member: Member) -> None:
         """Rule 5 after ``member`` left ``job``: its work is done (or failed), so no new world
@@ -303,8 +306,8 @@ def _returning(job: Job | None) -> dict[str, Member]:
     if job is None:
         return {}
     if job.state is JobState.RESTARTED:
-        return {member.member_id: member for member in job.survivors}
-    return job.returning
+        return {member.member_id: member for member in job.memory.survivors}
+    return job.memory.returning
 
 
 def check_range(job: Job, spec: JoinSpec) -> None:

@@ -1,7 +1,10 @@
 """The rules that judge running members: silence, broken streams, exits, and stalls.
 
-Pure functions of a member's (or a job's) fields and the time; :mod:`membership` applies what
-they decide through :mod:`transitions`.
+Functions of a member's (or a job's) fields and the time, without I/O. The judgements
+(:func:`silence_verdict`, :func:`silent_members`, :func:`exit_verdict`, :func:`find_stall`) only
+read; :mod:`membership` and :mod:`sweep` apply what they decide through :mod:`transitions`. The
+bookkeeping of a member's liveness fields is here too, and changes the fields it names:
+:func:`note_report`, :func:`excuse`, :func:`mark_answered` and :func:`new_stall_line`.
 
 Liveness: a member is alive while reports about it arrive and say it showed a sign of life
 recently (``age``: an agent reports each rank's own alive stamp, so a stopped rank of a healthy
@@ -24,7 +27,7 @@ threshold, which ranks have not entered #k: the ones everybody waits for (:func:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from sarcomm.common.constants import FailureReason
 from sarcomm.common.messages import Progress
@@ -109,6 +112,36 @@ def silence_verdict(
         return None
     why = "; its connection stopped answering keepalive pings" if quiet_when_lost else ""
     return FailureReason.MISSED_HEARTBEATS, f"missed heartbeats: silent for {silent:.1f} s{why}"
+
+
+def silent_members(
+    job: Job, now: float, liveness_timeout: float, lost_grace: float, answer_timeout: float
+) -> Iterator[tuple[Member, Verdict]]:
+    """The RUNNING members of ``job`` that have failed at monotonic ``now``, each with its
+    :func:`silence_verdict`, one at a time: the caller fails each before the next is looked at (an
+    elastic generation that ends lets its other members go, and they are not RUNNING then).
+
+    Only a member that may be silent is asked: one whose stream broke, whose Join is unanswered,
+    or that was last seen before the liveness timeout (and was heard from, or its job is no longer
+    starting). Any other one :func:`silence_verdict` finds alive, and this test, written out in
+    the loop, spares a call for it: the sweep runs four times an interval over every member of a
+    big job (32,768 of them).
+    """
+    first_heard = job.memory.first_heard
+    is_starting = starting(first_heard, now, liveness_timeout)
+    heard_since = now - liveness_timeout
+    for member in job.members:
+        if member.state is not MemberState.RUNNING:
+            continue
+        if (
+            member.lost_at is None
+            and member.answered
+            and not (member.last_seen < heard_since and (member.last_report or not is_starting))
+        ):
+            continue
+        verdict = silence_verdict(member, now, liveness_timeout, lost_grace, answer_timeout, first_heard)
+        if verdict is not None:
+            yield member, verdict
 
 
 def note_report(
@@ -222,8 +255,8 @@ def mark_answered(members: Iterable[Member], now: float, answered: bool = True) 
 
 def new_stall_line(job: Job, stall: Stall | None) -> str:
     """The log line for ``stall`` of ``job`` the first time it is seen (then "")."""
-    if stall is None or stall.seq == job.logged_stall:
+    if stall is None or stall.seq == job.memory.logged_stall:
         return ""
-    job.logged_stall = stall.seq
+    job.memory.logged_stall = stall.seq
     hosts = sorted({m.host for m in job.members if m.rank in stall.blocking})
     return f"{job.label}: {stall.describe()} (on host(s) {', '.join(hosts)})"

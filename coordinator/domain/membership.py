@@ -23,9 +23,11 @@ from sarcomm.common.errors import (
     UnauthenticatedError,
 )
 from sarcomm.common.messages import Progress, WorkerEndpoint
-from sarcomm.coordinator.domain import liveness, rejoin
+from sarcomm.coordinator.domain import liveness, resent_joins
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
+from sarcomm.coordinator.domain.context import MembershipContext, Timeouts
 from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
+from sarcomm.coordinator.domain.member_index import MemberIndex
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
     EventKind,
@@ -64,8 +66,9 @@ class Membership:
     liveness timeout, one heartbeat interval at the default misses); ``restore_grace`` how long
     members restored from ``stored`` have to reconnect before they are judged (at least the
     liveness timeout); ``stall_threshold`` how long ranks must wait in one collective before
-    :meth:`stall` names the ranks they wait for. ``persist`` is told of every job whose stored
-    record changed (default: nobody, the state lives in memory only).
+    :meth:`stall` names the ranks they wait for; ``answer_timeout`` how long a formed world's
+    members wait for their Join's answer before they are judged (the join timeout). ``persist``
+    is told of every job whose stored record changed (default: nobody: memory only).
     """
 
     def __init__(
@@ -78,34 +81,44 @@ class Membership:
         lost_grace: float | None = None,
         restore_grace: float = 0.0,
         stall_threshold: float = 30.0,
+        answer_timeout: float = 600.0,
         clock: Clock = SYSTEM_CLOCK,
         persist: Callable[[Job], None] | None = None,
     ) -> None:
         # Called with each job whose record changed. The server passes persistence.WriteBehind.mark,
         # which coalesces the writes off the event loop.
         self._persist = persist or (lambda job: None)
-        self._liveness_timeout = liveness_timeout
-        self._lost_grace = lost_grace if lost_grace is not None else liveness_timeout / 3
+        self._timeouts = Timeouts(
+            liveness_timeout,
+            lost_grace if lost_grace is not None else liveness_timeout / 3,
+            answer_timeout,
+            stall_threshold,
+        )
         self._restore_grace = max(restore_grace, liveness_timeout)
-        self.stall_threshold = stall_threshold
-        self.answer_timeout = 600.0  # a formed world's wait for its Join answers (Member.answered)
         self._max_jobs = max_jobs
         self._max_ended_jobs = max_ended_jobs
         self._clock = clock
         self._machine = StateMachine(clock.wall)
         self._jobs: dict[str, Job] = {}
-        self._members: dict[str, tuple[Job, Member]] = {}
+        # The members of formed worlds by id, with their job: what authenticates a report.
+        self._members = MemberIndex()
         # The highest generation of each name as last seen outside _jobs (consulted only for names
         # not in _jobs): numbering continues after a job is forgotten in memory (max_ended_jobs)
         # or was only in the store. A few bytes a name.
         self._generations: dict[str, int] = {}
         # The Joins sent with a join id, so that a resend gets its own members and nobody else's.
-        self._join_ids = rejoin.JoinIds(self._jobs.get, self._persist)
+        self._join_ids = resent_joins.JoinIds(self._jobs.get, self._persist)
         self._machine.add_listener(self._join_ids.forget_ended)
+        context = MembershipContext(
+            clock=clock, machine=self._machine, timeouts=self._timeouts, job=self._jobs.get,
+            jobs=lambda: list(self._jobs.values()), member=self._members.get, members=self._members.values,
+            forming_job=self._forming_job, adopt=self._adopt, form=self._form, changed=self._changed,
+            persist=self._persist,
+        )  # fmt: skip
         # Elastic jobs (torchrun's --nnodes MIN:MAX): their joins, re-joins, closing (see .elastic).
-        self.elastic = ElasticRendezvous(self)
+        self.elastic = ElasticRendezvous(context)
         # Broken and ended streams, the sweep of silent members, stalls (see .sweep).
-        self._sweep = LivenessSweep(self)
+        self._sweep = LivenessSweep(context, self.elastic.form_if_ready)
         self._restore(stored or StoredState())
 
     def jobs(self) -> list[Job]:
@@ -134,7 +147,7 @@ class Membership:
         Returns at once; the caller waits for the WORLD_FORMED event of ``ticket.job`` (unless it
         is already RUNNING) and then reads the members' assignments from the ticket. A Join sent
         again (``join_id`` of an earlier try of it) gets that try's ticket, ``resent`` set, and
-        counts as one more call waiting on it (see :mod:`rejoin` for what a resend may change).
+        counts as one more call waiting on it (see :mod:`resent_joins` for what a resend may change).
 
         Raises:
             FailedPreconditionError: the job is running, has another world size, is full, or the
@@ -170,14 +183,14 @@ class Membership:
                 f"members in {job.label}, which has world_size {job.world_size}"
             )
         for request in spec.members:
-            if request.rank is not None and request.rank in job.requested:
-                holder = job.requested[request.rank]
+            if request.rank is not None and request.rank in job.memory.requested:
+                holder = job.memory.requested[request.rank]
                 raise AlreadyExistsError(
                     f"rank {request.rank} is already taken in {job.label} by a member on host "
                     f"{holder.host!r}; each rank can be requested once"
                 )
         job.max_restarts = max(job.max_restarts, spec.max_restarts)
-        ticket_members, ticket_secrets = new_members(spec, self._clock.wall(), job.join_calls, join_id)
+        ticket_members, ticket_secrets = new_members(spec, self._clock.wall(), job.memory.join_calls, join_id)
         # The last join forms the world: choose ranks and interfaces before anything changes, so
         # that a choice that fails leaves the job as it was instead of full and never formed.
         plan = (
@@ -190,9 +203,9 @@ class Membership:
         for member, request in zip(ticket_members, spec.members, strict=True):
             job.members.append(member)
             if request.rank is not None:
-                job.requested[request.rank] = member
+                job.memory.requested[request.rank] = member
+        job.memory.join_calls += 1
         # DEBUG: a world of thousands would otherwise log thousands of lines while forming.
-        job.join_calls += 1
         log.debug(
             "%s: host %s joined with %d member(s); %d of %d joined",
             job.label,
@@ -230,8 +243,8 @@ class Membership:
         if not job.members and self._jobs.get(job.name) is job:
             # Nobody is waiting any more: the next join starts the generation afresh. The ended
             # generation it would have replaced comes back, so status keeps showing it.
-            if job.previous is not None:
-                self._jobs[job.name] = job.previous
+            if job.memory.previous is not None:
+                self._jobs[job.name] = job.memory.previous
             else:
                 del self._jobs[job.name]
 
@@ -263,9 +276,9 @@ class Membership:
             backend=spec.backend,
             restart_count=restarts,
             history=[*ended.history, ended.generation_record()][-MAX_HISTORY:] if ended else [],
-            previous=ended,
             elastic=spec.elastic,
         )
+        job.memory.previous = ended
         if ended is not None and ended.state is JobState.RESTARTED:
             self.elastic.inherit(job, ended)  # a re-rendezvous: no restart, survivors expected back
         # Not adopted yet (see join): until then nothing of the previous generation changes.
@@ -273,10 +286,10 @@ class Membership:
 
     def _adopt(self, job: Job) -> None:
         """Make a fresh generation from :meth:`_forming_job` the job's current one."""
-        if job.generation > 1:
+        ended = self._jobs.get(job.name)
+        if ended is not None:
             # Members of the ended generation are forgotten: their ids can never act again.
-            for member_id in [k for k, (j, _) in self._members.items() if j.name == job.name]:
-                del self._members[member_id]
+            self._members.unindex(ended.members)
         self._jobs[job.name] = job
 
     def _forget_old_ended_jobs(self) -> None:
@@ -294,8 +307,7 @@ class Membership:
         for job in ended[:excess]:
             del self._jobs[job.name]
             self._generations[job.name] = job.generation
-            for member in job.members:
-                self._members.pop(member.member_id, None)
+            self._members.unindex(job.members)
         log.debug("forgot %d ended job(s) beyond max_ended_jobs %d", excess, self._max_ended_jobs)
 
     def _form(self, job: Job, plan: Plan) -> None:
@@ -306,7 +318,7 @@ class Membership:
             member.interface, member.address = per_host[host_key(member)]
             member.rank = ranks[member.member_id]
             member.last_seen = now_mono
-            self._members[member.member_id] = (job, member)
+        self._members.index(job, job.members)
         master = next(m for m in job.members if m.rank == 0)
         job.master_addr = master.address
         job.master_port = master.store_port
@@ -362,7 +374,7 @@ class Membership:
         job, member = self.authenticate(member_id, secret)
         now = self._clock.monotonic()
         if not member.last_report:
-            job.first_heard = now  # its first report: the job is still starting (liveness.starting)
+            job.memory.first_heard = now  # its first report: the job is still starting (liveness.starting)
         liveness.note_report(member, now, self._clock.wall(), progress, age, stream)
         changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
         if changed and worker_endpoints is not None:
@@ -406,8 +418,8 @@ class Membership:
             # A rank whose process died takes its connections with it: its peers' collectives fail
             # at once and their exit may reach us before its broken stream is judged. When a member
             # of this job already has a broken stream, that one is the cause: blame it first.
-            # Asked while the job runs (its first failure): every later exit of a failed job asking
-            # it again made a 32,768-member job's end quadratic (minutes of the loop).
+            # Asked only while the job runs (its first failure): a failed job's later exits each
+            # asking again would make a big job's end quadratic.
             suspects = job.members if job.state is JobState.RUNNING else ()
             for other in suspects:
                 if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
@@ -465,15 +477,14 @@ class Membership:
             self._machine.job_to(job, JobState.FINISHED)
         elif job.state is JobState.FAILED and not job.ended:
             job.ended = self._clock.wall()
-        for member in job.members:
-            self._members.pop(member.member_id, None)
+        self._members.unindex(job.members)
         self._forget_old_ended_jobs()
 
     def _restore(self, stored: StoredState) -> None:
         # A restored member is judged only after restore_grace: its reporter needs time to notice
         # the outage and reconnect (backoff with jitter), and the liveness timeout alone can be
         # shorter than that.
-        now = self._clock.monotonic() + self._restore_grace - self._liveness_timeout
+        now = self._clock.monotonic() + self._restore_grace - self._timeouts.liveness
         self._generations.update(stored.generations)
         for job in stored.jobs:
             if job.state is JobState.FORMING:
@@ -482,8 +493,14 @@ class Membership:
             self._join_ids.restore(job)
             for member in job.members:
                 member.last_seen = now
-                if member.state is MemberState.RUNNING:
-                    self._members[member.member_id] = (job, member)
+            self._members.index(job, [m for m in job.members if m.state is MemberState.RUNNING])
         if self._jobs:
             log.info("restored %d job(s) from the state store", len(self._jobs))
         self._forget_old_ended_jobs()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the membership's indexes disagree with its jobs (see
+        :meth:`.member_index.MemberIndex.check`). For tests, after every operation
+        (``membership_invariants`` in tests/conftest.py): it walks every job and member."""
+        self._members.check(self._jobs)
+        self._join_ids.check_invariants()

@@ -30,6 +30,7 @@ __all__ = [
     "FailureReason",
     "Job",
     "JobEvent",
+    "JobMemory",
     "JobState",
     "JoinSpec",
     "Member",
@@ -191,13 +192,13 @@ class Member:
     # that the end of an older stream, replaced by a newer one, does not count as a loss.
     stream: object | None = field(default=None, repr=False)
     # SHA-256 of the join id of the Join that brought it ("" when none was sent). Persisted, so a
-    # Join resent after a take-over or restart gets its world's answer (see :mod:`.rejoin`).
+    # Join resent after a take-over or restart gets its world's answer (see :mod:`.resent_joins`).
     join_digest: str = ""
     # Which join call of its generation brought the member (0, 1, ...): two agents on one host
     # each get a contiguous block, in the order they joined. Only needed until the world forms.
     join_call: int = 0
-    # The secret this member last proved it holds: a report repeats it every beat, and hashing it
-    # each time was a visible share of the coordinator's CPU at 4096 reports a second. Memory only.
+    # The secret this member last proved it holds, so that the report that repeats it every beat
+    # is checked without hashing it again (see check_secret). Memory only.
     verified_secret: bytes = field(default=b"", repr=False)
     # Elastic jobs: the rank this host had in the generation it re-joins from (a re-rendezvous), so
     # that survivors keep their order in the next world. Only needed until the world forms.
@@ -216,7 +217,50 @@ class Member:
 
 
 @dataclass
+class JobMemory:
+    """What the coordinator keeps of a job generation in memory only, beside its stored record
+    (every other field of :class:`Job`, see :mod:`~sarcomm.coordinator.storage.records`): indexes
+    derived from the members, links to the generations around it, and the elastic rendezvous's
+    bookkeeping. A coordinator that restarts or takes over starts these afresh."""
+
+    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
+    requested: dict[int, Member] = field(default_factory=dict)
+    # How many Join calls brought members to this generation (the next one's Member.join_call).
+    join_calls: int = 0
+    # The ended generation this forming one replaces: put back if every join withdraws, so the
+    # name keeps its history and status.
+    previous: Job | None = None
+    # The collective whose stall was last logged, so each stall is logged once.
+    logged_stall: int = 0
+    # The next generation, forming behind this running one: the members parked in it wait (their
+    # Joins are resent to a coordinator that takes over).
+    successor: Job | None = None
+    # Monotonic time of a forming elastic generation's last arrival.
+    last_arrival: float = 0.0
+    # Monotonic time a member of this generation was last heard from for the first time (its
+    # first report to this coordinator); 0.0 while none was. Members never heard from are not
+    # failed for silence while first reports keep coming (see liveness.silence_verdict); a
+    # restarted coordinator hears every member for the first time again.
+    first_heard: float = 0.0
+    # Once formed: the members before this index are no longer RUNNING (see any_running).
+    running_from: int = 0
+    # A generation that ended RESTARTED: its members that were alive then. The generation after
+    # it: those members by id, expected back: each re-join is known (and keeps its place in the
+    # rank order) although its generation was forgotten, and the world forms at once when all
+    # are back (see .elastic, rule 1).
+    survivors: tuple[Member, ...] = ()
+    returning: dict[str, Member] = field(default_factory=dict)
+    # Why a parked generation was sent away without forming (None while it may form), and how many
+    # of its first members fitted into the world then (the rest were beyond max_members).
+    withdrawn: str | None = None
+    room: int = 0
+
+
+@dataclass
 class Job:
+    """One generation of a job: the fields here are its stored record (:mod:`records` writes and
+    reads each of them), ``memory`` what only this coordinator's memory holds."""
+
     name: str
     generation: int
     world_size: int
@@ -237,44 +281,15 @@ class Job:
     # Summaries of earlier generations under this name, oldest first (see generation_record).
     history: list[dict[str, Any]] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
-    # Requested ranks of a forming world, kept up to date so a join checks in O(1), not O(members).
-    requested: dict[int, Member] = field(default_factory=dict, repr=False)
-    join_calls: int = field(default=0, repr=False)
-    # The ended generation this forming one replaces: put back if every join withdraws, so the
-    # name keeps its history and status. Not persisted.
-    previous: Job | None = field(default=None, repr=False)
-    # The collective whose stall was last logged, so each stall is logged once.
-    logged_stall: int = field(default=0, repr=False)
     # Elastic jobs (None: a fixed world_size). See :mod:`.elastic` for the fields below.
     elastic: ElasticRange | None = None
     # Why no new world forms under this job while this generation runs (a member finished or closed
-    # its rendezvous); "" while it is open.
-    closed: str = ""
+    # its rendezvous); None while it is open.
+    closed: str | None = None
     # Generations of this name that ended in a re-rendezvous (RESTARTED), not in a failure.
     rerendezvous_count: int = 0
-    # The next generation, forming behind this running one: the members parked in it wait. Not
-    # persisted (their Joins are resent to a coordinator that takes over).
-    successor: Job | None = field(default=None, repr=False)
-    # Monotonic time of a forming elastic generation's last arrival. Not persisted.
-    last_arrival: float = field(default=0.0, repr=False)
-    # Monotonic time a member of this generation was last heard from for the first time (its
-    # first report to this coordinator); 0.0 while none was. Members never heard from are not
-    # failed for silence while first reports keep coming (see liveness.silence_verdict). Memory
-    # only: a restarted coordinator hears every member for the first time again.
-    first_heard: float = field(default=0.0, repr=False)
-    # Once formed: the members before this index are no longer RUNNING (see any_running).
-    # Memory only.
-    running_from: int = field(default=0, repr=False)
-    # A generation that ended RESTARTED: its members that were alive then. The generation after
-    # it: those members by id, expected back: each re-join is known (and keeps its place in the
-    # rank order) although its generation was forgotten, and the world forms at once when all
-    # are back (see .elastic, rule 1). Not persisted.
-    survivors: tuple[Member, ...] = field(default=(), repr=False)
-    returning: dict[str, Member] = field(default_factory=dict, repr=False)
-    # Why a parked generation was sent away without forming ("" while it may form), and how many
-    # of its first members fitted into the world then (the rest were beyond max_members).
-    withdrawn: str = field(default="", repr=False)
-    room: int = field(default=0, repr=False)
+    # What this coordinator keeps of the generation in memory only (see JobMemory).
+    memory: JobMemory = field(default_factory=JobMemory, repr=False)
 
     @property
     def label(self) -> str:
@@ -308,7 +323,7 @@ class Ticket:
     job: Job
     members: tuple[Member, ...]
     secrets: tuple[str, ...]
-    # Handed to a Join sent again (the same join id) rather than made for it: see :mod:`.rejoin`.
+    # Handed to a Join sent again (the same join id) rather than made for it: see :mod:`.resent_joins`.
     resent: bool = False
 
 
@@ -324,9 +339,9 @@ def new_members(
     """The members a Join brings, in request order, and their secrets (only digests are kept)."""
     members: list[Member] = []
     issued: list[str] = []
-    # The randomness of every member at once: two reads of the OS's random source per member were
-    # 65,536 system calls for a 4096 x 8 world. Each secret and id is what secrets.token_urlsafe(24)
-    # and token_hex(8) would make of the same bytes.
+    # The randomness of every member at once, one read of the OS's random source for the Join
+    # instead of two per member (system calls, tens of thousands for a big world). Each secret and
+    # id is what secrets.token_urlsafe(24) and token_hex(8) would make of the same bytes.
     random = secrets.token_bytes(RANDOM_BYTES_PER_MEMBER * len(spec.members))
     for i, request in enumerate(spec.members):
         own = random[i * RANDOM_BYTES_PER_MEMBER : (i + 1) * RANDOM_BYTES_PER_MEMBER]
@@ -383,7 +398,7 @@ def withdraw_members(job: Job, leaving: Sequence[Member]) -> None:
 
     When a big world does not form in time, its Joins give up one after another in the order
     they came: each one's members are then the first of the list, cut off without looking at the
-    rest (rebuilding the list for each of 32,768 Joins took minutes of the loop)."""
+    rest (rebuilding the list for each Join would make the give-up of a big world quadratic)."""
     count = len(leaving)
     members = job.members
     gone = {id(m) for m in leaving}
@@ -394,8 +409,8 @@ def withdraw_members(job: Job, leaving: Sequence[Member]) -> None:
         del members[-count:]
     else:
         job.members = [m for m in members if id(m) not in gone]
-    if job.requested:
-        job.requested = {r: m for r, m in job.requested.items() if id(m) not in gone}
+    if job.memory.requested:
+        job.memory.requested = {r: m for r, m in job.memory.requested.items() if id(m) not in gone}
 
 
 def any_running(job: Job) -> bool:
@@ -403,12 +418,12 @@ def any_running(job: Job) -> bool:
 
     Once a world has formed no member becomes RUNNING again (LEFT and FAILED are final), so the
     members before the first running one found last time need no second look: a job's exits cost
-    one pass over its members in all, not one each (32,768 exits took minutes of the loop)."""
+    one pass over its members in all, not one each (which would make a big job's end quadratic)."""
     members = job.members
     if job.state is JobState.FORMING:
         return any(m.state is MemberState.RUNNING for m in members)
-    i, count = job.running_from, len(members)
+    i, count = job.memory.running_from, len(members)
     while i < count and members[i].state is not MemberState.RUNNING:
         i += 1
-    job.running_from = i
+    job.memory.running_from = i
     return i < count

@@ -140,7 +140,7 @@ def describe_missing(job: Job) -> str:
     them in a burst. When no member asked for a rank (the common case) the joined members get
     ranks 0..n-1 (see :func:`deal_ranks`), so the missing ones are n.. and nothing is dealt."""
     joined = len(job.members)
-    if job.requested:  # ranks some members asked for: dealt as the world would form
+    if job.memory.requested:  # ranks some members asked for: dealt as the world would form
         missing: Sequence[int] = missing_ranks(job.world_size, job.members)
     else:
         missing = range(joined, job.world_size)

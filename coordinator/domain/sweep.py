@@ -2,18 +2,18 @@
 members, and stalls.
 
 :class:`LivenessSweep` applies the rules of :mod:`liveness` to the membership's own jobs and
-members; it is kept in a module of its own for size, and changes states only through the
-membership's state machine. :class:`~sarcomm.coordinator.domain.membership.Membership` offers its
-methods under the same names.
+members, through the :class:`~.context.MembershipContext` it is given; it is kept in a module of
+its own for size, and changes states only through the membership's state machine.
+:class:`~sarcomm.coordinator.domain.membership.Membership` offers its methods under the same names.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from sarcomm.coordinator.domain import liveness
+from sarcomm.coordinator.domain.context import MembershipContext
 from sarcomm.coordinator.domain.model import (
     Job,
     JobState,
@@ -23,9 +23,6 @@ from sarcomm.coordinator.domain.model import (
     member_rank,
     rank_list,
 )
-
-if TYPE_CHECKING:  # the membership owns this object; only its type is needed here
-    from sarcomm.coordinator.domain.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +35,10 @@ STALL_CHECK_PERIOD_S = 1.0
 class LivenessSweep:
     """The liveness part of a :class:`~sarcomm.coordinator.domain.membership.Membership`."""
 
-    def __init__(self, membership: Membership) -> None:
-        self._m = membership
+    def __init__(self, context: MembershipContext, form_if_ready: Callable[[Job], bool]) -> None:
+        self._m = context
+        # An elastic world's last call (see .elastic): the sweep is the clock that calls it.
+        self._form_if_ready = form_if_ready
         self._stall_checked = float("-inf")
 
     def stream_lost(self, stream: object, member_ids: Iterable[str]) -> None:
@@ -48,10 +47,10 @@ class LivenessSweep:
         a dead process's connections. Each of those members that no newer stream reports fails
         once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
         m = self._m
-        now = m._clock.monotonic()
+        now = m.clock.monotonic()
         lost: list[Member] = []
         for member_id in member_ids:
-            found = m._members.get(member_id)
+            found = m.member(member_id)
             if found is None:
                 continue
             member = found[1]
@@ -62,7 +61,7 @@ class LivenessSweep:
             ranks = rank_list(sorted(member_rank(m) for m in lost))
             log.info(
                 "the heartbeat stream of rank(s) %s on host %s broke; judging them in %g s unless they "
-                "report again", ranks, lost[0].host, m._lost_grace,
+                "report again", ranks, lost[0].host, m.timeouts.lost_grace,
             )  # fmt: skip
 
     def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
@@ -70,7 +69,7 @@ class LivenessSweep:
         from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
         m = self._m
         for member_id in member_ids:
-            found = m._members.get(member_id)
+            found = m.member(member_id)
             if found is not None and found[1].stream is stream:
                 found[1].stream = None
 
@@ -81,47 +80,34 @@ class LivenessSweep:
         ``excused``: seconds the coordinator itself was not listening since the last sweep (its
         loop or process held up: see :func:`liveness.excuse`); they do not count as silence."""
         m = self._m
-        now = m._clock.monotonic()
+        now = m.clock.monotonic()
         failed: list[tuple[Job, Member]] = []
         if excused > 0:
-            for _, member in m._members.values():
+            for _, member in m.members():
                 liveness.excuse(member, excused)
         # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
         # four times an interval, and comparing every rank's progress is the costly part of them).
         check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
         if check_stalls:
             self._stall_checked = now
-        heard_since = now - m._liveness_timeout
-        for job in list(m._jobs.values()):
+        t = m.timeouts
+        for job in m.jobs():
             if job.state is JobState.FORMING:
-                m.elastic.form_if_ready(job)  # an elastic world's last call (its Joins look too)
+                self._form_if_ready(job)  # an elastic world's last call (its Joins look too)
                 continue
             # A failed job's silent members are judged too: otherwise a rank that died after (or
             # while) another failed stays RUNNING and the job never ends.
             if job.state not in (JobState.RUNNING, JobState.FAILED) or job.ended:
                 continue
             changed = False
-            starting = liveness.starting(job.first_heard, now, m._liveness_timeout)
-            for member in job.members:
-                if member.state is not MemberState.RUNNING:
-                    continue
-                # What silence_verdict finds for a member heard from within the timeout, or never
-                # heard from while its job is starting, asked without a call: 32,768 members swept
-                # four times a second.
-                quiet = member.last_seen < heard_since and (member.last_report or not starting)
-                if member.lost_at is None and member.answered and not quiet:
-                    continue
-                verdict = liveness.silence_verdict(
-                    member, now, m._liveness_timeout, m._lost_grace, m.answer_timeout, job.first_heard
-                )
-                if verdict is None:
-                    continue
-                failure, reason = verdict
-                m._machine.member_to(job, member, MemberState.FAILED, reason, failure)
+            for member, (failure, reason) in liveness.silent_members(
+                job, now, t.liveness, t.lost_grace, t.answer
+            ):
+                m.machine.member_to(job, member, MemberState.FAILED, reason, failure)
                 failed.append((job, member))
                 changed = True
             if changed:
-                m._changed(job)
+                m.changed(job)
             elif job.state is JobState.RUNNING and check_stalls:
                 self._log_stall(job)
         return failed
@@ -130,7 +116,7 @@ class LivenessSweep:
         """The ranks of running ``job`` that the others wait for, or None (see
         :func:`liveness.find_stall`; the threshold is ``stall_threshold``)."""
         m = self._m
-        return liveness.find_stall(job, m._clock.wall(), m.stall_threshold)
+        return liveness.find_stall(job, m.clock.wall(), m.timeouts.stall)
 
     def _log_stall(self, job: Job) -> None:
         line = liveness.new_stall_line(job, self.stall(job))

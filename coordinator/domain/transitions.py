@@ -92,7 +92,7 @@ class StateMachine:
         job.state = to
         if to is JobState.RUNNING:
             job.formed = self._wall()
-            job.previous = None  # the new world replaces the ended one for good
+            job.memory.previous = None  # the new world replaces the ended one for good
             self._emit(JobEvent(EventKind.WORLD_FORMED, job.name, job.generation, job.formed))
         elif to is JobState.FINISHED:
             job.ended = self._wall()
@@ -125,7 +125,9 @@ class StateMachine:
             restarting = JobEvent(EventKind.JOB_RESTARTING, job.name, job.generation, now, reason=job.reason)
         log.info("%s: ends for a re-rendezvous (%s)", job.label, job.reason)
         # Those still alive are expected in the next generation (a broken stream: most likely dead).
-        job.survivors = tuple(m for m in job.members if m.state is MemberState.RUNNING and m.lost_at is None)
+        job.memory.survivors = tuple(
+            m for m in job.members if m.state is MemberState.RUNNING and m.lost_at is None
+        )
         for member in job.members:
             if member.state is MemberState.RUNNING:
                 self.member_to(job, member, MemberState.LEFT, "left for the re-rendezvous")

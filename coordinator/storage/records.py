@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sarcomm.common.constants import FailureReason
@@ -29,70 +31,120 @@ def write_at_once(store: StateStore) -> Callable[[Job], None]:
     return lambda job: store.write_rows([encode_job(job_record(job))])
 
 
-def member_record(member: Member) -> dict[str, Any]:
-    return {
-        "member_id": member.member_id,
-        "secret_digest": member.secret_digest,
-        "host": member.host,
-        "local_rank": member.local_rank,
-        "requested_rank": member.requested_rank,
-        "store_port": member.store_port,
-        "interfaces": [
-            {
-                "name": i.name,
-                "addresses": list(i.addresses),
-                "kind": int(i.kind),
-                "default_route": i.default_route,
-            }
-            for i in member.interfaces
-        ],
-        "peer_address": member.peer_address,
-        "socket_name": member.socket_name,
-        "joined_at": member.joined_at,
-        "state": member.state.value,
-        "rank": member.rank,
-        "interface": member.interface,
-        "address": member.address,
-        "exit_code": member.exit_code,
-        "reason": member.reason,
-        "failure": member.failure.value if member.failure is not None else None,
-        "last_heartbeat": member.last_heartbeat,
-        "metrics_address": member.metrics_address,
-        "join_digest": member.join_digest,
-        "worker_endpoints": [list(e) for e in member.worker_endpoints],
-    }
+@dataclass(frozen=True)
+class StoredField:
+    """One persisted field of :class:`Member`: its attribute (also its JSON key); how its value
+    ``{v}`` is written to JSON, as a Python expression (compiled into :func:`member_record`, so
+    that a write costs what the same code written by hand does); how it is read back (None: as it
+    is); and the value a record written before the field existed reads as (:data:`REQUIRED`:
+    every record has it)."""
+
+    name: str
+    write: str = "{v}"
+    read: Callable[[Any], Any] | None = None
+    missing: Any = None
+
+
+#: :attr:`StoredField.missing` of a field every stored record has.
+REQUIRED: Any = object()
+
+
+def _interfaces(interfaces: tuple[InterfaceInfo, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": i.name,
+            "addresses": list(i.addresses),
+            "kind": int(i.kind),
+            "default_route": i.default_route,
+        }
+        for i in interfaces
+    ]
+
+
+def _read_interfaces(records: list[dict[str, Any]]) -> tuple[InterfaceInfo, ...]:
+    return tuple(
+        InterfaceInfo(i["name"], tuple(i["addresses"]), InterfaceKind(i["kind"]), i["default_route"])
+        for i in records
+    )
+
+
+def _read_endpoints(endpoints: list[list[Any]]) -> tuple[WorkerEndpoint, ...]:
+    return tuple(WorkerEndpoint(*e) for e in endpoints)
+
+
+def _read_failure(value: str | None) -> FailureReason | None:
+    return FailureReason(value) if value is not None else None
+
+
+#: Every persisted field of a member, in the order of its stored JSON: the one list from which
+#: :func:`member_record`, :func:`member_from_record`, the change key of :class:`JobEncoder` and
+#: its split around ``last_heartbeat`` are made. The first field starts every member's JSON.
+MEMBER_FIELDS: tuple[StoredField, ...] = (
+    StoredField("member_id", missing=REQUIRED),
+    StoredField("secret_digest", missing=REQUIRED),
+    StoredField("host", missing=REQUIRED),
+    StoredField("local_rank", missing=REQUIRED),
+    StoredField("requested_rank", missing=REQUIRED),
+    StoredField("store_port", missing=REQUIRED),
+    StoredField("interfaces", "_interfaces({v})", _read_interfaces, REQUIRED),
+    StoredField("peer_address", missing=REQUIRED),
+    StoredField("socket_name", missing=REQUIRED),
+    StoredField("joined_at", missing=REQUIRED),
+    StoredField("state", "{v}.value", MemberState, REQUIRED),
+    StoredField("rank", missing=REQUIRED),
+    StoredField("interface", missing=REQUIRED),
+    StoredField("address", missing=REQUIRED),
+    StoredField("exit_code", missing=REQUIRED),
+    StoredField("reason", missing=REQUIRED),
+    # The fields below were added after the first state files were written: .missing reads those.
+    StoredField("failure", "(None if {v} is None else {v}.value)", _read_failure),
+    StoredField("last_heartbeat", missing=REQUIRED),
+    StoredField("metrics_address", missing=REQUIRED),
+    StoredField("join_digest", missing=""),
+    StoredField("worker_endpoints", "[list(e) for e in {v}]", _read_endpoints, ()),
+)  # fmt: skip
+
+#: The fields of :class:`Member` this coordinator keeps in memory only (see their comments in
+#: :mod:`~sarcomm.coordinator.domain.model`); with :data:`MEMBER_FIELDS`, every field of a member.
+MEMBER_MEMORY_ONLY = frozenset(
+    {"last_report", "progress", "last_seen", "answered", "lost_at", "stream", "join_call", "verified_secret",
+     "previous_rank"}
+)  # fmt: skip
+
+#: The field a report moves every beat: :class:`JobEncoder` writes it between a member's two kept
+#: halves of JSON, and leaves it out of the change key.
+_BEAT_FIELD = "last_heartbeat"
+
+
+def _compiled(name: str, body: str) -> Any:
+    """A function ``name(m)`` returning ``body``, compiled once from :data:`MEMBER_FIELDS` (as
+    dataclasses makes its methods): as fast as the same code written by hand, where a loop over
+    the fields at each call would make every encoding slower."""
+    namespace = dict(globals())
+    exec(f"def {name}(m):\n    return {body}", namespace)  # our own text, made once at import
+    return namespace[name]
+
+
+#: The JSON-ready record of a member: one entry per field of :data:`MEMBER_FIELDS`, in order.
+member_record: Callable[[Member], dict[str, Any]] = _compiled(
+    "member_record",
+    "{" + ", ".join(f"{f.name!r}: " + f.write.format(v=f"m.{f.name}") for f in MEMBER_FIELDS) + "}",
+)
+
+#: Every persisted field of a member but ``last_heartbeat``, as they are in the domain: whether
+#: a member's kept JSON is stale (see :class:`JobEncoder`).
+_member_key: Callable[[Member], tuple[Any, ...]] = _compiled(
+    "member_key", "(" + ", ".join(f"m.{f.name}" for f in MEMBER_FIELDS if f.name != _BEAT_FIELD) + ",)"
+)
 
 
 def member_from_record(record: dict[str, Any]) -> Member:
-    interfaces = tuple(
-        InterfaceInfo(i["name"], tuple(i["addresses"]), InterfaceKind(i["kind"]), i["default_route"])
-        for i in record["interfaces"]
-    )
-    # .get: state files written before the field existed hold no such key.
-    failure = record.get("failure")
-    return Member(
-        member_id=record["member_id"],
-        secret_digest=record["secret_digest"],
-        host=record["host"],
-        local_rank=record["local_rank"],
-        requested_rank=record["requested_rank"],
-        store_port=record["store_port"],
-        interfaces=interfaces,
-        peer_address=record["peer_address"],
-        socket_name=record["socket_name"],
-        joined_at=record["joined_at"],
-        state=MemberState(record["state"]),
-        rank=record["rank"],
-        interface=record["interface"],
-        address=record["address"],
-        exit_code=record["exit_code"],
-        reason=record["reason"],
-        failure=FailureReason(failure) if failure is not None else None,
-        last_heartbeat=record["last_heartbeat"],
-        metrics_address=record["metrics_address"],
-        join_digest=record.get("join_digest", ""),
-        worker_endpoints=tuple(WorkerEndpoint(*e) for e in record.get("worker_endpoints", ())),
-    )
+    """The member ``record`` (from :func:`member_record`, or a state file of an earlier version)."""
+    values: dict[str, Any] = {}
+    for f in MEMBER_FIELDS:
+        value = record[f.name] if f.missing is REQUIRED else record.get(f.name, f.missing)
+        values[f.name] = f.read(value) if f.read is not None and f.name in record else value
+    return Member(**values)
 
 
 def job_record(job: Job) -> dict[str, Any]:
@@ -120,7 +172,7 @@ def job_record_head(job: Job) -> dict[str, Any]:
         "elastic": (
             [job.elastic.min_members, job.elastic.max_members, job.elastic.last_call] if job.elastic else None
         ),
-        "closed": job.closed,
+        "closed": job.closed or "",  # "" while open: what versions before None was stored
         "rerendezvous_count": job.rerendezvous_count,
     }
 
@@ -145,19 +197,9 @@ def job_from_record(record: dict[str, Any]) -> Job:
         history=record.get("history", []),
         members=[member_from_record(m) for m in record["members"]],
         elastic=ElasticRange(*elastic) if (elastic := record.get("elastic")) else None,
-        closed=record.get("closed", ""),
+        closed=record.get("closed") or None,
         rerendezvous_count=record.get("rerendezvous_count", 0),
     )
-
-
-def _member_key(member: Member) -> tuple[Any, ...]:
-    """Every persisted field of ``member`` but ``last_heartbeat`` (see :class:`JobEncoder`)."""
-    return (
-        member.member_id, member.secret_digest, member.host, member.local_rank, member.requested_rank,
-        member.store_port, member.interfaces, member.peer_address, member.socket_name, member.joined_at,
-        member.state, member.rank, member.interface, member.address, member.exit_code, member.reason,
-        member.failure, member.metrics_address, member.join_digest, member.worker_endpoints,
-    )  # fmt: skip
 
 
 def _json_number(value: float) -> str:
@@ -168,11 +210,11 @@ def _json_number(value: float) -> str:
 class JobEncoder:
     """The stored JSON of one job generation, encoding again only the members that changed.
 
-    :func:`encode_job` of :func:`job_record` encodes every member at every write: ~10 us a member,
-    a third of a second for a 32,768-member job, and its members' first reports (each names its
-    metrics endpoint, a change) made the coordinator encode it again at every flush for seconds
-    while the heartbeats waited. Here each member's JSON is kept with the fields it was made from
-    and made again only when one of them changed. ``last_heartbeat`` moves with every report, so it
+    :func:`encode_job` of :func:`job_record` encodes every member at every write, on the event
+    loop, while a big job's members' first reports (each names its metrics endpoint, a change)
+    mark it changed at every flush. Here each member's JSON is kept with the fields it was made
+    from (its change key, made from :data:`MEMBER_FIELDS`) and made again only when one of them
+    changed. ``last_heartbeat`` moves with every report, so it
     is written between the two kept halves of the member's JSON instead of being one of those
     fields. The text is exactly ``json.dumps(job_record(job))``.
     """
@@ -230,8 +272,11 @@ class JobEncoder:
         return pieces
 
 
-#: How a member's JSON starts (member_record's first field).
-_MEMBER_START = '{"member_id": '
+#: How a member's JSON starts (its first field's key), which no string inside one can hold unescaped.
+_MEMBER_START = json.dumps({MEMBER_FIELDS[0].name: None})[:-5]
+#: The key of ``last_heartbeat`` in a member's JSON, and where its value (a number) ends.
+_BEAT_KEY = json.dumps({_BEAT_FIELD: None})[1:-5]
+_NUMBER_END = re.compile(r"[,}]")
 
 
 def _stale(entry: tuple[tuple[Any, ...], str, str] | None, key: tuple[Any, ...]) -> bool:
@@ -239,7 +284,10 @@ def _stale(entry: tuple[tuple[Any, ...], str, str] | None, key: tuple[Any, ...])
 
 
 def _halves(member_json: str) -> tuple[str, str]:
-    """A member's JSON before ``last_heartbeat``'s value (its key included) and after it."""
-    before, marker, after = member_json.partition(', "last_heartbeat": ')
-    # The number ends where the next key, metrics_address, begins.
-    return before + marker, after[after.index(', "metrics_address": ') :]
+    """A member's JSON before ``last_heartbeat``'s value (its key included) and after it,
+    wherever the field is in it: a number, which ends at the next ``,`` or ``}``."""
+    start = member_json.index(_BEAT_KEY) + len(_BEAT_KEY)
+    end = _NUMBER_END.search(member_json, start)
+    if end is None:
+        raise ValueError(f"no value of {_BEAT_FIELD} in a member's JSON: {member_json[:200]}")
+    return member_json[:start], member_json[end.start() :]

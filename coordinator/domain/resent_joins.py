@@ -221,7 +221,7 @@ class JoinIds:
             return ()
         if entry.ticket is not None:
             mine = entry.ticket.job
-            return entry.ticket.members if mine is job or mine is job.successor else ()
+            return entry.ticket.members if mine is job or mine is job.memory.successor else ()
         if job.state is not JobState.RUNNING:
             return ()
         return [m for m in job.members if m.join_digest == key]
@@ -275,6 +275,15 @@ class JoinIds:
                 keys.discard(key)
                 if not keys:
                     del self._by_job[entry.job]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the two maps disagree (for tests: see
+        :meth:`~.membership.Membership.check_invariants`)."""
+        by_job = {(entry.job, key) for key, entry in self._entries.items()}
+        assert by_job == {(job, key) for job, keys in self._by_job.items() for key in keys}, (
+            "join ids out of step"
+        )
+        assert all(self._by_job.values()), "an empty set of join ids kept"
 
 
 def reissue(job: Job, members: Sequence[Member]) -> Ticket | None:
