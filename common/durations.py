@@ -23,14 +23,16 @@ __all__ = ["MAX_SECONDS", "checked", "duration", "rule"]
 MAX_SECONDS: Final = 604_800.0
 
 
-def rule(*, zero: bool = False) -> str:
-    """The rule in words: positive (or, with ``zero``, >= 0) and at most :data:`MAX_SECONDS`."""
+def rule(*, zero: bool = False, most: float = MAX_SECONDS) -> str:
+    """The rule in words: positive (or, with ``zero``, >= 0) and at most ``most`` (a setting with a
+    tighter bound of its own passes it; :data:`MAX_SECONDS` by default)."""
     kind = "a number of seconds >= 0" if zero else "a positive number of seconds"
-    return f"{kind}, at most {MAX_SECONDS:g} (a week)"
+    return f"{kind}, at most {most:g}" + (" (a week)" if most == MAX_SECONDS else "")
 
 
-def duration(value: object, *, zero: bool = False) -> float:
-    """``value`` (a number, or its text) as seconds under :func:`rule`.
+def duration(value: object, *, zero: bool = False, most: float = MAX_SECONDS) -> float:
+    """``value`` (a number, or its text) as seconds under :func:`rule` (``most`` at most
+    :data:`MAX_SECONDS`).
 
     Raises:
         ValueError: not a number, or outside the rule (the caller names the setting).
@@ -41,7 +43,8 @@ def duration(value: object, *, zero: bool = False) -> float:
         seconds = float(value) if isinstance(value, (int, float, str)) else math.nan
     except ValueError:
         seconds = math.nan
-    if not (math.isfinite(seconds) and (seconds >= 0 if zero else seconds > 0) and seconds <= MAX_SECONDS):
+    low_ok = seconds >= 0 if zero else seconds > 0
+    if not (math.isfinite(seconds) and low_ok and seconds <= min(most, MAX_SECONDS)):
         raise ValueError(value)
     return seconds
 

@@ -15,8 +15,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from sarcomm.common.client.coordinator_client import CoordinatorClient
+from sarcomm.common.constants import MAX_LAST_CALL_TIMEOUT
 from sarcomm.common.durations import MAX_SECONDS, duration
 from sarcomm.common.errors import InvalidArgumentError
+from sarcomm.common.flags import seconds_up_to
 from sarcomm.coordinator import cli as coordinator_cli
 from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.config import Limits
@@ -36,7 +38,9 @@ ENDPOINT = "127.0.0.1:1"
         ("join_timeout", "1e12", RULE),
         ("join_timeout", "1e300", RULE),
         ("read_timeout", "1e15", RULE),
-        ("last_call_timeout", "1e9", RULE_ZERO),
+        # The Join's own bound, checked in the rendezvous before any call.
+        ("last_call_timeout", "1e9", "a number of seconds >= 0, at most 3600"),
+        ("last_call_timeout", "3601", "a number of seconds >= 0, at most 3600"),
         ("join_timeout", "inf", RULE),
     ],
 )
@@ -62,7 +66,12 @@ def test_a_week_is_the_longest_duration_taken() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "rule"),
-    [("--join-timeout", RULE), ("--heartbeat-interval", RULE), ("--last-call-timeout", RULE_ZERO)],
+    [
+        ("--join-timeout", RULE),
+        ("--heartbeat-interval", RULE),
+        # The Join's own bound (0..3600), checked by the agent first (exit 2 naming the flag).
+        ("--last-call-timeout", seconds_up_to(MAX_LAST_CALL_TIMEOUT)[1]),
+    ],
 )
 def test_sar_worker_refuses_a_huge_duration_flag(flag: str, rule: str) -> None:
     argv = ["--coord", "head:50051", "--job", "gnn", "--world-size", "2:4", flag, "1e12", "--", "x"]

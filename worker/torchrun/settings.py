@@ -28,6 +28,7 @@ from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     DEFAULT_JOIN_TIMEOUT,
     DEFAULT_LAST_CALL_TIMEOUT,
+    MAX_LAST_CALL_TIMEOUT,
     TOKEN_FILE_VARIABLE,
     is_job_name,
 )
@@ -119,19 +120,28 @@ class RendezvousSettings:
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             join_timeout=_seconds(config, "join_timeout", DEFAULT_JOIN_TIMEOUT, positive=True),
-            last_call_timeout=_seconds(config, _KEYS[1], DEFAULT_LAST_CALL_TIMEOUT, positive=False),
+            last_call_timeout=_seconds(
+                config, _KEYS[1], DEFAULT_LAST_CALL_TIMEOUT, positive=False, most=MAX_LAST_CALL_TIMEOUT
+            ),
             read_timeout=_seconds(config, "read_timeout", DEFAULT_READ_TIMEOUT, positive=True),
             token=read_token_file(token_file, TOKEN_FILE_VARIABLE) if token_file else None,
             tls=client_tls_setting(environ),
         )
 
 
-def _seconds(config: Mapping[str, Any], key: str, default: float, *, positive: bool) -> float:
+def _seconds(
+    config: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    positive: bool,
+    most: float = durations.MAX_SECONDS,
+) -> float:
     raw = config.get(key)
     if raw is None:
         return default
     try:
-        return durations.duration(raw, zero=not positive)
+        return durations.duration(raw, zero=not positive, most=most)
     except ValueError:
-        rule = durations.rule(zero=not positive)
+        rule = durations.rule(zero=not positive, most=most)
         raise InvalidArgumentError(f"--rdzv-conf {key}={shorten(raw)} must be {rule}") from None
