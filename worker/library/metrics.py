@@ -162,6 +162,15 @@ class CollectiveStats:
         if len(pending) >= _FOLD_AT:
             self._fold()
 
+    def record(self, duration_ns: int, nbytes: int) -> None:
+        """Record one successful call, measured elsewhere (``duration_ns``: an nccl work's time on
+        the GPU), that ends now, having sent ``nbytes`` bytes. Never blocks; never raises."""
+        end_ns = _perf_counter_ns()
+        pending = self._pending
+        pending.append((duration_ns, nbytes, end_ns))
+        if len(pending) >= _FOLD_AT:
+            self._fold()
+
     def error(self) -> None:
         """Record one call that raised. Never raises."""
         with self._lock:
