@@ -75,7 +75,8 @@ def _check_scrape(target: str, record: dict[str, Any], job: str) -> None:
     labels = {"op": "all_reduce", "backend": "gloo"}
     count = sample(text, "sar_collective_duration_seconds_count", **labels)
     total = sample(text, "sar_collective_duration_seconds_sum", **labels)
-    assert count is not None and total is not None, f"rank {rank} recorded no all_reduce:\n{text[:3000]}"
+    assert count is not None, f"rank {rank} recorded no all_reduce:\n{text[:3000]}"
+    assert total is not None
     assert count >= record["steps"] + 5, f"rank {rank}: {count} all_reduces counted, {record['steps']} steps"
     assert 0 < total <= record["step_s"] + record["calls_s"], (rank, total, record)
     assert (sample(text, "sar_collective_bytes_total", **labels) or 0) > 0
@@ -99,8 +100,8 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
         [
             *SAR_WORKER, "--coord", coord.grpc_target, "--job", "zc-agent", "--world-size", "3",
             "--nproc-per-node", "3", "--backend", "gloo", "--heartbeat-interval", "0.25",
-            "--join-timeout", "120", "--", sys.executable, str(SCRIPT), str(worker_out), "--steps", str(STEPS),
-            "--break-rank", "1", "--optout-rank", "2",
+            "--join-timeout", "120", "--", sys.executable, str(SCRIPT), str(worker_out),
+            "--steps", str(STEPS), "--break-rank", "1", "--optout-rank", "2",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
@@ -111,14 +112,16 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
         assert all(r["ok"] for r in records.values()), records
         assert all(r["instrumented"] for r in records.values()), records
         library = [r for r in records.values() if "counted" in r]
-        assert len(library) == 2 and all(r["counted"] == r["ran"] for r in library), library
+        assert len(library) == 2, records
+        assert all(r["counted"] == r["ran"] for r in library), library
         groups = _sd(coord, "zc-torchrun", 4)
         agent_ports = set().union(*(_listening_ports(n.proc.pid) for n in nodes if n.proc is not None))
         for group in groups:
             record = records[int(group["labels"]["rank"])]
             (target,) = group["targets"]
             port = int(target.rsplit(":", 1)[1])
-            assert port in _listening_ports(record["pid"]) and port not in agent_ports, (group, record)
+            assert port in _listening_ports(record["pid"]), (group, record)
+            assert port not in agent_ports, (group, record)
             _check_scrape(target, record, "zc-torchrun")
         for node in nodes:
             assert FAILED_LINE not in node.log(), node.log()
@@ -144,4 +147,5 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
     assert codes == [0, 0], "\n".join(n.log() for n in nodes)
     assert agent.returncode == 0, output
     failed = [line for line in output.splitlines() if FAILED_LINE in line]
-    assert len(failed) == 1 and "SAR_METRICS_PORT" in failed[0], output
+    assert len(failed) == 1, output
+    assert "SAR_METRICS_PORT" in failed[0], output

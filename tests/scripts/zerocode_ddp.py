@@ -9,10 +9,12 @@ Usage: ``zerocode_ddp.py OUT_DIR --steps N [--library] [--break-rank R] [--optou
 - ``--optout-rank R``: global rank R sets ``SAR_AUTO_METRICS=0`` before it imports torch.
 
 Each rank trains N steps, then makes 5 all_reduces of ``rank + 1`` (``dist.all_reduce``, or
-``sar.all_reduce`` with ``--library``). The steps run on a one-layer model whose weight gradient, averaged by DDP's all_reduce, is known: input ``rank + 1`` everywhere gives ``batch * (W + 1) / 2`` on every rank. It then writes
-one JSON line to ``OUT_DIR/<pid>.json`` (its rank, the steps' and the 5 calls' wall times, whether every value
-was right, whether its instrumentation is on, and with ``--library`` how many all_reduces the
-metrics counted against how many ran), and waits for ``OUT_DIR/stop`` (at most 200 s) so that the
+``sar.all_reduce`` with ``--library``). The steps run on a one-layer model whose weight gradient,
+averaged by DDP's all_reduce, is known: input ``rank + 1`` everywhere gives
+``batch * (W + 1) / 2`` on every rank. It then writes one JSON line to ``OUT_DIR/<pid>.json`` (its
+rank, the steps' and the 5 calls' wall times, whether every value was right, whether its
+instrumentation is loaded and on, and with ``--library`` how many all_reduces the metrics counted
+against how many ran), and waits for ``OUT_DIR/stop`` (at most 200 s) so that the
 test scrapes its ``/metrics`` before it exits.
 """
 
@@ -33,9 +35,9 @@ parser.add_argument("--break-rank", type=int, default=-1)
 parser.add_argument("--optout-rank", type=int, default=-1)
 args = parser.parse_args()
 RANK = int(os.environ["RANK"])
-if RANK == args.break_rank:
+if args.break_rank == RANK:
     os.environ["SAR_METRICS_PORT"] = "not-a-port"
-if RANK == args.optout_rank:
+if args.optout_rank == RANK:
     os.environ["SAR_AUTO_METRICS"] = "0"
 
 import torch  # noqa: E402 - after the variables above, which its entry points read
@@ -84,7 +86,7 @@ def main() -> int:
         record["ran"] = args.steps + LIBRARY_CALLS
     zerocode = sys.modules.get("sarcomm.worker.library.zerocode")
     record["loaded"] = zerocode is not None
-    record["instrumented"] = zerocode is not None and bool(zerocode.active())  # type: ignore[attr-defined]
+    record["instrumented"] = zerocode is not None and bool(zerocode.active())
     record["ok"] = ok
     (args.out / f"{os.getpid()}.json").write_text(json.dumps(record))
     deadline = time.monotonic() + STOP_WAIT_S
