@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from sarcomm.common.messages import Assignment, JoinResult
+from sarcomm.worker import bandwidth
 from sarcomm.worker.agent import cli
 from sarcomm.worker.agent.config import AgentConfig, rank_environment
 from sarcomm.worker.autometrics import entry
@@ -252,3 +253,21 @@ def test_hook_decision() -> None:
     assert hook_decision("nccl", False) == "hook"
     assert hook_decision("nccl", True).startswith("the script registered")
     assert hook_decision("ucc", False).startswith("its CUDA backend is ucc")
+
+
+# -- bandwidth -----------------------------------------------------------------------------------
+
+
+def test_sent_bus_factor_turns_bytes_sent_into_nccl_tests_busbw() -> None:
+    """A world of 4, size S bytes in time 1: nccl-tests' busbw is S x its factor; the bytes a rank
+    sends per op (all of S, S/4, 3S/4, S at the root) times sent_bus_factor give the same."""
+    size, world = 1024.0, 4
+    sent = {"all_reduce": size, "all_gather": size / 4, "reduce_scatter": size * 3 / 4,
+            "all_to_all": size * 3 / 4, "broadcast": size}  # fmt: skip
+    for op, nbytes in sent.items():
+        factor, per_sent = bandwidth.bus_factor(op, world), bandwidth.sent_bus_factor(op, world)
+        assert factor is not None
+        assert per_sent is not None
+        assert nbytes * per_sent == pytest.approx(size * factor), op
+    assert bandwidth.sent_bus_factor("all_reduce", 1) == 0.0
+    assert bandwidth.sent_bus_factor("send", 4) is None

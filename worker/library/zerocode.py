@@ -47,30 +47,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class OpSpec:
-    """A ``c10d`` op the kernels time: its label (the library's op names) and the argument whose
-    tensors are the payload this rank sends (its bytes are counted; -1: none)."""
+    """A ``c10d`` op the kernels time: its label (the library's op names), the argument whose
+    tensors are the payload (-1: none) and which of it this rank sends, as the library counts:
+    "all" of it, the "others'" parts (n - 1 of n), or all of it at the "root" only."""
 
     label: str
     payload_arg: int
+    sends: str = "all"
 
 
 #: Every ``c10d`` op of torch 2.x's ``Ops.cpp`` that moves data, by its name in the dispatcher.
 C10D_OPS: Final[dict[str, OpSpec]] = {
     "allreduce_": OpSpec("all_reduce", 0),
     "allreduce_coalesced_": OpSpec("all_reduce", 0),
-    "broadcast_": OpSpec("broadcast", 0),
+    "broadcast_": OpSpec("broadcast", 0, "root"),
     "allgather_": OpSpec("all_gather", 1),
     "_allgather_base_": OpSpec("all_gather", 1),
     "allgather_coalesced_": OpSpec("all_gather", 1),
     "allgather_into_tensor_coalesced_": OpSpec("all_gather", 1),
-    "reduce_scatter_": OpSpec("reduce_scatter", 1),
-    "_reduce_scatter_base_": OpSpec("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": OpSpec("reduce_scatter", 1),
+    "reduce_scatter_": OpSpec("reduce_scatter", 1, "others"),
+    "_reduce_scatter_base_": OpSpec("reduce_scatter", 1, "others"),
+    "reduce_scatter_tensor_coalesced_": OpSpec("reduce_scatter", 1, "others"),
     "reduce_": OpSpec("reduce", 0),
     "gather_": OpSpec("gather", 1),
     "scatter_": OpSpec("scatter", 1),
-    "alltoall_": OpSpec("all_to_all", 1),
-    "alltoall_base_": OpSpec("all_to_all", 1),
+    "alltoall_": OpSpec("all_to_all", 1, "others"),
+    "alltoall_base_": OpSpec("all_to_all", 1, "others"),
     "send": OpSpec("send", 0),
     "recv_": OpSpec("recv", -1),
     "barrier": OpSpec("barrier", -1),
@@ -213,9 +215,22 @@ def _on_done(
     return done
 
 
-def _make_kernel(overload: Any, spec: OpSpec, group_arg: int) -> Callable[..., Any]:
+def _sent(spec: OpSpec, args: tuple[Any, ...], group: Any, root_arg: int) -> int:
+    """The bytes this rank sends in the call, as the library's wrappers count them."""
+    if spec.payload_arg < 0:
+        return 0
+    nbytes = _nbytes(args[spec.payload_arg])
+    if spec.sends == "others":
+        size = group.size()
+        return nbytes * (size - 1) // size if size > 0 else 0
+    if spec.sends == "root":
+        return nbytes if group.rank() == args[root_arg] else 0
+    return nbytes
+
+
+def _make_kernel(overload: Any, spec: OpSpec, group_arg: int, root_arg: int) -> Callable[..., Any]:
     redispatch = overload.redispatch
-    label, payload_arg = spec.label, spec.payload_arg
+    label = spec.label
 
     def kernel(keyset: Any, *args: Any) -> Any:
         below = keyset & _BELOW
@@ -227,7 +242,7 @@ def _make_kernel(overload: Any, spec: OpSpec, group_arg: int) -> Callable[..., A
         try:
             group = _ProcessGroup.unbox(args[group_arg])
             stats = _stats(label, _backend(cuda, group))
-            nbytes = _nbytes(args[payload_arg]) if payload_arg >= 0 else 0
+            nbytes = _sent(spec, args, group, root_arg)
             writer = _state.writer if not _tls.depth else None
             timing = _groups.timing(group, _state.backends[True]) if cuda else None
         except Exception as exc:
@@ -276,7 +291,8 @@ def _register() -> torch.library.Library:
             continue
         overload = packet.default
         names = [a.name for a in overload._schema.arguments]
-        kernel = _make_kernel(overload, spec, names.index("process_group"))
+        root = names.index("root_rank") if "root_rank" in names else -1
+        kernel = _make_kernel(overload, spec, names.index("process_group"), root)
         for key in _KEYS:
             library.impl(name, kernel, key, with_keyset=True)  # type: ignore[no-untyped-call]
     return library
