@@ -44,7 +44,7 @@ SAR_WORKER_RANK = {"RANK": "0", "LOCAL_RANK": "0", "SAR_PROGRESS_FILE": "/tmp/p"
         ({"RANK": "0", "LOCAL_RANK": "0"}, Decision(False)),  # a rank of another launcher
         ({}, Decision(False)),
         ({**TORCHRUN_WORKER, "SAR_AUTO_METRICS_PID": "7"}, Decision(False, "torchrun")),  # its child
-        ({**TORCHRUN_WORKER, "SAR_AUTO_METRICS_PID": "42"}, Decision(True, "torchrun")),  # itself again
+        ({**TORCHRUN_WORKER, "SAR_AUTO_METRICS_PID": "42"}, Decision(False, "torchrun")),  # on already
         ({**SAR_WORKER_RANK, "SAR_AUTO_METRICS": "0"}, Decision(False, "sar-worker")),
         ({**SAR_WORKER_RANK, "SAR_AUTO_METRICS": "1"}, Decision(True, "sar-worker")),
     ],

@@ -2,7 +2,8 @@
 and ``DistributedDataParallel`` on gloo, no sarcomm import (``--library``: the script also uses
 sarcomm's library, ``sar.init()`` and ``sar.all_reduce``).
 
-Usage: ``zerocode_ddp.py OUT_DIR --steps N [--library] [--break-rank R] [--optout-rank R]``
+Usage: ``zerocode_ddp.py OUT_DIR --steps N [--library] [--break-rank R] [--optout-rank R]
+[--backend nccl]`` (nccl: the model and data on the local rank's GPU; ``scripts/gpu-check.sh``)
 
 - ``--break-rank R``: global rank R sets a malformed ``SAR_METRICS_PORT`` before it imports torch,
   so that its zero-code instrumentation fails (it must train on and say so once);
@@ -33,6 +34,7 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--library", action="store_true")
 parser.add_argument("--break-rank", type=int, default=-1)
 parser.add_argument("--optout-rank", type=int, default=-1)
+parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
 args = parser.parse_args()
 RANK = int(os.environ["RANK"])
 if args.break_rank == RANK:
@@ -50,25 +52,32 @@ STOP_WAIT_S = 200.0
 def all_reduce_count() -> int:
     from sarcomm.worker.library import metrics
 
-    return next((s.count for s in metrics.all_stats() if (s.op, s.backend) == ("all_reduce", "gloo")), 0)
+    key = ("all_reduce", args.backend)
+    return next((s.count for s in metrics.all_stats() if (s.op, s.backend) == key), 0)
 
 
 def main() -> int:
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
     if args.library:
         import sarcomm.worker as sar
 
-        sar.init(backend="gloo")
+        sar.init(backend=args.backend)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(args.backend)
     world = dist.get_world_size()
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(WIDTH, WIDTH, bias=False))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(WIDTH, WIDTH, bias=False).to(device))
     expected = BATCH * (world + 1) / 2
     counted_before = all_reduce_count() if args.library else 0
     ok, spent = True, 0.0
     for _ in range(args.steps):
         model.zero_grad()
         start = time.perf_counter()
-        model(torch.full((BATCH, WIDTH), float(RANK + 1))).sum().backward()
+        model(torch.full((BATCH, WIDTH), float(RANK + 1), device=device)).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         spent += time.perf_counter() - start
         grad = model.module.weight.grad
         ok = ok and grad is not None and bool(torch.all(grad == expected))
@@ -77,7 +86,7 @@ def main() -> int:
     all_reduce = sar.all_reduce if args.library else dist.all_reduce
     start = time.perf_counter()
     for _ in range(LIBRARY_CALLS):
-        value = torch.tensor([float(RANK + 1)])
+        value = torch.tensor([float(RANK + 1)], device=device)
         all_reduce(value)
         ok = ok and value.item() == world * (world + 1) / 2
     record["calls_s"] = time.perf_counter() - start

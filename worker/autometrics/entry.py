@@ -54,7 +54,8 @@ def decide(env: Mapping[str, str], pid: int) -> Decision:
        ``sar-worker`` has ``SAR_PROGRESS_FILE``. Anything else (torchrun's agent, a rank of another
        launcher, a plain script) is left alone.
     2. A process a rank started inherits those variables: ``SAR_AUTO_METRICS_PID``, set by the rank
-       that turned on, tells it apart.
+       that turned on, tells it apart; the rank itself, seeing its own pid there, is on already (a
+       second copy of the entry point, e.g. sarcomm installed twice).
     3. ``SAR_AUTO_METRICS=0`` turns it off; unset or "1" leaves it on; another value is said and
        counts as off.
     """
@@ -66,8 +67,7 @@ def decide(env: Mapping[str, str], pid: int) -> Decision:
         launcher = "sar-worker"
     else:
         return Decision(False)
-    owner = env.get(AUTO_METRICS_PID_VARIABLE)
-    if owner and owner != str(pid):
+    if env.get(AUTO_METRICS_PID_VARIABLE):
         return Decision(False, launcher)
     value = env.get(AUTO_METRICS_VARIABLE, "").strip()
     if value == "0":
