@@ -99,9 +99,7 @@ def rank_check(coord: str, tmp: Path) -> None:
             check(row["zerocode_us"] > 10 * row["launch_us"], f"{row['bytes']} B: far above the launch time")
     library = result["library_all_reduce_64MiB"]
     calls, recorded = library["calls"], library["recorded_us"]
-    print(
-        f"library sar.all_reduce 64 MiB: {calls} calls, {recorded:.1f} us recorded each (the call's wall time)"
-    )
+    print(f"library sar.all_reduce 64 MiB: {calls} calls, {recorded:.1f} us recorded each (wall time)")
     check(library["calls"] >= 20, "the library's calls counted once each")
 
 
