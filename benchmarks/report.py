@@ -50,6 +50,7 @@ from renderers import (
     soak,
     state_writes,
     torchrun_rendezvous,
+    zerocode,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +79,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "big_job": big_job.section,
     "before_after": before_after.section,
     "bursts": bursts.section,
+    "zerocode": zerocode.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).

@@ -40,7 +40,7 @@ from sarcomm.worker.library import gpu_timing, metrics, services
 from sarcomm.worker.library.collectives import timing
 from sarcomm.worker.progress import ProgressWriter
 
-__all__ = ["C10D_OPS", "OpSpec", "active", "install", "library_call_depth"]
+__all__ = ["C10D_OPS", "OpSpec", "active", "install", "library_call_depth", "set_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -215,16 +215,16 @@ def _on_done(
     return done
 
 
-def _sent(spec: OpSpec, args: tuple[Any, ...], group: Any, root_arg: int) -> int:
+def _sent(spec: OpSpec, args: tuple[Any, ...], group_arg: int, root_arg: int) -> int:
     """The bytes this rank sends in the call, as the library's wrappers count them."""
     if spec.payload_arg < 0:
         return 0
     nbytes = _nbytes(args[spec.payload_arg])
     if spec.sends == "others":
-        size = group.size()
+        size = _ProcessGroup.unbox(args[group_arg]).size()
         return nbytes * (size - 1) // size if size > 0 else 0
     if spec.sends == "root":
-        return nbytes if group.rank() == args[root_arg] else 0
+        return nbytes if _ProcessGroup.unbox(args[group_arg]).rank() == args[root_arg] else 0
     return nbytes
 
 
@@ -240,11 +240,15 @@ def _make_kernel(overload: Any, spec: OpSpec, group_arg: int, root_arg: int) -> 
         if _tls.depth and not cuda:  # the library's wrapper records it
             return redispatch(below, *args)
         try:
-            group = _ProcessGroup.unbox(args[group_arg])
-            stats = _stats(label, _backend(cuda, group))
-            nbytes = _sent(spec, args, group, root_arg)
+            # Unboxing the group costs microseconds: only on first sight of a device kind, for
+            # CUDA works (their group's hook) and for the ops whose bytes depend on it.
+            backend = _state.backends.get(cuda)
+            if backend is None:
+                backend = _backend(cuda, _ProcessGroup.unbox(args[group_arg]))
+            stats = _stats(label, backend)
+            nbytes = _sent(spec, args, group_arg, root_arg)
             writer = _state.writer if not _tls.depth else None
-            timing = _groups.timing(group, _state.backends[True]) if cuda else None
+            timing = _groups.timing(_ProcessGroup.unbox(args[group_arg]), backend) if cuda else None
         except Exception as exc:
             _fail(exc)
             return redispatch(below, *args)
@@ -306,6 +310,8 @@ def _set_writer(writer: ProgressWriter | None) -> None:
 def install(launcher: str) -> None:
     """Instrument this rank (``launcher``: who started it, for the log line). Raises what goes
     wrong; the entry point says it and leaves the rank as it was."""
+    if _state.on:  # a second entry point loading this in one process
+        return
     env = process_environ()
     _state.rank_label = rank_identity(env).rank_label
     # After the collectives' own listener (registered when they were imported): the wrappers'
@@ -317,6 +323,17 @@ def install(launcher: str) -> None:
     _state.library = _register()
     _state.on = True
     log.debug("sarcomm: rank %s (%s): zero-code metrics on", _state.rank_label, launcher)
+
+
+def set_kernels(on: bool) -> None:
+    """Register (True) or remove (False) the dispatcher kernels of an instrumented rank: removed, a
+    collective runs exactly as without sarcomm. For benchmarks that compare both in one process
+    (``benchmarks/zerocode.py``); nothing else calls it."""
+    if on and _state.library is None:
+        _state.library = _register()
+    elif not on and _state.library is not None:
+        _state.library._destroy()  # type: ignore[no-untyped-call]
+        _state.library = None
 
 
 # The module is imported by the entry point only; keep a reference to dist so that the c10d ops
