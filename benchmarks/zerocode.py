@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -104,10 +105,10 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
         for label, nbytes in PER_CALL.items():
             tensor = torch.zeros(max(1, nbytes // 4))
             variants: dict[str, Callable[[], Any]] = {
-                "bare_off": lambda t=tensor: dist.all_reduce(t),
-                "bare_on": lambda t=tensor: dist.all_reduce(t),
-                "library_off": lambda t=tensor: sar.all_reduce(t),
-                "library_on": lambda t=tensor: sar.all_reduce(t),
+                "bare_off": functools.partial(dist.all_reduce, tensor),
+                "bare_on": functools.partial(dist.all_reduce, tensor),
+                "library_off": functools.partial(sar.all_reduce, tensor),
+                "library_on": functools.partial(sar.all_reduce, tensor),
             }
             calls = 200 if nbytes < (1 << 20) else 10
             per_call[label] = _blocks(variants, calls // (2 if quick else 1), 6 if quick else 20, toggle)
