@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from tests.conftest import CoordinatorProcess
-from tests.helpers import SAR_WORKER, sd_groups, wait_for
+from tests.helpers import SAR_WORKER, wait_for, wait_for_sd
 from tests.test_torchrun_sd import sample, scrape
 from tests.torchrun_nodes import SLOW_S, TRAIN, Node, torchrun_args
 
@@ -47,15 +47,6 @@ def _records(out: Path, ranks: int) -> dict[int, dict[str, Any]]:
         return found if len(found) == ranks else None
 
     return wait_for(written, SLOW_S, what=f"{ranks} ranks to train under {out}", interval=0.2)
-
-
-def _sd(coord: CoordinatorProcess, job: str, count: int) -> list[dict[str, Any]]:
-    def listed() -> list[dict[str, Any]] | None:
-        groups = sd_groups(coord.http_url, job)
-        return groups if len(groups) == count else None
-
-    groups = wait_for(listed, SLOW_S, what=f"/sd to list {count} endpoints of {job!r}", interval=0.2)
-    return sorted(groups, key=lambda g: int(g["labels"]["rank"]))
 
 
 def _listening_ports(pid: int) -> set[int]:
@@ -114,7 +105,7 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
         library = [r for r in records.values() if "counted" in r]
         assert len(library) == 2, records
         assert all(r["counted"] == r["ran"] for r in library), library
-        groups = _sd(coord, "zc-torchrun", 4)
+        groups = wait_for_sd(coord.http_url, "zc-torchrun", 4, timeout=SLOW_S)
         agent_ports = set().union(*(_listening_ports(n.proc.pid) for n in nodes if n.proc is not None))
         for group in groups:
             record = records[int(group["labels"]["rank"])]
@@ -130,7 +121,7 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
         ranks = _records(worker_out, 3)
         assert all(r["ok"] for r in ranks.values()), ranks
         assert [ranks[i]["instrumented"] for i in range(3)] == [True, False, False]
-        (group,) = _sd(coord, "zc-agent", 1)
+        (group,) = wait_for_sd(coord.http_url, "zc-agent", 1, timeout=SLOW_S)
         assert group["labels"]["rank"] == "0"
         _check_scrape(group["targets"][0], ranks[0], "zc-agent")
         assert not ranks[2]["loaded"], "an opted-out rank loads nothing of the instrumentation"
