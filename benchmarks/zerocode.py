@@ -7,7 +7,8 @@
    bare ``dist.all_reduce``; the same with zero-code on; the library's ``sar.all_reduce`` alone;
    the library's with zero-code on (the kernel steps aside: counted once);
 3. ``world1``: a 4-byte all_reduce in a one-rank group, bare against the library's wrapper (the
-   wrapper's whole cost), and the wrapper's parts timed alone (where the cost goes).
+   wrapper's whole cost), and the wrapper's parts timed alone (where the cost goes); the same
+   bare call against the zero-code kernel handing it on and recording it (where its cost goes).
 
 Each figure is a median over many interleaved blocks, with the process CPU time beside the wall
 time (the machine is shared: CPU time is less disturbed by other load).
@@ -121,10 +122,22 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
             2000, 20 if quick else 60, lambda name: None,
         )  # fmt: skip
         result["parts"] = _parts(tensor, timing)
+        result["kernel"] = _blocks(
+            {"bare": lambda: dist.all_reduce(tensor), "handed_on": lambda: dist.all_reduce(tensor),
+             "recorded": lambda: dist.all_reduce(tensor)},
+            500, 10 if quick else 30, lambda name: _kernel_mode(zerocode, name),
+        )  # fmt: skip
     if rank == 0:
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _kernel_mode(zerocode: Any, name: str) -> None:
+    """bare: no kernels; handed_on: the kernel runs and hands the call on (as inside the library's
+    wrappers: its per-thread depth raised); recorded: the whole zero-code path."""
+    zerocode.set_kernels(name != "bare")
+    zerocode._tls.depth = 1 if name == "handed_on" else 0
 
 
 def _parts(tensor: Any, timing: Any) -> dict[str, float]:
