@@ -53,6 +53,7 @@ from renderers import (
     soak,
     state_writes,
     torchrun_rendezvous,
+    zerocode,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +83,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "before_after": before_after.section,
     "bursts": bursts.section,
     "etcd_history": etcd_history.section,
+    "zerocode": zerocode.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: Benchmarks recorded more than once: one section for all their recordings (``NAME.json`` and

@@ -14,6 +14,8 @@ from typing import Final
 
 __all__ = [
     "AGENT_PID_VARIABLE",
+    "AUTO_METRICS_PID_VARIABLE",
+    "AUTO_METRICS_VARIABLE",
     "BACKENDS",
     "BACKEND_VARIABLE",
     "COLLECTIVE_TIMEOUT_VARIABLE",
@@ -55,6 +57,8 @@ __all__ = [
     "TLS_CERT_VARIABLE",
     "TLS_KEY_VARIABLE",
     "TOKEN_FILE_VARIABLE",
+    "TORCH_AUTOLOAD_VARIABLE",
+    "TORCH_NCCL_TIMING_VARIABLE",
     "WORLD_SIZE_VARIABLE",
     "EventKind",
     "FailureReason",
@@ -133,6 +137,19 @@ EXTRA_PORTS_VARIABLE: Final = "SAR_EXTRA_PORTS"
 MAX_EXTRA_PORTS: Final = 64
 #: The pid of the ``sar-worker`` that started a rank; a rank whose agent is gone stops itself.
 AGENT_PID_VARIABLE: Final = "SAR_AGENT_PID"
+#: Zero-code metrics of a rank started by ``sar-worker`` or ``torchrun --rdzv-backend=sarcomm``
+#: (:mod:`sarcomm.worker.autometrics`): on unless "0" (``sar-worker --no-auto-metrics`` and
+#: torchrun's ``--rdzv-conf auto_metrics=0`` set it so).
+AUTO_METRICS_VARIABLE: Final = "SAR_AUTO_METRICS"
+#: Set by the rank that turned its zero-code metrics on, to its pid: a process it starts (a
+#: DataLoader worker, a spawned helper) inherits the rank's variables but is not the rank.
+AUTO_METRICS_PID_VARIABLE: Final = "SAR_AUTO_METRICS_PID"
+#: torch's own switch for its ``torch.backends`` entry points ("0": none is loaded, sarcomm's
+#: zero-code metrics included).
+TORCH_AUTOLOAD_VARIABLE: Final = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+#: torch's switch for the CUDA events ProcessGroupNCCL records around each work: a rank with
+#: zero-code metrics on sets it to 1 unless it is set (the completion hook's GPU time needs it).
+TORCH_NCCL_TIMING_VARIABLE: Final = "TORCH_NCCL_ENABLE_TIMING"
 
 #: The coordinator's documented defaults (``--heartbeat-interval``, ``--heartbeat-misses``,
 #: ``--join-timeout``), in seconds and counts; clients size their own deadlines from them.

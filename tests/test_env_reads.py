@@ -32,6 +32,11 @@ READERS_ALLOWED: dict[str, str] = {
         "the one reader of the rank side: the launchers' variables and every SAR_*/SARCOMM_* setting "
         "a rank reads, and process_environ(), the library's only access to os.environ"
     ),
+    "worker/autometrics/entry.py": (
+        "runs inside every `import torch` of the environment (torch's entry point): it reads the few "
+        "variables that tell a rank sarcomm started before importing anything, since launch_env "
+        "imports gRPC (0.4 s) and a process that is not a rank must pay nothing"
+    ),
     "common/flags.py": (
         "the one flag-and-variable mechanism of both programs: every flag also reads SARCOMM_<FLAG> "
         "(DESIGN.md), from the mapping the program's main passes in"

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.worker import bandwidth
 from sarcomm.worker.agent.config import AgentConfig
 from sarcomm.worker.agent.runner import EXIT_USAGE, run_agent
 
@@ -265,20 +266,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bus_factor(op: str, world: int) -> float:
     """nccl-tests' bus bandwidth factor of ``op`` in a world of ``world`` ranks: busbw = algbw x
-    factor is what each link carries, so it compares with the hardware's bandwidth.
+    factor is what each link carries, so it compares with the hardware's bandwidth (the formulas:
+    :mod:`sarcomm.worker.bandwidth`).
 
     Raises:
         InvalidArgumentError: ``op`` is not one of :data:`OPS`, or ``world`` < 1.
     """
     if world < 1:
         raise InvalidArgumentError(f"world={world} must be an integer >= 1.")
-    if op == "all_reduce":
-        return 2 * (world - 1) / world
-    if op in _SPLIT_OPS:
-        return (world - 1) / world
-    if op == "broadcast":
-        return 1.0
-    raise InvalidArgumentError(f"op={shorten(op)} must be one of {', '.join(OPS)}.")
+    factor = bandwidth.bus_factor(op, world) if op in OPS else None
+    if factor is None:
+        raise InvalidArgumentError(f"op={shorten(op)} must be one of {', '.join(OPS)}.")
+    return factor
 
 
 def element_count(op: str, nbytes: int, itemsize: int, world: int) -> int:

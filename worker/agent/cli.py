@@ -45,6 +45,7 @@ from sarcomm.common.constants import (
     TLS_CA_VARIABLE,
     TLS_CERT_VARIABLE,
     TLS_KEY_VARIABLE,
+    TORCH_AUTOLOAD_VARIABLE,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
 from sarcomm.common.flags import (
@@ -56,6 +57,7 @@ from sarcomm.common.flags import (
     resolve_all,
     seconds,
     seconds_up_to,
+    switch,
 )
 from sarcomm.common.tls import TLS_FLAGS, ClientTls, read_token_file
 from sarcomm.worker.agent import bench
@@ -155,6 +157,9 @@ _OPTIONS: tuple[Option, ...] = (
             "gets P+i; 0: any free port; -1: none", default=0, metavar="P"),
     Option("--metrics-host", _ip_or_empty, "an IP address of this host", "address the ranks serve "
             "/metrics on, e.g. 127.0.0.1 (default: every interface)", default="", metavar="HOST"),
+    Option("--no-auto-metrics", switch, "a boolean word (1, true, yes, on or 0, false, no, off)",
+            "no zero-code metrics in the ranks (SAR_AUTO_METRICS=0 for them): a rank whose script "
+            "does not use sarcomm's library then serves no /metrics", default=False, is_switch=True),
     Option("--extra-ports", *integer(0, MAX_EXTRA_PORTS), "ports after the master port to reserve "
             "with it for SAR's sampling workers, given to the ranks as SAR_EXTRA_PORTS", default=0,
             metavar="K"),
@@ -258,6 +263,7 @@ def parse(
     log_dir: Path | None = values.pop("log_dir")
     tee: Tee | None = values.pop("tee")
     world: WorldSize = values.pop("world_size")
+    auto_metrics = not values.pop("no_auto_metrics")
     # Every other option's dest is the AgentConfig field of the same name.
     config = AgentConfig(
         command=tuple(command),
@@ -267,6 +273,7 @@ def parse(
         tee=tee or (Tee.BOTH if log_dir is not None else Tee.CONSOLE),
         world_size=world.high,
         min_world_size=world.low if world.elastic else None,
+        auto_metrics=auto_metrics,
         **values,
         **(_slurm_placement(slurm, values["nproc_per_node"]) if slurm is not None else {}),
     )
@@ -320,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if subcommand is not None:
         return subcommand.run(config, args)
+    if config.auto_metrics and os.environ.get(TORCH_AUTOLOAD_VARIABLE, "1") != "1":
+        log.warning(
+            "the ranks' zero-code metrics are off: %s=%s keeps torch from loading sarcomm's entry "
+            "point (a rank that uses sarcomm's library still serves /metrics)",
+            TORCH_AUTOLOAD_VARIABLE, os.environ[TORCH_AUTOLOAD_VARIABLE],
+        )  # fmt: skip
     return run_agent(config)
 
 

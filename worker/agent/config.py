@@ -16,6 +16,7 @@ from sarcomm.common import durations
 from sarcomm.common.addresses import parse_targets
 from sarcomm.common.constants import (
     AGENT_PID_VARIABLE,
+    AUTO_METRICS_VARIABLE,
     BACKENDS,
     DEFAULT_LAST_CALL_TIMEOUT,
     HEARTBEAT_INTERVAL_VARIABLE,
@@ -142,6 +143,8 @@ class AgentConfig:
         tee: where the ranks' output goes: the console, the files or both.
         extra_ports: ports after the master port reserved with it for SAR's sampling workers
             (0..MAX_EXTRA_PORTS, default 0), handed to the ranks as ``SAR_EXTRA_PORTS``.
+        auto_metrics: the ranks' zero-code metrics (:mod:`sarcomm.worker.autometrics`); False
+            (``--no-auto-metrics``) gives them ``SAR_AUTO_METRICS=0``.
     """
 
     coord: str
@@ -166,6 +169,7 @@ class AgentConfig:
     log_dir: Path | None = None
     tee: Tee = Tee.CONSOLE
     extra_ports: int = 0
+    auto_metrics: bool = True
     min_world_size: int | None = None
     last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
 
@@ -341,5 +345,7 @@ def rank_environment(
         env[PROGRESS_FILE_VARIABLE] = str(progress_file)
     if config.metrics_host:
         env[METRICS_HOST_VARIABLE] = config.metrics_host
+    if not config.auto_metrics:
+        env[AUTO_METRICS_VARIABLE] = "0"
     env.update({name: joined.interface for name in INTERFACE_VARIABLES})
     return env

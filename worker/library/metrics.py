@@ -15,6 +15,9 @@ Exported families (all in :data:`REGISTRY`):
 - ``sar_collective_bytes_total`` counter, labels ``op``, ``backend``: payload bytes this rank sent
   to other ranks (what each op counts is listed in ``sarcomm.worker.library.collectives``).
 - ``sar_collective_errors_total`` counter, labels ``op``, ``backend``: calls that raised.
+- ``sar_collective_bus_factor`` gauge, labels ``op``, ``backend``: what turns this rank's bytes
+  sent per second spent in the op into nccl-tests' bus bandwidth (:mod:`sarcomm.worker.bandwidth`;
+  only ops with a formula, once the world size is known).
 - ``sar_worker_info`` gauge, value 1, labels ``job``, ``rank``, ``world_size``, ``backend``,
   ``generation``.
 - the standard ``process_*``, ``python_*`` and ``python_gc_*`` families.
@@ -34,7 +37,7 @@ from typing import Final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -42,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from sarcomm.common.addresses import host_port
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.worker.bandwidth import sent_bus_factor
 
 __all__ = [
     "DURATION_BUCKETS_SECONDS",
@@ -162,6 +166,15 @@ class CollectiveStats:
         if len(pending) >= _FOLD_AT:
             self._fold()
 
+    def record(self, duration_ns: int, nbytes: int) -> None:
+        """Record one successful call, measured elsewhere (``duration_ns``: an nccl work's time on
+        the GPU), that ends now, having sent ``nbytes`` bytes. Never blocks; never raises."""
+        end_ns = _perf_counter_ns()
+        pending = self._pending
+        pending.append((duration_ns, nbytes, end_ns))
+        if len(pending) >= _FOLD_AT:
+            self._fold()
+
     def error(self) -> None:
         """Record one call that raised. Never raises."""
         with self._lock:
@@ -260,7 +273,12 @@ class _CollectiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         duration, sent, errors = self._families()
+        factors = _bus_factor_family()
+        world = _world_size
         for snap in all_stats():
+            factor = sent_bus_factor(snap.op, world) if world > 0 else None
+            if factor is not None:
+                factors.add_metric([snap.op, snap.backend], factor)
             labels = [snap.op, snap.backend]
             cumulative = 0
             buckets: list[tuple[str, float]] = []
@@ -270,11 +288,11 @@ class _CollectiveCollector(Collector):
             duration.add_metric(labels, buckets, snap.sum_seconds)
             sent.add_metric(labels, float(snap.bytes_sent))
             errors.add_metric(labels, float(snap.errors))
-        yield from (duration, sent, errors)
+        yield from (duration, sent, errors, factors)
 
     def describe(self) -> Iterable[Metric]:
         # Lets the registry reject a second family of the same name when this one is registered.
-        return self._families()
+        return (*self._families(), _bus_factor_family())
 
     @staticmethod
     def _families() -> tuple[HistogramMetricFamily, CounterMetricFamily, CounterMetricFamily]:
@@ -298,6 +316,17 @@ class _CollectiveCollector(Collector):
         )
 
 
+def _bus_factor_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "sar_collective_bus_factor",
+        "Multiplies this rank's bytes sent per second inside the op into nccl-tests' bus bandwidth.",
+        labels=["op", "backend"],
+    )
+
+
+#: The world size :func:`set_worker_info` was told (0 before): the bus factors depend on it.
+_world_size = 0
+
 #: The one registry of the worker process; ``/metrics`` serves exactly this.
 REGISTRY = CollectorRegistry()
 REGISTRY.register(_CollectiveCollector())
@@ -317,7 +346,9 @@ _info_lock = threading.Lock()
 def set_worker_info(*, job: str, rank: int, world_size: int, backend: str, generation: str) -> None:
     """Set the one ``sar_worker_info`` series (replacing an earlier one, e.g. after a restart into a
     new generation). ``job`` and ``generation`` may be empty when no coordinator is involved."""
+    global _world_size
     with _info_lock:
+        _world_size = world_size
         _WORKER_INFO.clear()
         _WORKER_INFO.labels(
             job=job, rank=str(rank), world_size=str(world_size), backend=backend, generation=generation

@@ -65,6 +65,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from sarcomm.common import netinfo
 from sarcomm.common.constants import (
+    AUTO_METRICS_VARIABLE,
     COORD_VARIABLE,
     ENDPOINTS_DIR_VARIABLE,
     GENERATION_VARIABLE,
@@ -323,6 +324,8 @@ class SarcommRendezvousHandler(RendezvousHandler):
         )
         if self._endpoints is not None:
             env[ENDPOINTS_DIR_VARIABLE] = str(self._endpoints)
+        if not self._settings.auto_metrics:
+            env[AUTO_METRICS_VARIABLE] = "0"
         env.update({name: result.interface for name in INTERFACE_VARIABLES if name not in self._user_set})
 
 

@@ -8,7 +8,9 @@ and TLS files from the ``SARCOMM_*`` variables (never on the command line).
 - ``last_call_timeout`` (seconds, default :data:`DEFAULT_LAST_CALL_TIMEOUT`, 3): once MIN nodes
   have joined, the world forms when this long passes without a new arrival;
 - ``read_timeout`` (seconds, default 60): the store's timeout (the TCPStore that node rank 0's
-  agent serves to the agents and their workers).
+  agent serves to the agents and their workers);
+- ``auto_metrics`` (``1`` or ``0``, default 1): the workers' zero-code metrics
+  (:mod:`sarcomm.worker.autometrics`); 0 exports ``SAR_AUTO_METRICS=0`` to them.
 
 Keys that only torch's other backends use (``timeout``, which torchrun always sets,
 ``close_timeout``, ``keep_alive_interval``, ...) are ignored; any other key is logged as unknown.
@@ -18,6 +20,7 @@ Pure: reads only what it is given, imports neither torch nor gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,9 +33,11 @@ from sarcomm.common.constants import (
     DEFAULT_LAST_CALL_TIMEOUT,
     MAX_LAST_CALL_TIMEOUT,
     TOKEN_FILE_VARIABLE,
+    TORCH_AUTOLOAD_VARIABLE,
     is_job_name,
 )
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.flags import switch
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.worker.launch_env import client_tls_setting
 
@@ -46,7 +51,7 @@ BACKEND = "sarcomm"
 DEFAULT_READ_TIMEOUT = 60.0
 
 #: The --rdzv-conf keys this backend reads.
-_KEYS = ("join_timeout", "last_call_timeout", "read_timeout")
+_KEYS = ("join_timeout", "last_call_timeout", "read_timeout", "auto_metrics")
 # --rdzv-conf keys of torch's other backends: accepted and ignored, so that an existing command
 # line keeps working when only --rdzv-backend changes. (torchrun itself always adds "timeout".)
 _OTHER_BACKENDS_KEYS = frozenset(
@@ -77,6 +82,7 @@ class RendezvousSettings:
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
     last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    auto_metrics: bool = True
     token: str | None = None
     tls: ClientTls | None = None
 
@@ -111,9 +117,16 @@ class RendezvousSettings:
         if unknown:
             log.warning(
                 "--rdzv-conf: %s unknown to the sarcomm backend, ignored (it reads join_timeout, "
-                "last_call_timeout and read_timeout)", ", ".join(unknown),
+                "last_call_timeout, read_timeout and auto_metrics)", ", ".join(unknown),
             )  # fmt: skip
         token_file = environ.get(TOKEN_FILE_VARIABLE)
+        auto_metrics = _switch(config, "auto_metrics")
+        if auto_metrics and environ.get(TORCH_AUTOLOAD_VARIABLE, "1") != "1":
+            log.warning(
+                "job=%s: the workers' zero-code metrics are off: %s=%s keeps torch from loading "
+                "sarcomm's entry point (a worker that uses sarcomm's library still serves /metrics)",
+                params.run_id, TORCH_AUTOLOAD_VARIABLE, environ.get(TORCH_AUTOLOAD_VARIABLE),
+            )  # fmt: skip
         return cls(
             endpoint=endpoint,
             run_id=params.run_id,
@@ -124,6 +137,7 @@ class RendezvousSettings:
                 config, _KEYS[1], DEFAULT_LAST_CALL_TIMEOUT, positive=False, most=MAX_LAST_CALL_TIMEOUT
             ),
             read_timeout=_seconds(config, "read_timeout", DEFAULT_READ_TIMEOUT, positive=True),
+            auto_metrics=auto_metrics,
             token=read_token_file(token_file, TOKEN_FILE_VARIABLE) if token_file else None,
             tls=client_tls_setting(environ),
         )
@@ -145,3 +159,14 @@ def _seconds(
     except ValueError:
         rule = durations.rule(zero=not positive, most=most)
         raise InvalidArgumentError(f"--rdzv-conf {key}={shorten(raw)} must be {rule}") from None
+
+
+def _switch(config: Mapping[str, Any], key: str) -> bool:
+    """An on/off key (on when absent): the words of :func:`sarcomm.common.flags.switch`."""
+    raw = config.get(key)
+    if raw is None:
+        return True
+    with contextlib.suppress(ValueError):
+        if str(raw).strip():
+            return switch(str(raw))
+    raise InvalidArgumentError(f"--rdzv-conf {key}={shorten(raw)} must be 1 (on) or 0 (off)")
