@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import CoordinatorFailedError
+from sarcomm.common.tasks import cancel_and_wait
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
 from sarcomm.coordinator import systemd
 from sarcomm.coordinator.api.http import HttpApi
@@ -308,10 +309,7 @@ class Coordinator:
         # A term's change still on its way must not set SERVING again after the shutdown's status.
         await asyncio.gather(*self._health_updates)
         await self.health.enter_graceful_shutdown()
-        if self._lag_watcher is not None:
-            self._lag_watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lag_watcher
+        await cancel_and_wait(self._lag_watcher)
         await self._close_listeners(self.config.shutdown_grace)
         await self.seat.stop()
         log.info("coordinator stopped")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from sarcomm.common.constants import EventKind, FailureReason
 from sarcomm.common.errors import NotLeaderError, SarcommError
+from sarcomm.common.tasks import cancel_and_wait
 from sarcomm.coordinator.api.events import EventHub, FormedWaiters
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.api.service import CoordinatorService
@@ -119,9 +120,7 @@ class Term:
 
     async def _stop_sweeper(self) -> None:
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
             self._sweeper = None
 
     async def close(self) -> None:

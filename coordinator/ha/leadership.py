@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any
 
 from sarcomm.common.errors import CoordinatorFailedError, SarcommError, StoreUnavailableError
+from sarcomm.common.tasks import cancel_and_wait
 from sarcomm.coordinator.storage import etcd_client
 from sarcomm.coordinator.storage.etcd_client import EtcdClient
 
@@ -190,9 +191,7 @@ class Elector:
     async def stop(self, resign: bool = True) -> None:
         """Stop campaigning; with ``resign`` revoke the lease so a standby takes over at once."""
         if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         if self._watchdog is not None:
             self._watchdog.cancel()
         lease, self._lease = self._lease, None

@@ -11,7 +11,6 @@ stand by. A standby answers ``/v1/jobs`` and ``/sd`` from a read-only view of th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from sarcomm.common.errors import CoordinatorFailedError, NotLeaderError, StoreUnavailableError
+from sarcomm.common.tasks import cancel_and_wait
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.config import CoordinatorConfig
 from sarcomm.coordinator.domain.clock import Clock
@@ -218,10 +218,7 @@ class Replica:
         """Orderly end: write what the term still holds, then give up the lease (a standby takes
         over at once instead of after the TTL)."""
         await self.upkeep.stop()
-        if self._taking_over is not None:
-            self._taking_over.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._taking_over
+        await cancel_and_wait(self._taking_over)
         term, self.term = self.term, None
         if term is not None:
             try:

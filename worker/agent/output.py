@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sarcomm.common.errors import InvalidArgumentError, shorten
+from sarcomm.common.tasks import cancel_and_wait
 
 __all__ = [
     "DEFAULT_OUTPUT_TAG",
@@ -380,13 +381,14 @@ class RankOutput:
         return stream, kept[::-1]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for handle in self._handles:
-            handle.close()
+        try:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                await cancel_and_wait(task)
+        finally:  # the files are closed even when this close is itself cancelled
+            for handle in self._handles:
+                handle.close()
 
 
 def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
