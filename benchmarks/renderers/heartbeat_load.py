@@ -391,7 +391,7 @@ def family_section(recordings: list[Recording], ctx: Context) -> Section:
         TITLE,
         lines,
         "\n\n".join(body),
-        "\n".join(command(r.doc, r.name) for r in shown),
+        "\n".join(command(r.doc, "heartbeat_load") for r in shown),
         machine_line(newest.doc),
         plot,
         any(bool(r.doc.get("quick")) for r in shown),
