@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import baseline
 import torch
@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from render import write_page
 from renderers import all_to_all as all_to_all_page
+from renderers.all_to_all import SizeRow
 
 # Iterations per size: small sizes are dominated by scheduling noise (4 ranks on few cores), so
 # they get many; the whole default run stays under about 4 minutes.
@@ -207,8 +208,8 @@ def rank_main(
     comm.destroy_comms()
 
 
-def summarise(gathered: list[dict[int, dict[str, list[float]]]], sizes: list[int]) -> list[dict[str, Any]]:
-    rows = []
+def summarise(gathered: list[dict[int, dict[str, list[float]]]], sizes: list[int]) -> list[SizeRow]:
+    rows: list[SizeRow] = []
     for total in sizes:
         names = list(gathered[0][total])
         medians = {}
@@ -217,7 +218,7 @@ def summarise(gathered: list[dict[int, dict[str, list[float]]]], sizes: list[int
             slowest = [max(values) for values in per_iter]
             medians[name] = statistics.median(slowest)
         ours = medians["sarcomm"]
-        row = {
+        row: SizeRow = {
             "bytes_per_rank": total,
             "iterations": len(gathered[0][total]["sarcomm"]),
             "median_seconds": medians,
@@ -237,7 +238,7 @@ RATIOS = {
 }
 
 
-def print_table(rows: list[dict[str, Any]], world: int) -> None:
+def print_table(rows: list[SizeRow], world: int) -> None:
     names = list(rows[0]["median_seconds"])
     ratios = [key for key in RATIOS if key in rows[0]]
     print(f"all_to_all, unequal sizes, gloo, {world} ranks on loopback; median of the slowest rank, ms")
@@ -248,7 +249,11 @@ def print_table(rows: list[dict[str, Any]], world: int) -> None:
     )
     for row in rows:
         cells = " ".join(f"{row['median_seconds'][n] * 1e3:14.3f}" for n in names)
-        print(f"{human(row['bytes_per_rank']):>10} {cells}" + "".join(f" {row[key]:20.2f}" for key in ratios))
+        figures = cast(dict[str, float], row)
+        print(
+            f"{human(row['bytes_per_rank']):>10} {cells}"
+            + "".join(f" {figures[key]:20.2f}" for key in ratios)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

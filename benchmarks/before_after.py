@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import recording
 from renderers import before_after
 from renderers.before_after import Comparison, FigureRow
+from renderers.heartbeat_load import HeartbeatRow
+from renderers.overhead import Paired, WrapperOnly
+from renderers.rendezvous import OutcomeRow
 
 HERE = Path(__file__).resolve().parent
 #: One benchmark's figures: name -> value (lower is better for every one of them).
@@ -49,31 +52,39 @@ class Benchmark:
     figures: Callable[[dict[str, Any]], Figures]
 
 
+def _put(found: Figures, name: str, value: float | None) -> None:
+    """A figure the run measured; one it did not (None) is left out, and the comparison skips a
+    figure missing from any round."""
+    if value is not None:
+        found[name] = value
+
+
 def _overhead(doc: dict[str, Any]) -> Figures:
-    found = {f"wrapper {op} added (us)": row["added_s"] * 1e6 for op, row in doc["wrapper_only"].items()}
-    found["world1 all_reduce 4 B added (us)"] = doc["world1_all_reduce_4B"]["added_s"] * 1e6
+    only = cast(WrapperOnly, doc["wrapper_only"])
+    found = {f"wrapper {op} added (us)": row["added_s"] * 1e6 for op, row in only.items()}
+    found["world1 all_reduce 4 B added (us)"] = cast(Paired, doc["world1_all_reduce_4B"])["added_s"] * 1e6
     return found
 
 
 def _rendezvous(doc: dict[str, Any]) -> Figures:
     found: Figures = {}
-    for row in doc["results"]:
+    for row in cast(list[OutcomeRow], doc["results"]):
         if row["method"] == "sarcomm" and row["status"] == "ok":
             size = row["size"]
             found[f"{size} members: formation (s)"] = row["formation_s"]
-            found[f"{size} members: coordinator formed (s)"] = row["server_formed_s"]
+            _put(found, f"{size} members: coordinator formed (s)", row["server_formed_s"])
             found[f"{size} members: coordinator CPU (s)"] = row["server_cpu_s"]
     return found
 
 
 def _heartbeat_load(doc: dict[str, Any]) -> Figures:
     found: Figures = {}
-    for row in doc["summary"]:
+    for row in cast(list[HeartbeatRow], doc["summary"]):
         shape = row["shape"]
         reports = max(float(row["reports_per_s"]), 1.0)
         cpu_share = row["coordinator_cpu_percent"] / 100
         found[f"{shape}: coordinator CPU per report (us)"] = cpu_share / reports * 1e6
-        found[f"{shape}: probe ack p99 (ms)"] = row["probe_ack_p99_ms"]
+        _put(found, f"{shape}: probe ack p99 (ms)", row["probe_ack_p99_ms"])
         found[f"{shape}: peak RSS (MiB)"] = row["rss_peak_mib"]
     return found
 

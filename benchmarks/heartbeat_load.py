@@ -61,6 +61,7 @@ from typing import Any
 from harness import CoordinatorProcess, memory_kib, process_cpu_seconds
 from recording import describe, write_results
 from renderers import heartbeat_load as heartbeat_load_page
+from renderers.heartbeat_load import HeartbeatRow, LoopLag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -219,7 +220,7 @@ def measure(
     interval: float | None = None,
     scaling: bool = False,
     etcd: EtcdCluster | None = None,
-) -> dict[str, Any]:
+) -> HeartbeatRow:
     """One shape, by default at its 4096 members and ``--interval``; ``agents`` and ``interval``
     change its size and rate (the scaling sweep). With ``etcd`` the coordinator keeps its state
     there (``--store``, leading alone) instead of in a SQLite file."""
@@ -335,14 +336,7 @@ def measure(
                 print(f"py-spy wrote no profile to {raw} (see {profiler_log})", file=sys.stderr)
         metrics = server.get("/metrics")
         beats1 = _counter(metrics, "sar_coordinator_heartbeats_total")
-        lag = _bucket_delta(metrics0, metrics, "sar_coordinator_event_loop_lag_seconds")
-        full_gc = 'sar_coordinator_gc_pause_seconds_{}{{generation="2"}}'
-        lag["full_collections"] = int(
-            _counter(metrics, full_gc.format("count")) - _counter(metrics0, full_gc.format("count"))
-        )
-        lag["full_collections_ms"] = round(
-            1000 * (_counter(metrics, full_gc.format("sum")) - _counter(metrics0, full_gc.format("sum"))), 1
-        )
+        lag = _loop_lag(metrics0, metrics)
         memory = memory_kib(coordinator.pid)
         status = json.loads(server.get(f"/v1/jobs?job={job}"))["jobs"][0]
         failed = sum(1 for m in status["members"] if m["state"] == "FAILED")
@@ -378,7 +372,7 @@ def measure(
         lag for r in results[args.procs :] for at, lag in r["loop_lags"] if wall0 <= at < wall1
     )
     errors = [e for r in results for e in r["errors"]]
-    return {
+    row: HeartbeatRow = {
         "shape": shape,
         "store": store,
         # The three etcd members together (0 with SQLite): what the store costs besides the coordinator.
@@ -418,6 +412,7 @@ def measure(
         "client_errors": len(errors),
         "client_error_examples": errors[:3],
     }
+    return row
 
 
 def _buckets(metrics: str, name: str) -> dict[float, float]:
@@ -429,18 +424,27 @@ def _buckets(metrics: str, name: str) -> dict[float, float]:
     return found
 
 
-def _bucket_delta(before: str, after: str, name: str) -> dict[str, Any]:
+def _loop_lag(before: str, after: str) -> LoopLag:
     """The coordinator's loop-lag histogram over the window: samples, and how many were late by
-    more than 5 and 20 ms, with the bucket bound under which 99% of them fell."""
+    more than 5 and 20 ms, with the bucket bound under which 99% of them fell; and its full
+    garbage collections over the window."""
+    name = "sar_coordinator_event_loop_lag_seconds"
     first, last = _buckets(before, name), _buckets(after, name)
     delta = {le: last[le] - first.get(le, 0.0) for le in sorted(last)}
     total = delta.get(float("inf"), 0.0)
     p99 = next((le for le, count in delta.items() if total and count >= 0.99 * total), None)
+    full_gc = 'sar_coordinator_gc_pause_seconds_{}{{generation="2"}}'
     return {
         "loop_lag_samples": int(total),
         "loop_lag_p99_le_ms": None if p99 is None else round(1000 * p99, 1),
         "loop_lag_over_5ms": int(total - delta.get(0.005, 0.0)),
         "loop_lag_over_20ms": int(total - delta.get(0.02, 0.0)),
+        "full_collections": int(
+            _counter(after, full_gc.format("count")) - _counter(before, full_gc.format("count"))
+        ),
+        "full_collections_ms": round(
+            1000 * (_counter(after, full_gc.format("sum")) - _counter(before, full_gc.format("sum"))), 1
+        ),
     }
 
 
@@ -556,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sar-heartbeat-load-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
-    summary = []
-    scaling = []
+    summary: list[HeartbeatRow] = []
+    scaling: list[HeartbeatRow] = []
     with contextlib.ExitStack() as stack:
         etcd = None
         if "etcd" in stores:
@@ -575,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     given = argv if argv is not None else sys.argv[1:]
     doc = {
-        # A run with the etcd store is recorded apart from the SQLite one (report.py reads both).
-        "benchmark": "heartbeat_load_etcd" if "etcd" in stores else "heartbeat_load",
+        # A run with the etcd store is recorded apart from the SQLite one (heartbeat_load_etcd.json):
+        # report.py shows each part from the newest run that has it.
+        "benchmark": "heartbeat_load",
         "title": "Heartbeat load: 4096 members, batched by agents or one stream each",
         "headline": heartbeat_load_page.script_headline(summary),
         "summary": summary,
@@ -597,8 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "quick": args.quick,
     }
-    page = heartbeat_load_page.etcd_section if "etcd" in stores else heartbeat_load_page.section
-    write_results(doc, page, args.json, args.markdown)
+    write_results(doc, heartbeat_load_page.section, args.json, args.markdown)
     return 0
 
 
@@ -608,10 +612,10 @@ STORES = ("sqlite", "etcd")
 
 def measure_scaling(
     args: argparse.Namespace, work: Path, shapes: list[str], etcd: EtcdCluster | None
-) -> list[dict[str, Any]]:
+) -> list[HeartbeatRow]:
     """How the coordinator's cost grows with members (at the interval) and with the rate (at the
     most members): the same measurement, shorter."""
-    scaling = []
+    scaling: list[HeartbeatRow] = []
     shorter = {"warmup": 2.0, "duration": 8.0, "scrape_interval": 0.0, "profile_coordinator": None}
     sweep = argparse.Namespace(**{**vars(args), **shorter})
     for shape in shapes:

@@ -45,6 +45,7 @@ from typing import Any
 from recording import describe
 from render import write_page
 from renderers import memcpy as memcpy_page
+from renderers.memcpy import Ceiling, CopyRow, StreamRow
 
 MIB = 1024**2
 COPY_SIZES_MIB = (1, 16, 64, 256)
@@ -60,7 +61,7 @@ QUICK_STREAM_BYTES = 256 * MIB
 # -- copy ----------------------------------------------------------------------------------------
 
 
-def copy_bandwidth(size_mib: int, repeats: int) -> dict[str, Any]:
+def copy_bandwidth(size_mib: int, repeats: int) -> CopyRow:
     """Median single-thread ``copy_`` bandwidth of ``size_mib`` MiB float32 tensors, in GB/s."""
     import torch
 
@@ -152,7 +153,7 @@ def _stream(kind: str, total: int) -> float:
     return received / elapsed / 1e9
 
 
-def stream_bandwidth(kind: str, total: int, repeats: int) -> dict[str, Any]:
+def stream_bandwidth(kind: str, total: int, repeats: int) -> StreamRow:
     samples = [_stream(kind, total) for _ in range(repeats)]
     return {
         "bytes_per_sample": total,
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     load_at_start = round(os.getloadavg()[0], 2)
     total = QUICK_STREAM_BYTES if args.quick else STREAM_BYTES
-    streams = {}
+    streams: dict[str, StreamRow] = {}
     if not args.no_streams:
         for kind in ("pipe", "tcp"):
             streams[kind] = stream_bandwidth(kind, total, repeats)
@@ -198,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # one rank's view: sarcomm gives each rank its share of the cores
-    copies = []
+    copies: list[CopyRow] = []
     for size in QUICK_COPY_SIZES_MIB if args.quick else COPY_SIZES_MIB:
         copies.append(copy_bandwidth(size, repeats))
         print(f" copy: {copies[-1]['gbps']:6.2f} GB/s at {size} MiB", flush=True)
@@ -213,11 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         **streams,
         # The figures the report draws as ceilings: the best sample (noise, such as both processes
         # landing on one core, only lowers a rate) of the largest copy, which is beyond the caches.
-        "ceiling": {
-            "statistic": "best sample",
-            "copy_gbps": copies[-1]["max_gbps"],
-            "tcp_gbps": streams["tcp"]["max_gbps"] if "tcp" in streams else None,
-        },
+        "ceiling": Ceiling(
+            statistic="best sample",
+            copy_gbps=copies[-1]["max_gbps"],
+            tcp_gbps=streams["tcp"]["max_gbps"] if "tcp" in streams else None,
+        ),
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

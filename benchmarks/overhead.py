@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 from harness import free_port
 from render import write_page
 from renderers import overhead as overhead_page
+from renderers.overhead import Paired, World2, WrapperOnly
 
 SIZES = {"4 B": 4, "64 KiB": 64 * 1024, "1 MiB": 1024**2, "16 MiB": 16 * 1024**2}
 
@@ -58,7 +59,7 @@ def interleaved(
     calls: int,
     blocks: int,
     align: Callable[[], Any] | None = None,
-) -> dict[str, float]:
+) -> Paired:
     """Blocks of ``calls`` calls, bare and wrapped alternating block by block: median per-call
     seconds of each side and of the paired difference. For calls too short to time one by one."""
     bare_s: list[float] = []
@@ -72,10 +73,12 @@ def interleaved(
             for _ in range(calls):
                 fn()
             sink.append((time.perf_counter_ns() - start) / calls / 1e9)
-    return _summary(bare_s, wrapped_s, blocks=blocks, calls_per_block=calls)
+    paired = _summary(bare_s, wrapped_s)
+    paired["blocks"], paired["calls_per_block"] = float(blocks), float(calls)
+    return paired
 
 
-def alternating(bare: Callable[[], Any], wrapped: Callable[[], Any], pairs: int) -> dict[str, float]:
+def alternating(bare: Callable[[], Any], wrapped: Callable[[], Any], pairs: int) -> Paired:
     """Each call timed alone, bare and wrapped alternating call by call (ABBA order, the same on
     every rank): medians shrug off the scheduler stalls that swamp block means on a busy host."""
     bare_s: list[float] = []
@@ -87,16 +90,17 @@ def alternating(bare: Callable[[], Any], wrapped: Callable[[], Any], pairs: int)
             start = clock()
             fn()
             sink.append((clock() - start) / 1e9)
-    return _summary(bare_s, wrapped_s, pairs=pairs)
+    paired = _summary(bare_s, wrapped_s)
+    paired["pairs"] = float(pairs)
+    return paired
 
 
-def _summary(bare_s: list[float], wrapped_s: list[float], **extra: int) -> dict[str, float]:
+def _summary(bare_s: list[float], wrapped_s: list[float]) -> Paired:
     diffs = [w - b for w, b in zip(wrapped_s, bare_s, strict=True)]
     return {
         "bare_s": statistics.median(bare_s),
         "wrapped_s": statistics.median(wrapped_s),
         "added_s": statistics.median(diffs),
-        **{key: float(value) for key, value in extra.items()},
     }
 
 
@@ -114,11 +118,11 @@ class _Done:
         return True
 
 
-def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
+def wrapper_only(quick: bool) -> WrapperOnly:
     """(1): every op's wrapper against a backend that does nothing, in this process (world size 1)."""
     from sarcomm.worker.library import collectives as sar
 
-    results = {}
+    results: WrapperOnly = {}
     t = torch.zeros(1)
     tensors = [torch.zeros(1)]
     real = {name: getattr(dist, name) for name in NOOP_TARGETS}
@@ -156,7 +160,7 @@ def wrapper_only(quick: bool) -> dict[str, dict[str, float]]:
     return results
 
 
-def world1(quick: bool) -> dict[str, float]:
+def world1(quick: bool) -> Paired:
     """(2): a real 4-byte gloo all_reduce in a one-rank group."""
     from sarcomm.worker.library import collectives
 
@@ -222,7 +226,7 @@ def world2_rank(
     )
 
     comm.initialize_comms(rank, world, "127.0.0.1", "gloo", master_port_number=port)
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    results: World2 = {}
     sizes = {k: v for k, v in SIZES.items() if not quick or v <= 1024**2}
     for label, nbytes in sizes.items():
         ops = pair_ops(rank, world, nbytes, old, ref)
@@ -253,20 +257,20 @@ def world2_rank(
     comm.destroy_comms()
 
 
-def world2(quick: bool, old_source: tuple[str, str] | None) -> dict[str, dict[str, dict[str, float]]]:
+def world2(quick: bool, old_source: tuple[str, str] | None) -> World2:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=world2_rank, args=(r, 2, port, quick, out, old_source)) for r in range(2)]
     for proc in procs:
         proc.start()
-    results: dict[str, dict[str, dict[str, float]]] = out.get(timeout=900)
+    results: World2 = out.get(timeout=900)
     for proc in procs:
         proc.join(60)
     return results
 
 
-def wrapper_cost(only: dict[str, dict[str, float]], op: str) -> float:
+def wrapper_cost(only: WrapperOnly, op: str) -> float:
     """Seconds the wrapper of ``op`` adds, as (1) measured it (0 for the calibration rows and for
     the baseline's all_to_all)."""
     if op == "send/recv":

@@ -32,6 +32,7 @@ from typing import Any
 
 from recording import describe, write_results
 from renderers import record_size as record_size_page
+from renderers.record_size import RoundTrip, SizeRow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
@@ -73,14 +74,15 @@ def realistic_job(world: int, per_join: int) -> Job:
     return job
 
 
-def measure(world: int, per_join: int) -> dict[str, Any]:
+def measure(world: int, per_join: int) -> tuple[SizeRow, dict[str, Any]]:
+    """The sizes of a job's record, and the record (to write to the stores)."""
     job = realistic_job(world, per_join)
     began = time.perf_counter()
     row = encode_job(job_record(job))
     encode_s = time.perf_counter() - began
     raw = row.record_json.encode()
     chunks = [len(zlib.compress(piece.encode(), 6)) for piece in row.pieces]
-    return {
+    sizes: SizeRow = {
         "members": world,
         "per_join": per_join,
         "json_bytes": len(raw),
@@ -91,11 +93,11 @@ def measure(world: int, per_join: int) -> dict[str, Any]:
         "chunked_bytes": sum(chunks),
         "encode_s": round(encode_s, 3),
         "fits_one_request": len(zlib.compress(raw, 6)) <= 1.5 * MIB,
-        "record": job_record(job),
     }
+    return sizes, job_record(job)
 
 
-def round_trip(store: StateStore, record: dict[str, Any]) -> dict[str, float]:
+def round_trip(store: StateStore, record: dict[str, Any]) -> RoundTrip:
     began = time.perf_counter()
     store.write_rows([encode_job(record)])
     written = time.perf_counter()
@@ -128,25 +130,24 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--markdown", type=Path, help="write a Markdown table here")
     args = parser.parse_args()
-    rows = [measure(int(n), int(k)) for n in args.sizes.split(",") for k in args.per_join.split(",")]
+    measured = [measure(int(n), int(k)) for n in args.sizes.split(",") for k in args.per_join.split(",")]
+    rows = [row for row, _ in measured]
     if args.stores:
         with tempfile.TemporaryDirectory() as work:
-            for i, row in enumerate(rows):
+            for i, (row, record) in enumerate(measured):
                 sqlite = SqliteStore(Path(work) / f"state{i}.sqlite")
-                row["sqlite"] = round_trip(sqlite, row["record"])
+                row["sqlite"] = round_trip(sqlite, record)
                 sqlite.close()
             if ETCD_MISSING:
                 print(f"etcd skipped: {ETCD_MISSING}")
             else:
                 with running_cluster(Path(work) / "etcd") as cluster:
-                    for i, row in enumerate(rows):
+                    for i, (row, record) in enumerate(measured):
                         client = EtcdClient(EtcdSettings(cluster.url(f"bench{i}")), timeout=30)
                         etcd = EtcdStore(client, f"/bench{i}")
                         lead(client, etcd)
-                        row["etcd"] = round_trip(etcd, row["record"])
+                        row["etcd"] = round_trip(etcd, record)
                         client.close()
-    for row in rows:
-        del row["record"]
     doc = {
         "benchmark": "record_size",
         "command": shlex.join(["python", "benchmarks/record_size.py", *sys.argv[1:]]),

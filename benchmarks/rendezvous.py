@@ -67,6 +67,7 @@ from typing import Any, Literal, TypeVar
 from harness import CoordinatorProcess, process_cpu_seconds
 from recording import describe, write_results
 from renderers import rendezvous as rendezvous_page
+from renderers.rendezvous import OutcomeRow, RoundSummary
 
 # The etcd the tests use (Debian's etcd-server on loopback) serves the etcd methods here too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,7 +117,7 @@ class Round:
     def p50_s(self) -> float:
         return statistics.median(self.latencies)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RoundSummary:
         return {
             "formation_s": round(self.formation_s, 6),
             "member_p50_s": round(self.p50_s, 6),
@@ -159,9 +160,9 @@ class Outcome:
         ordered = sorted(self.rounds, key=lambda r: r.formation_s)
         return ordered[len(ordered) // 2]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> OutcomeRow:
         typical = self.typical
-        return {
+        row: OutcomeRow = {
             "method": self.method,
             "size": self.size,
             "status": self.status,
@@ -169,9 +170,9 @@ class Outcome:
             "failed_rounds": len(self.failures),
             "failures": self.failures,
             "message": self.message,
-            **(typical.summary() if typical else {}),
             "rounds": [r.summary() for r in self.rounds],
         }
+        return row if typical is None else {**row, **typical.summary()}  # the median round's figures
 
 
 def _rounded(value: float | None) -> float | None:

@@ -73,7 +73,6 @@ RENDERERS: dict[str, Renderer] = {
 OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "failure_detection": failure_detection.section,
     "heartbeat_load": heartbeat_load.section,
-    "heartbeat_load_etcd": heartbeat_load.etcd_section,
     "failover": failover.section,
     "soak": soak.section,
     "torchrun_rendezvous": torchrun_rendezvous.section,
@@ -91,6 +90,7 @@ OPTIONAL = tuple(OPTIONAL_RENDERERS)
 FAMILY_RENDERERS: dict[str, FamilyRenderer] = {
     "big_job": big_job.family_section,
     "torchrun_rendezvous": torchrun_rendezvous.family_section,
+    "heartbeat_load": heartbeat_load.family_section,
 }
 #: The lines that show a plot: ``--check`` compares the text without them (it draws nothing).
 PLOT_LINE = re.compile(r"^!\[[^\]]*\]\([^)]*\)\n\n", re.MULTILINE)

@@ -48,6 +48,7 @@ import psutil
 from harness import CoordinatorProcess
 from recording import write_results
 from renderers import soak as soak_page
+from renderers.soak import Wave
 
 from sarcomm.common.client.coordinator_client import CoordinatorClient
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
@@ -66,19 +67,6 @@ def _slope(values: list[float]) -> float:
     num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
     den = sum((i - mean_x) ** 2 for i in range(len(values)))
     return round(num / den, 3)
-
-
-@dataclass
-class Wave:
-    index: int
-    seconds: float
-    joined: int
-    reports: int
-    finished_jobs: int
-    failed_jobs: int
-    rss_mib: float
-    fds: int
-    threads: int
 
 
 @dataclass
@@ -146,17 +134,17 @@ async def _wave(client: CoordinatorClient, index: int, args: argparse.Namespace,
     ]
     await asyncio.gather(*leaves)
     jobs = await client.list_jobs()
-    return Wave(
-        index=index,
-        seconds=round(time.monotonic() - started, 2),
-        joined=joined,
-        reports=reports,
-        finished_jobs=sum(1 for j in jobs if j.state == "FINISHED"),
-        failed_jobs=sum(1 for j in jobs if j.state == "FAILED"),
-        rss_mib=0.0,
-        fds=0,
-        threads=0,
-    )
+    return {
+        "index": index,
+        "seconds": round(time.monotonic() - started, 2),
+        "joined": joined,
+        "reports": reports,
+        "finished_jobs": sum(1 for j in jobs if j.state == "FINISHED"),
+        "failed_jobs": sum(1 for j in jobs if j.state == "FAILED"),
+        "rss_mib": 0.0,
+        "fds": 0,
+        "threads": 0,
+    }
 
 
 async def soak(target: str, pid: int, args: argparse.Namespace) -> Result:
@@ -173,13 +161,14 @@ async def soak(target: str, pid: int, args: argparse.Namespace) -> Result:
             # Give the coordinator a moment to settle (closed streams, finished calls) first.
             await asyncio.sleep(0.5)
             memory = process.memory_info()
-            wave.rss_mib = round(memory.rss / 2**20, 1)
-            wave.fds = process.num_fds()
-            wave.threads = process.num_threads()
+            wave["rss_mib"] = round(memory.rss / 2**20, 1)
+            wave["fds"] = process.num_fds()
+            wave["threads"] = process.num_threads()
             result.waves.append(wave)
             print(
-                f"wave {wave.index}: {wave.seconds:.1f} s, {wave.joined} joined, {wave.reports} reports, "
-                f"RSS {wave.rss_mib} MiB, {wave.fds} fds, {wave.threads} threads",
+                f"wave {wave['index']}: {wave['seconds']:.1f} s, {wave['joined']} joined, "
+                f"{wave['reports']} reports, RSS {wave['rss_mib']} MiB, {wave['fds']} fds, "
+                f"{wave['threads']} threads",
                 flush=True,
             )
             index += 1
@@ -190,10 +179,10 @@ async def soak(target: str, pid: int, args: argparse.Namespace) -> Result:
     # the floor of the last WINDOW waves.
     measured = result.waves[args.warmup :] or result.waves
     window = min(WINDOW, max(1, len(measured) // 2))
-    result.baseline_rss_mib = min(w.rss_mib for w in measured[:window])
-    result.final_rss_mib = min(w.rss_mib for w in measured[-window:])
-    result.max_rss_mib = max(w.rss_mib for w in measured)
-    result.rss_trend_mib_per_wave = _slope([w.rss_mib for w in measured])
+    result.baseline_rss_mib = min(w["rss_mib"] for w in measured[:window])
+    result.final_rss_mib = min(w["rss_mib"] for w in measured[-window:])
+    result.max_rss_mib = max(w["rss_mib"] for w in measured)
+    result.rss_trend_mib_per_wave = _slope([w["rss_mib"] for w in measured])
     result.returned_to_baseline = result.final_rss_mib <= result.baseline_rss_mib + args.tolerance_mib
     return result
 
@@ -255,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "wave seconds median": statistics.median(w.seconds for w in result.waves),
+        "wave seconds median": statistics.median(w["seconds"] for w in result.waves),
     }
     verdict = "returned to baseline" if result.returned_to_baseline else "DID NOT return to baseline"
     print(

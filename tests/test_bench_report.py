@@ -145,6 +145,52 @@ def test_a_benchmark_recorded_twice_shows_its_newest_run_and_links_the_older(
     ) in text
 
 
+def _heartbeat(shape: str, store: str, cpu: float, streams: int) -> dict[str, Any]:
+    """A made-up summary row of heartbeat_load.py (the fields its renderer reads)."""
+    row: dict[str, Any] = {"shape": shape, "store": store, "streams": streams, "members": 4096}
+    row |= {"members_per_stream": 4096 // streams, "coordinator_cpu_percent": cpu, "rss_peak_mib": 99.0}
+    row |= {"probe_ack_p99_ms": 1.5, "probe_ack_max_ms": 9.0, "members_failed": 0}
+    return row | {"etcd_cpu_percent": 4.0 if store == "etcd" else 0.0}
+
+
+def test_heartbeat_load_is_one_section_with_each_part_from_its_newest_run(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    """The etcd store beside SQLite (heartbeat_load_etcd.json) is a part of the heartbeat-load
+    section, not a section of its own; a newer run of the shapes replaces the older one's."""
+    results = tmp_path / "results"
+    results.mkdir()
+    batched, single = _heartbeat("batched", "sqlite", 6.0, 512), _heartbeat("single", "sqlite", 24.0, 4096)
+    runs = {
+        "heartbeat_load_old": ("01", [_heartbeat("batched", "sqlite", 60.0, 512), single]),
+        "heartbeat_load": ("02", [batched, single]),
+        "heartbeat_load_etcd": ("03", [batched, _heartbeat("batched", "etcd", 7.5, 512)]),
+    }
+    for name, (day, summary) in runs.items():
+        doc = {"benchmark": "heartbeat_load", "machine": {"date": f"2026-11-{day}T06:00:00+00:00"}}
+        (results / f"{name}.json").write_text(json.dumps({**doc, "summary": summary}))
+    render = importlib.import_module("render")
+
+    text = report.build(render.Context(results, results / "plots", tmp_path / "RESULTS.md", None))
+
+    assert re.findall(r"^## Heartbeat load.*$", text, re.MULTILINE) == [
+        "## Heartbeat load on the coordinator"
+    ]
+    assert "coordinator CPU 7.5% against 6.0% (on etcd 1.25x more" in text
+    assert (
+        "cost the coordinator 6% of a core against 24% for 4096 one-member streams (batched 4.00x less)"
+        in text
+    )
+    assert (
+        "**Stores** (batched on the etcd store against the baseline SQLite, in one run): run 2026-11-03"
+        in text
+    )
+    assert "60%" not in text  # the older run's figures are history
+    assert (
+        "[`heartbeat_load_old.json`](results/heartbeat_load_old.json), run 2026-11-01 06:00 UTC: all" in text
+    )
+
+
 def test_each_benchmark_has_one_section_and_each_summary_link_lands_on_it(report: ModuleType) -> None:
     text = (BENCHMARKS / "RESULTS.md").read_text()
     titles = re.findall(r"^## (.+)$", text, re.MULTILINE)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 from render import (
     Context,
@@ -17,21 +17,33 @@ from render import (
 )
 
 
+class SizeRow(TypedDict):
+    """One size: each method's median time per call, and the others' over sarcomm's (> 1: sarcomm
+    is faster). ``baseline_over_sarcomm``: an earlier commit's all_to_all timed in the same run."""
+
+    bytes_per_rank: int
+    iterations: int
+    median_seconds: dict[str, float]
+    sar_fallback_over_sarcomm: float
+    a2a_single_over_sarcomm: float
+    baseline_over_sarcomm: NotRequired[float]
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    rows = doc["rows"]
+    rows = cast(list[SizeRow], doc["rows"])
     methods = list(rows[0]["median_seconds"])
-    sizes = [int(r["bytes_per_rank"]) for r in rows]
-    fallback = [float(r["sar_fallback_over_sarcomm"]) for r in rows]
-    single = [float(r["a2a_single_over_sarcomm"]) for r in rows]
+    sizes = [r["bytes_per_rank"] for r in rows]
+    fallback = [r["sar_fallback_over_sarcomm"] for r in rows]
+    single = [r["a2a_single_over_sarcomm"] for r in rows]
     # An earlier commit's all_to_all timed in the same run (--baseline-ref), where there is one.
-    before = [float(r["baseline_over_sarcomm"]) for r in rows if "baseline_over_sarcomm" in r]
+    before = [r["baseline_over_sarcomm"] for r in rows if "baseline_over_sarcomm" in r]
     table_rows = [
         (
             human_bytes(r["bytes_per_rank"]),
             *(f"{r['median_seconds'][m] * 1e3:.3f}" for m in methods),
             faster(r["sar_fallback_over_sarcomm"]),
             faster(r["a2a_single_over_sarcomm"]),
-            *([faster(r["baseline_over_sarcomm"])] if before else []),
+            *([faster(r.get("baseline_over_sarcomm", 0.0))] if before else []),
         )
         for r in rows
     ]

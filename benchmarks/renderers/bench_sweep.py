@@ -1,4 +1,8 @@
-"""The collective bench sweep (benchmarks/bench_sweep.py, ``sar-worker ... bench``)."""
+"""The collective bench sweep (benchmarks/bench_sweep.py, ``sar-worker ... bench``).
+
+The rows are what ``sar-worker ... bench --json`` writes: its own :class:`~sarcomm.worker.agent.bench.Row`,
+read back as that type.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +18,25 @@ from render import (
     span,
 )
 
+from sarcomm.worker.agent.bench import Row
+
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    rows = doc["rows"]
-    ops = list(dict.fromkeys(r["op"] for r in rows))
+    rows = [Row(**r) for r in doc["rows"]]
+    ops = list(dict.fromkeys(r.op for r in rows))
     # The split ops round a size down to a multiple of the world, so the same requested size shows
     # as different bytes per op. Every op runs the same sweep in the same order: the i-th row of
     # each op belongs to the i-th requested size, labelled with the largest bytes of that step.
-    by_op = {op: sorted((r for r in rows if r["op"] == op), key=lambda r: int(r["bytes"])) for op in ops}
+    by_op = {op: sorted((r for r in rows if r.op == op), key=lambda r: r.bytes) for op in ops}
     steps = max(len(v) for v in by_op.values())
-    labels = [max(int(v[i]["bytes"]) for v in by_op.values() if i < len(v)) for i in range(steps)]
+    labels = [max(v[i].bytes for v in by_op.values() if i < len(v)) for i in range(steps)]
     grid = sorted(labels)
 
-    def at(op: str, size: int) -> dict[str, Any] | None:
+    def at(op: str, size: int) -> Row | None:
         i = labels.index(size)
         return by_op[op][i] if i < len(by_op[op]) else None
 
-    wrong = sum(int(r.get("wrong", 0)) for r in rows)
+    wrong = sum(r.wrong for r in rows)
     top = grid[-1]
     copy, tcp = ctx.ceiling.get("copy"), ctx.ceiling.get("tcp")
     parts = []
@@ -38,7 +44,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         r = at(op, top)
         if r is None:
             continue
-        parts.append(f"{op} {r['busbw']:.2f}" + (f" ({r['busbw'] / tcp:.0%})" if tcp else ""))
+        parts.append(f"{op} {r.busbw:.2f}" + (f" ({r.busbw / tcp:.0%})" if tcp else ""))
     headline = [
         f"busbw at {human_bytes(top)}, GB/s"
         + (f" (in brackets: share of loopback TCP's {tcp:.1f} GB/s)" if tcp else "")
@@ -46,7 +52,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         + ", ".join(parts)
     ]
     small = [at(op, grid[0]) for op in ops]
-    latencies = [float(r["time_us"]) / 1e3 for r in small if r]
+    latencies = [r.time_us / 1e3 for r in small if r]
     headline.append(
         f"{doc.get('world_size', '?')} ranks, {doc.get('backend', '?')}: "
         f"{wrong} wrong value(s) over {len(rows)} checked rows; {human_bytes(grid[0])} calls take "
@@ -59,12 +65,12 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         )
     table = md_table(
         ["size", *ops],
-        [(human_bytes(s), *(f"{r['busbw']:.3f}" if (r := at(op, s)) else "-" for op in ops)) for s in grid],
+        [(human_bytes(s), *(f"{r.busbw:.3f}" if (r := at(op, s)) else "-" for op in ops)) for s in grid],
     )
     times = md_table(
         ["size", *ops],
         [
-            (human_bytes(s), *(f"{r['time_us'] / 1e3:.2f}" if (r := at(op, s)) else "-" for op in ops))
+            (human_bytes(s), *(f"{r.time_us / 1e3:.2f}" if (r := at(op, s)) else "-" for op in ops))
             for s in grid
         ],
     )
@@ -77,7 +83,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     if ctx.plt is not None:
         fig, (ax,) = ctx.figure(1, 8.0)
         for op in ops:
-            points = [(s, r["busbw"]) for s in grid if (r := at(op, s)) and r["busbw"] > 0]
+            points = [(s, r.busbw) for s in grid if (r := at(op, s)) and r.busbw > 0]
             if points:
                 ax.plot(*zip(*points, strict=True), "o-", markersize=3, label=op)
         for value, label, style in (

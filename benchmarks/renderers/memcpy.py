@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 from render import (
     Context,
@@ -12,8 +12,39 @@ from render import (
 )
 
 
+class Rates(TypedDict):
+    """Samples of one measurement, in GB/s (1e9 bytes per second)."""
+
+    samples: int
+    gbps: float  # the median
+    min_gbps: float
+    max_gbps: float
+
+
+class CopyRow(Rates):
+    """Single-thread copies of one size of float32 tensor."""
+
+    bytes: int
+    copies_per_sample: int
+
+
+class StreamRow(Rates):
+    """One process writing to another, through a pipe or loopback TCP."""
+
+    bytes_per_sample: int
+    chunk_bytes: int
+
+
+class Ceiling(TypedDict):
+    """The figures the report draws as ceilings: the best samples of the largest copy and of TCP."""
+
+    statistic: NotRequired[str]
+    copy_gbps: float
+    tcp_gbps: float | None
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    copies = doc["copy"]
+    copies = cast(list[CopyRow], doc["copy"])
     rows = [
         (
             "copy, 1 thread",
@@ -26,7 +57,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     ]
     for kind, label in (("pipe", "pipe, 2 processes"), ("tcp", "TCP 127.0.0.1, 2 processes")):
         if isinstance(doc.get(kind), dict):
-            s = doc[kind]
+            s = cast(StreamRow, doc[kind])
             rows.append(
                 (
                     label,
@@ -36,9 +67,10 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                     f"{s['max_gbps']:.2f}",
                 )
             )
-    copy = float(doc["ceiling"]["copy_gbps"])
-    tcp = doc["ceiling"].get("tcp_gbps")
-    best = doc["ceiling"].get("statistic", "median")
+    ceiling = cast(Ceiling, doc["ceiling"])
+    copy = float(ceiling["copy_gbps"])
+    tcp = ceiling.get("tcp_gbps")
+    best = ceiling.get("statistic", "median")
     headline = [
         f"One core copies up to **{copy:.1f} GB/s** ({human_bytes(copies[-1]['bytes'])} float32 tensors, "
         f"{best})"

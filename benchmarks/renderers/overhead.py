@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 from render import (
     Context,
@@ -15,12 +15,33 @@ from render import (
 )
 
 
+class Paired(TypedDict):
+    """Bare and wrapped calls timed in pairs: median seconds per call of each, and of the paired
+    difference (``added_s``). Blocks of calls (``blocks``, ``calls_per_block``) or single calls
+    (``pairs``); ``bound_fraction``, on the two-rank rows: the wrapper alone's cost over the bare
+    time (0 for the rows that are no wrapper: the A/A calibration, an earlier commit's all_to_all)."""
+
+    bare_s: float
+    wrapped_s: float
+    added_s: float
+    blocks: NotRequired[float]
+    calls_per_block: NotRequired[float]
+    pairs: NotRequired[float]
+    bound_fraction: NotRequired[float]
+
+
+#: Per op: the wrapper alone (no-op backend).
+WrapperOnly = dict[str, Paired]
+#: Per op, per size label (``4 B``, ``64 KiB``): two ranks, gloo on loopback.
+World2 = dict[str, dict[str, Paired]]
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    only: dict[str, dict[str, float]] = doc["wrapper_only"]
-    one: dict[str, float] = doc["world1_all_reduce_4B"]
-    two: dict[str, dict[str, dict[str, float]]] = doc["world2"]
+    only = cast(WrapperOnly, doc["wrapper_only"])
+    one = cast(Paired, doc["world1_all_reduce_4B"])
+    two = cast(World2, doc["world2"])
     added_us = {op: r["added_s"] * 1e6 for op, r in only.items()}
-    noise = two.get("all_reduce A/A (bare vs bare)", {})
+    noise: dict[str, Paired] = two.get("all_reduce A/A (bare vs bare)", {})
     headline = [
         f"The wrapper alone adds **{span(added_us.values(), lambda x: f'{x:.2f} us')}** per call "
         "(backend replaced by a no-op; target under 2 us)",
@@ -43,7 +64,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     a2a = two.get("all_to_all", {})
     if a2a:
         old_row = doc.get("baseline", {}).get("row", "")
-        old = two.get(old_row, {})
+        old: dict[str, Paired] = two.get(old_row, {})
         headline.append(
             "all_to_all with equal sizes adds "
             + ", ".join(f"{r['added_s'] * 1e6:.2f} us at {label}" for label, r in a2a.items())

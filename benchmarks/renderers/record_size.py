@@ -3,20 +3,44 @@ and its write and read-back on SQLite and etcd."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 from render import Context, Section, md_table
 
 TITLE = "Record size: one job's state record"
 
 
-def _store(row: dict[str, Any], store: str) -> str:
+class RoundTrip(TypedDict):
+    """The record written to a store and read back, in seconds."""
+
+    write_s: float
+    load_s: float
+
+
+class SizeRow(TypedDict):
+    """One job size and Join shape: its record's sizes, and its round trips where stores ran."""
+
+    members: int
+    per_join: int
+    json_bytes: int
+    zlib_bytes: int
+    head_bytes: int
+    chunks: int
+    largest_chunk_bytes: int
+    chunked_bytes: int
+    encode_s: float
+    fits_one_request: bool
+    sqlite: NotRequired[RoundTrip]
+    etcd: NotRequired[RoundTrip]
+
+
+def _store(row: SizeRow, store: Literal["sqlite", "etcd"]) -> str:
     timed = row.get(store)
     return f"{timed['write_s']:.2f} s / {timed['load_s']:.2f} s" if timed else "-"
 
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    rows: list[dict[str, Any]] = doc["results"]
+    rows = cast(list[SizeRow], doc["results"])
     top = rows[-1]
     headline = [
         f"{top['members']} members ({top['per_join']} per Join): {top['json_bytes'] / 1e6:.1f} MB of JSON, "

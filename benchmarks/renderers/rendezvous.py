@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 from render import (
     Context,
@@ -15,10 +15,51 @@ from render import (
 )
 
 
+class RoundSummary(TypedDict):
+    """One world formation, in seconds from the common start to each member's answer."""
+
+    formation_s: float
+    member_p50_s: float
+    member_min_s: float
+    max_over_p50: float | None
+    client_cpu_s: float
+    server_cpu_s: float
+    #: sarcomm only: the coordinator's first Join and formed world, after the start.
+    server_first_join_s: float | None
+    server_formed_s: float | None
+
+
+class OutcomeRow(TypedDict):
+    """One method at one size: its status, its rounds and failures, and (where a round formed a
+    world) the median round's figures."""
+
+    method: str
+    size: int
+    status: str  # ok, partial (some rounds formed), timeout, error, skipped
+    ok_rounds: int
+    failed_rounds: int
+    failures: list[str]
+    message: str
+    rounds: list[RoundSummary]
+    formation_s: NotRequired[float]
+    member_p50_s: NotRequired[float]
+    member_min_s: NotRequired[float]
+    max_over_p50: NotRequired[float | None]
+    client_cpu_s: NotRequired[float]
+    server_cpu_s: NotRequired[float]
+    server_first_join_s: NotRequired[float | None]
+    server_formed_s: NotRequired[float | None]
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    results = doc["results"]
-    by: dict[tuple[str, int], dict[str, Any]] = {(r["method"], int(r["size"])): r for r in results}
-    sizes = sorted({int(r["size"]) for r in results})
+    results = cast(list[OutcomeRow], doc["results"])
+    by: dict[tuple[str, int], OutcomeRow] = {(r["method"], r["size"]): r for r in results}
+    sizes = sorted({r["size"] for r in results})
+
+    def status(method: str, size: int) -> str | None:
+        r = by.get((method, size))
+        return None if r is None else r["status"]
+
     methods = [
         m for m in ("sarcomm", "tcpstore", "c10d", "sarcomm-etcd", "etcd-v2") if any(k[0] == m for k in by)
     ]
@@ -27,9 +68,9 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
 
     def formed(method: str, size: int) -> float | None:
         r = by.get((method, size))
-        if r is None or r.get("status") not in ("ok", "partial") or r.get("formation_s") is None:
+        if r is None or r["status"] not in ("ok", "partial"):
             return None
-        return float(r["formation_s"])
+        return r.get("formation_s")
 
     def cell(method: str, size: int) -> str:
         r = by.get((method, size))
@@ -40,13 +81,13 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             return "-"
         slow = {"c10d": deadline, "etcd-v2": etcd_deadline}
         return {"timeout": f"DNF in {slow[method]:g}" if method in slow else "timeout"}.get(
-            r.get("status", ""), str(r.get("status", "?"))
+            r["status"], r["status"]
         )
 
     rows = []
     for size in sizes:
         ours, floor, c10d = formed("sarcomm", size), formed("tcpstore", size), formed("c10d", size)
-        r = by.get(("sarcomm", size), {})
+        spread = by[("sarcomm", size)].get("max_over_p50") if ("sarcomm", size) in by else None
         rows.append(
             (
                 size,
@@ -55,7 +96,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 cell("c10d", size),
                 times(ours, floor, "faster", "slower") if ours and floor else "-",
                 times(ours, c10d, "faster", "slower") if ours and c10d else "-",
-                f"{r['max_over_p50']:.2f}" if r.get("max_over_p50") else "-",
+                f"{spread:.2f}" if spread else "-",
             )
         )
     body = md_table(
@@ -123,7 +164,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         )
     c10d_ok = [s for s in sizes if formed("c10d", s) and formed("sarcomm", s)]
     if c10d_ok:
-        worst = [s for s in sizes if by.get(("c10d", s), {}).get("status") not in ("ok", "partial", None)]
+        worst = [s for s in sizes if status("c10d", s) not in ("ok", "partial", None)]
         line = ", ".join(
             f"{times(formed('sarcomm', s) or 0.0, formed('c10d', s) or 0.0, 'faster', 'slower')} at N={s}"
             for s in c10d_ok
@@ -134,7 +175,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         )
     pairs = [s for s in sizes if formed("sarcomm-etcd", s) and formed("etcd-v2", s)]
     if pairs:
-        dnf = [s for s in sizes if by.get(("etcd-v2", s), {}).get("status") == "timeout"]
+        dnf = [s for s in sizes if status("etcd-v2", s) == "timeout"]
         headline.append(
             "on etcd, against torch elastic's etcd-v2 rendezvous, sarcomm forms the world "
             + ", ".join(
@@ -160,7 +201,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
             points = [(s, formed(method, s)) for s in sizes if formed(method, s)]
             if points:
                 ax.plot(*zip(*points, strict=True), styles[method][0], label=styles[method][1])
-        failed = [s for s in sizes if by.get(("c10d", s), {}).get("status") == "timeout"]
+        failed = [s for s in sizes if status("c10d", s) == "timeout"]
         if failed:
             ax.plot(
                 failed,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from render import (
     Context,
@@ -14,8 +14,22 @@ from render import (
 )
 
 
+class Wave(TypedDict):
+    """One wave: its members joined, reported and left; the coordinator's memory after it."""
+
+    index: int
+    seconds: float
+    joined: int
+    reports: int
+    finished_jobs: int
+    failed_jobs: int
+    rss_mib: float
+    fds: int
+    threads: int
+
+
 def section(doc: dict[str, Any], ctx: Context) -> Section:
-    waves = doc["waves"]
+    waves = cast(list[Wave], doc["waves"])
     base, final, top = doc["baseline_rss_mib"], doc["final_rss_mib"], doc["max_rss_mib"]
     tolerance = float(doc.get("tolerance_mib") or 0)
     verdict = "returned to" if doc.get("returned_to_baseline") else "did NOT return to"
@@ -25,7 +39,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         f"after warm-up, {final:g} MiB at the end (tolerance {tolerance:g} MiB), {top:g} MiB at most, trend "
         f"{doc.get('rss_trend_mib_per_wave', 0):g} MiB per wave"
     ]
-    keys = [
+    keys: list[str] = [
         "index",
         "seconds",
         "joined",
@@ -39,7 +53,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
     keys = [k for k in keys if any(k in w for w in waves)]
     body = (
         "<details><summary>every wave</summary>\n\n"
-        + md_table(keys, [[fmt_value(w.get(k)) for k in keys] for w in waves])
+        + md_table(keys, [[fmt_value(cast(dict[str, Any], w).get(k)) for k in keys] for w in waves])
         + "\n\n</details>"
     )
     plot = ""
@@ -55,7 +69,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         left.legend(fontsize=8)
         for key in ("fds", "threads"):
             if all(key in w for w in waves):
-                right.plot(xs, [w[key] for w in waves], "o-", markersize=3, label=key)
+                right.plot(xs, [cast(dict[str, Any], w)[key] for w in waves], "o-", markersize=3, label=key)
         right.set(xlabel="wave", ylabel="count")
         right.set_title("Open descriptors and threads")
         right.legend(fontsize=8)

@@ -3,10 +3,11 @@
 :class:`Membership` joins members into forming worlds, records their reports, their leaving and
 their silence, and names stalls. It decides; :mod:`transitions` makes every state change (checked
 against the diagram there) and emits the events; :mod:`ranks` lays out a world;
-:mod:`liveness` holds the judging rules, which :mod:`sweep` applies. What it needs from storage
-is given to it at start (:class:`model.StoredState`), and every job whose stored record changed is
-handed to ``persist`` before the method returns. Time comes from a :class:`clock.Clock`. A restored member
-gets ``restore_grace`` to reconnect before it is judged. All methods are synchronous (the event
+:mod:`join_rules` says whether a Join may add its members; :mod:`liveness` holds the judging
+rules, which :mod:`sweep` applies. What it needs from storage is given to it at start
+(:class:`model.StoredState`), and every job whose stored record changed is handed to ``persist``
+before the method returns. Time comes from a :class:`clock.Clock`. A restored member gets
+``restore_grace`` to reconnect before it is judged. All methods are synchronous (the event
 loop's thread); the service's Join waits for the WORLD_FORMED event.
 """
 
@@ -16,7 +17,6 @@ import logging
 from collections.abc import Callable, Iterable
 
 from sarcomm.common.errors import (
-    AlreadyExistsError,
     FailedPreconditionError,
     NotFoundError,
     ResourceExhaustedError,
@@ -26,7 +26,8 @@ from sarcomm.common.messages import Progress, WorkerEndpoint
 from sarcomm.coordinator.domain import liveness, resent_joins
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.context import MembershipContext, Timeouts
-from sarcomm.coordinator.domain.elastic import ElasticRendezvous, check_range
+from sarcomm.coordinator.domain.elastic import ElasticRendezvous
+from sarcomm.coordinator.domain.join_rules import check_fixed_join
 from sarcomm.coordinator.domain.member_index import MemberIndex
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
@@ -165,30 +166,7 @@ class Membership:
         # A fresh generation is built aside and adopted only once every check below has passed:
         # a refused join must leave the previous generation (and its members) exactly as it was.
         job = self._forming_job(spec)
-        check_range(job, spec)
-        if spec.world_size != job.world_size:
-            raise FailedPreconditionError(
-                f"world_size {spec.world_size} does not match {job.label}, which was created with "
-                f"world_size {job.world_size}; every member of a job must ask for the same world size"
-            )
-        if spec.generation and spec.generation != job.generation:
-            raise FailedPreconditionError(
-                f"generation {spec.generation} is stale: {job.label} is forming now; a member of an "
-                f"older generation cannot join a newer one (join with generation 0 to start afresh)"
-            )
-        joined = len(job.members)
-        if joined + len(spec.members) > job.world_size:
-            raise FailedPreconditionError(
-                f"members: joining {len(spec.members)} more would make {joined + len(spec.members)} "
-                f"members in {job.label}, which has world_size {job.world_size}"
-            )
-        for request in spec.members:
-            if request.rank is not None and request.rank in job.memory.requested:
-                holder = job.memory.requested[request.rank]
-                raise AlreadyExistsError(
-                    f"rank {request.rank} is already taken in {job.label} by a member on host "
-                    f"{holder.host!r}; each rank can be requested once"
-                )
+        check_fixed_join(job, spec)
         job.max_restarts = max(job.max_restarts, spec.max_restarts)
         ticket_members, ticket_secrets = new_members(spec, self._clock.wall(), job.memory.join_calls, join_id)
         # The last join forms the world: choose ranks and interfaces before anything changes, so
