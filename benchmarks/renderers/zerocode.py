@@ -76,6 +76,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 ],
                 "rrrrrr",
             ),
+            *_library_on(w),
             "Where the wrapper's time goes: each part alone in a loop, ns per call (median of 20 blocks of "
             "20,000; the empty loop's cost is in every row):",
             md_table(["part", "ns"], [(name, f"{ns:.0f}") for name, ns in doc["parts"].items()]),
@@ -83,6 +84,34 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         ]
     )
     return Section.of(doc, "zerocode", "Zero-code metrics", headline, body)
+
+
+def _library_on(w: dict[str, Any]) -> list[str]:
+    """The library's call with zero-code on against off (its calls dispatched below the kernels),
+    when the recording has it."""
+    on = w.get("library_on")
+    if not on:
+        return []
+    off = w["library"]
+    return [
+        "The same library call with zero-code on (its kernels registered; the wrapper dispatches the "
+        "call below them, so the Python kernel never runs for it, and the progress hook counts the "
+        "library's depth) against off (no kernels, no hook), us per call:",
+        md_table(
+            ["off", "on", "on than off", "off CPU", "on CPU", "on than off (CPU)"],
+            [
+                (
+                    f"{off['wall_s'] * 1e6:.2f}",
+                    f"{on['wall_s'] * 1e6:.2f}",
+                    times(on["wall_s"], off["wall_s"], "less", "more"),
+                    f"{off['cpu_s'] * 1e6:.2f}",
+                    f"{on['cpu_s'] * 1e6:.2f}",
+                    times(on["cpu_s"], off["cpu_s"], "less", "more"),
+                )
+            ],
+            "rrrrrr",
+        ),
+    ]
 
 
 def _kernel(doc: dict[str, Any]) -> list[str]:

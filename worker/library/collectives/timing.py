@@ -45,6 +45,7 @@ __all__ = [
     "raise_failure",
     "raise_not_ready",
     "route",
+    "set_dispatch_below",
     "set_progress_hook",
     "timed",
     "timed_all_to_all",
@@ -70,6 +71,25 @@ class ProgressHook(Protocol):
 
 
 _progress: ProgressHook | None = None
+
+# Zero-code metrics (sarcomm.worker.library.zerocode) put a Python kernel in front of torch's c10d
+# ops at the Autograd keys. A call of the library's own is recorded here, so while those kernels
+# are on, the wrappers run their collective with the AutogradCPU key excluded from this thread's
+# dispatch (the collective then goes straight to the backend's kernel, as it does below the
+# Autograd key anyway): a CPU call never enters the Python kernel (about 55 us a call that it
+# would only hand on). Set the key in this thread's exclude set by torch's TLS functions, not a
+# guard object: 3 plain calls, under 1 us. CUDA calls still pass the kernel at AutogradCUDA (it
+# notes them for the nccl completion hook, which must skip them: see zerocode's module).
+_AUTOGRAD_CPU: Final = torch._C.DispatchKey.AutogradCPU
+_is_excluded: Final = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded: Final = torch._C._dispatch_tls_set_dispatch_key_excluded
+_below = False
+# The collectives that are nothing but torch's collective (so dispatching them below Autograd
+# changes nothing else): a wrapped function that also computes (the fallbacks) keeps Autograd.
+_DIRECT: Final = frozenset(
+    {dist.all_reduce, dist.broadcast, dist.all_gather, dist.reduce, dist.gather, dist.scatter,
+     dist.send, dist.recv, dist.barrier}
+)  # fmt: skip
 # The options of every timed_all_to_all: a blocking call with the group's timeout.
 _A2A_OPTIONS: Final = dist.AllToAllOptions()
 if hasattr(_A2A_OPTIONS, "asyncOp"):  # newer torch: tell the backend the caller waits at once
@@ -80,6 +100,22 @@ def set_progress_hook(hook: ProgressHook | None) -> None:
     """Install ``hook`` (None removes it); it is told of every later collective of this process."""
     global _progress
     _progress = hook
+
+
+def set_dispatch_below(on: bool) -> None:
+    """While on, the wrappers run torch's collectives below the Autograd keys' kernels (CPU
+    tensors: the AutogradCPU key excluded in this thread for the call). Zero-code metrics turn it
+    on with their kernels (their Python kernel then never runs for a call the library records)."""
+    global _below
+    _below = on
+
+
+def _enter_below() -> bool:
+    """Exclude AutogradCPU for the next call when on and not excluded already; True: undo after."""
+    if _below and not _is_excluded(_AUTOGRAD_CPU):
+        _set_excluded(_AUTOGRAD_CPU, True)
+        return True
+    return False
 
 
 # -- shared plumbing -----------------------------------------------------------------------------
@@ -208,6 +244,7 @@ def timed(
     progress = _progress
     if progress is not None:
         progress.enter(stats.op)
+    below = fn in _DIRECT and _enter_below()
     start = _now()
     try:
         result = fn(*args, **kwargs)
@@ -217,6 +254,8 @@ def timed(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
     if isinstance(result, (dist.Work, Completed)):
@@ -295,6 +334,9 @@ def all_reduce(
     progress = _progress
     if progress is not None:
         progress.enter("all_reduce")
+    below = _below and not _is_excluded(_AUTOGRAD_CPU)  # _enter_below, inlined
+    if below:
+        _set_excluded(_AUTOGRAD_CPU, True)
     start = _now()
     try:
         dist.all_reduce(tensor, op)
@@ -302,6 +344,8 @@ def all_reduce(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
     stats.observe(start, nbytes)
@@ -326,6 +370,7 @@ def timed_all_to_all(
     progress = _progress
     if progress is not None:
         progress.enter("all_to_all")
+    below = _enter_below()
     start = _now()
     try:
         pg.alltoall(recvs, sends, _A2A_OPTIONS).wait()
@@ -335,6 +380,8 @@ def timed_all_to_all(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
     stats.observe(start, nbytes)
