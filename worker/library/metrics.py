@@ -182,25 +182,34 @@ class CollectiveStats:
 
     def _fold(self) -> None:
         """Move pending observations into the totals. Observations appended meanwhile by another
-        thread are either taken now or left for the next fold; none is lost (popleft is atomic)."""
+        thread are either taken now or left for the next fold; none is lost (popleft is atomic,
+        and only a fold, under the lock, takes from the left).
+
+        The batch is folded with C-level builtins instead of a Python loop over its entries
+        (about 0.1 us an entry instead of 0.5): sorted, its bucket counts are the differences of
+        ``bisect_right`` at each bound (a duration equal to a bound counts in that bound's
+        bucket, as :func:`bucket_index` puts it); sums and the last end by ``sum`` and ``max``.
+        The totals are the same integers as one entry at a time."""
         with self._lock:
-            pending = self._pending
+            popleft = self._pending.popleft
+            batch = [popleft() for _ in range(len(self._pending))]
+            if not batch:
+                return
+            durations, sizes, ends = zip(*batch, strict=True)
+            ordered = sorted(durations)
             counts = self._bucket_counts
-            total_ns = 0
-            total_bytes = 0
-            last = self._last_end_ns
-            while True:
-                try:
-                    duration_ns, nbytes, end_ns = pending.popleft()
-                except IndexError:
+            total = len(ordered)
+            below = 0
+            for index, bound in enumerate(_BOUNDS_NS):
+                upto = bisect.bisect_right(ordered, bound, below)
+                counts[index] += upto - below
+                below = upto
+                if below == total:
                     break
-                counts[bucket_index(duration_ns)] += 1
-                total_ns += duration_ns
-                total_bytes += nbytes
-                last = max(last, end_ns)
-            self._sum_ns += total_ns
-            self._bytes += total_bytes
-            self._last_end_ns = last
+            counts[-1] += total - below
+            self._sum_ns += sum(durations)
+            self._bytes += sum(sizes)
+            self._last_end_ns = max(self._last_end_ns, max(ends))
 
     @property
     def last_end_ns(self) -> int:
@@ -223,8 +232,8 @@ class CollectiveStats:
             )
 
 
-#: Pending observations that trigger a fold: amortises the fold (~0.3 us per entry, run with
-#: warm caches) and bounds the deque to a few kilobytes per (op, backend).
+#: Pending observations that trigger a fold: amortises the fold (its lock and bisects; about 0.1 us
+#: an entry besides) and bounds the deque to a few kilobytes per (op, backend).
 _FOLD_AT: Final = 256
 
 
