@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
 
 from sarcomm.worker.library.collectives import timing
 from sarcomm.worker.library.metrics import CollectiveStats
@@ -28,7 +29,7 @@ _BELOW = torch._C._after_autograd_keyset
 
 @pytest.fixture
 def counting_kernels() -> Iterator[dict[str, int]]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     hits: dict[str, int] = {}
     library = torch.library.Library("c10d", "IMPL")  # type: ignore[no-untyped-call]
     for name in ("allreduce_", "broadcast_", "alltoall_"):
@@ -51,7 +52,7 @@ def _library_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, CollectiveStats
     """One call of each wrapper path (the hot all_reduce, timed(), timed_all_to_all); their values
     checked; the stats they recorded into."""
     stats = {op: CollectiveStats(op, "gloo") for op in ("all_reduce", "broadcast", "all_to_all")}
-    state = types.SimpleNamespace(ready=True, cpu_group=None, stats=stats)
+    state = types.SimpleNamespace(ready=True, cpu_group=None, stats=stats, cuda_events=None)
     monkeypatch.setattr(timing, "_STATE", state)
     tensor = torch.tensor([1.5, 2.0])
     assert timing.all_reduce(tensor) is None

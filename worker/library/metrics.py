@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 from wsgiref.simple_server import WSGIServer
@@ -58,6 +58,7 @@ __all__ = [
     "collective_stats",
     "last_collective",
     "serving_port",
+    "set_before_scrape",
     "set_worker_info",
     "start_metrics_server",
     "stop_metrics_server",
@@ -277,10 +278,29 @@ def last_collective() -> LastCollective | None:
     return LastCollective(latest.op, latest.backend, (latest.last_end_ns + _UNIX_MINUS_PERF_NS) / 1e9)
 
 
+#: What records figures measured elsewhere before a scrape reads the totals (the CUDA events of
+#: the library's calls), by name.
+_before_scrape: dict[str, Callable[[], object]] = {}
+
+
+def set_before_scrape(name: str, poll: Callable[[], object] | None) -> None:
+    """Run ``poll`` before each scrape (None removes ``name``'s). It must not block; what it
+    raises is logged, never served."""
+    if poll is None:
+        _before_scrape.pop(name, None)
+    else:
+        _before_scrape[name] = poll
+
+
 class _CollectiveCollector(Collector):
     """Exports the :class:`CollectiveStats` totals as Prometheus families at scrape time."""
 
     def collect(self) -> Iterator[Metric]:
+        for name, poll in list(_before_scrape.items()):
+            try:
+                poll()
+            except Exception:
+                log.exception("metrics: %s before the scrape failed", name)
         duration, sent, errors = self._families()
         factors = _bus_factor_family()
         world = _world_size

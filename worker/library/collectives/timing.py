@@ -244,7 +244,10 @@ def timed(
     progress = _progress
     if progress is not None:
         progress.enter(stats.op)
-    below = fn in _DIRECT and _enter_below()
+    direct = fn in _DIRECT
+    below = direct and _enter_below()
+    events = _STATE.cuda_events
+    begun = events.begin() if events is not None and direct and _on_cuda(args) else None
     start = _now()
     try:
         result = fn(*args, **kwargs)
@@ -258,10 +261,21 @@ def timed(
             _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
-    if isinstance(result, (dist.Work, Completed)):
+    if isinstance(result, (dist.Work, Completed)):  # async: timed to its wait(), on the host
         return CollectiveHandle(result, stats, start, nbytes)
+    if begun is not None and events is not None:  # the GPU's time, recorded once the GPU is done
+        events.end(begun, stats, nbytes)
+        return None
     stats.observe(start, nbytes)
     return None
+
+
+def _on_cuda(args: tuple[Any, ...]) -> bool:
+    """Whether a torch collective's first argument (its tensor, or list of them) is on CUDA."""
+    first = args[0] if args else None
+    if isinstance(first, list) and first:
+        first = first[0]
+    return isinstance(first, torch.Tensor) and first.is_cuda
 
 
 def timed_call(stats: CollectiveStats, nbytes: int, fn: Callable[[], _T]) -> _T:
@@ -331,6 +345,8 @@ def all_reduce(
     # a bare dist.all_reduce of 4 bytes in benchmarks/overhead.py.
     stats = state.stats["all_reduce"]
     nbytes = tensor.nbytes  # before the call: afterwards the tensor's memory is cold
+    events = state.cuda_events  # None unless the comm device is CUDA
+    begun = events.begin() if events is not None and tensor.is_cuda else None
     progress = _progress
     if progress is not None:
         progress.enter("all_reduce")
@@ -348,6 +364,9 @@ def all_reduce(
             _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
+    if begun is not None and events is not None:  # the GPU's time, recorded once the GPU is done
+        events.end(begun, stats, nbytes)
+        return None
     stats.observe(start, nbytes)
     return None
 
