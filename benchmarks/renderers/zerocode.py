@@ -58,8 +58,8 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 ["gradients", "off", "on", "on than off", "off CPU", "on CPU", "on than off (CPU)"], ddp_rows
             ),
             "One all_reduce, 2 ranks, us per call, wall (CPU): bare `dist.all_reduce`, the same with the "
-            "zero-code kernels, the library's `sar.all_reduce`, the library's with the kernels (which step "
-            "aside: each call counted once):",
+            "zero-code kernels, the library's `sar.all_reduce`, the library's with the kernels (its calls "
+            "dispatched below them: each call counted once, by the wrapper):",
             md_table(CALL_HEADER, call_rows),
             "The library's wrapper on a one-rank 4-byte gloo all_reduce (kernels removed), us per call:",
             md_table(
@@ -127,8 +127,8 @@ def _kernel(doc: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
     return [
         "Where the zero-code path's cost goes, one-rank 4-byte `dist.all_reduce`, us per call: bare; the "
-        "Python kernel handing the call on (as it does inside the library's wrappers: boxing the "
-        "arguments into Python and back); the whole path (the work's future and its completion callback "
-        "on gloo's thread besides):",
+        "Python kernel handing the call on (boxing the arguments into Python and back: what each of the "
+        "library's calls paid before they were dispatched below the kernel); the whole path (the "
+        "work's future and its completion callback on gloo's thread besides):",
         md_table(["path", "wall", "added", "CPU", "added (CPU)"], rows),
     ]
