@@ -99,3 +99,18 @@ def test_a_failing_call_leaves_the_dispatch_as_it_was(
         timing.timed(stats, 4, dist.broadcast, torch.zeros(1), 5)  # no rank 5 in a world of one
     assert stats.snapshot().errors == 1
     assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCPU)
+
+
+def test_dispatch_below_around_a_wrappers_inner_collectives(counting_kernels: dict[str, int]) -> None:
+    # What the all_to_all exchanges, model sync and SAR's tensor exchange put around their calls.
+    tensor = torch.tensor([2.0])
+    with timing.dispatch_below():
+        dist.all_reduce(tensor)
+    assert counting_kernels == {"allreduce_": 1}  # the switch off: the kernel sees it
+    timing.set_dispatch_below(True)
+    with timing.dispatch_below(), timing.dispatch_below():  # nested: the outer one restores
+        dist.all_reduce(tensor)
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCPU)
+    assert tensor.tolist() == [2.0]
+    assert counting_kernels == {"allreduce_": 1}
+    assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCPU)

@@ -36,10 +36,12 @@ from sarcomm.worker.library.services import add_progress_listener
 __all__ = [
     "CollectiveHandle",
     "Completed",
+    "DispatchBelow",
     "ProgressHook",
     "ReduceOpLike",
     "Unsupported",
     "all_reduce",
+    "dispatch_below",
     "is_me",
     "optional_kwarg",
     "raise_failure",
@@ -108,6 +110,25 @@ def set_dispatch_below(on: bool) -> None:
     on with their kernels (their Python kernel then never runs for a call the library records)."""
     global _below
     _below = on
+
+
+class DispatchBelow:
+    """``with dispatch_below():`` around torch collectives inside a wrapper that also computes
+    (the all_to_all exchanges, model sync, SAR's tensor exchange): they run below zero-code's
+    kernels while those are on, as :func:`timed` runs torch's plain collectives. Only around the
+    collective calls themselves: Autograd is off for CPU ops inside."""
+
+    __slots__ = ("_undo",)
+
+    def __enter__(self) -> None:
+        self._undo = _enter_below()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._undo:
+            _set_excluded(_AUTOGRAD_CPU, False)
+
+
+dispatch_below: Final = DispatchBelow
 
 
 def _enter_below() -> bool:
