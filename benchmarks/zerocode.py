@@ -7,7 +7,8 @@
    bare ``dist.all_reduce``; the same with zero-code on; the library's ``sar.all_reduce`` alone;
    the library's with zero-code on (the kernel steps aside: counted once);
 3. ``world1``: a 4-byte all_reduce in a one-rank group, bare against the library's wrapper (the
-   wrapper's whole cost), and the wrapper's parts timed alone (where the cost goes); the same
+   wrapper's whole cost) with zero-code off and on (its calls dispatched below the kernels), and
+   the wrapper's parts timed alone (where the cost goes); the same
    bare call against the zero-code kernel handing it on and recording it (where its cost goes).
 
 Each figure is a median over many interleaved blocks, with the process CPU time beside the wall
@@ -115,12 +116,13 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
             per_call[label] = _blocks(variants, calls // (2 if quick else 1), 6 if quick else 20, toggle)
         result["per_call"] = per_call
     else:
-        zerocode.set_kernels(False)
         tensor = torch.zeros(1)
         result["world1"] = _blocks(
-            {"bare": lambda: dist.all_reduce(tensor), "library": lambda: sar.all_reduce(tensor)},
-            2000, 20 if quick else 60, lambda name: None,
+            {"bare": lambda: dist.all_reduce(tensor), "library": lambda: sar.all_reduce(tensor),
+             "library_on": lambda: sar.all_reduce(tensor)},
+            2000, 20 if quick else 60, lambda name: _library_mode(zerocode, timing, name),
         )  # fmt: skip
+        _library_mode(zerocode, timing, "library")
         result["parts"] = _parts(tensor, timing)
         result["kernel"] = _blocks(
             {"bare": lambda: dist.all_reduce(tensor), "handed_on": lambda: dist.all_reduce(tensor),
@@ -131,6 +133,15 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _library_mode(zerocode: Any, timing: Any, name: str) -> None:
+    """bare and library: zero-code off (no kernels, no progress hook: a rank without a progress
+    writer, as under torchrun); library_on: zero-code on (its kernels, the wrappers dispatching
+    below them, its progress hook counting the library's depth)."""
+    on = name == "library_on"
+    zerocode.set_kernels(on)
+    timing.set_progress_hook(zerocode._LibraryCall(None) if on else None)
 
 
 def _kernel_mode(zerocode: Any, name: str) -> None:

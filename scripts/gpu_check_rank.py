@@ -6,7 +6,8 @@ of the whole buffer by NCCL) is run ITERS times and timed three ways: CUDA event
 stream around each call (the reference), the zero-code path's recorded durations (the completion
 hook's ``active_duration``: the sum and count it added to ``sar_collective_duration_seconds``),
 and the host's wall time of each call (the launch time). Then ITERS calls of the library's
-``sar.all_reduce`` (its wrapper on nccl: how the library records them). Prints one JSON object.
+``sar.all_reduce`` of 64 MiB (its wrapper on nccl: CUDA events of its own, resolved by polling),
+against CUDA events around the same calls. Prints one JSON object.
 
 Usage: ``python scripts/gpu_check_rank.py`` (under sar-worker).
 """
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import sarcomm.worker as sar
-from sarcomm.worker.library import metrics, zerocode
+from sarcomm.worker.library import comm, metrics, zerocode
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30)
 ITERS = 20
@@ -74,12 +75,26 @@ def main() -> int:
              "zerocode_calls": count1 - count0, "launch_us": launch / ITERS * 1e6}
         )  # fmt: skip
     value = torch.ones(1 << 24, device=device)
-    lib0 = stats("all_reduce")
-    for _ in range(ITERS):
-        sar.all_reduce(value)
+    sar.all_reduce(value)  # warm-up
     torch.cuda.synchronize()
+    timer = comm.STATE.cuda_events
+    assert timer is not None, "the library has no CUDA events on a CUDA comm device"
+    timer.poll()
+    lib0 = stats("all_reduce")
+    pairs = [(_event(), _event()) for _ in range(ITERS)]
+    for start, end in pairs:
+        start.record()
+        sar.all_reduce(value)
+        end.record()
+    torch.cuda.synchronize()
+    assert bool(torch.all(value == 1.0)), "sar.all_reduce gave wrong values"
+    timer.poll()  # what a scrape or the next call does: every pair is done after the synchronize
     lib1 = stats("all_reduce")
-    library = {"calls": lib1[0] - lib0[0], "recorded_us": (lib1[1] - lib0[1]) / ITERS * 1e6}
+    library = {
+        "calls": lib1[0] - lib0[0],
+        "recorded_us": (lib1[1] - lib0[1]) / ITERS * 1e6,
+        "event_us": sum(s.elapsed_time(e) for s, e in pairs) / ITERS * 1e3,
+    }
     print(json.dumps({"rows": rows, "library_all_reduce_64MiB": library, "zerocode_on": zerocode.active()}))
     sys.stdout.flush()
     sar.finalize()

@@ -82,6 +82,31 @@ def test_bucket_index_follows_the_le_rule() -> None:
     assert metrics.bucket_index(-5) == 0
 
 
+_DURATIONS = st.one_of(
+    st.sampled_from(metrics._BOUNDS_NS),
+    st.sampled_from([b + 1 for b in metrics._BOUNDS_NS]),
+    st.integers(min_value=0, max_value=10**12),
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(_DURATIONS, st.integers(min_value=0, max_value=1 << 40)), max_size=700))
+def test_batched_fold_gives_the_totals_of_one_entry_at_a_time(calls: list[tuple[int, int]]) -> None:
+    # The fold sorts each batch and bisects at the bounds; the reference is bucket_index per entry.
+    # Up to 700 calls: batches folded at 256 pending and the rest at the snapshot.
+    stats = metrics.CollectiveStats("test_op", "test_backend")
+    for duration, nbytes in calls:
+        stats.record(duration, nbytes)
+    expected = [0] * (len(metrics._BOUNDS_NS) + 1)
+    for duration, _ in calls:
+        expected[metrics.bucket_index(duration)] += 1
+    snap = stats.snapshot()
+    assert snap.bucket_counts == tuple(expected)
+    assert snap.count == len(calls)
+    assert snap.sum_seconds == sum(d for d, _ in calls) / 1e9
+    assert snap.bytes_sent == sum(n for _, n in calls)
+
+
 def test_histogram_counts_a_duration_equal_to_a_bound_in_that_bucket() -> None:
     stats = metrics.CollectiveStats("test_op", "test_backend")
     stats.observe(time.perf_counter_ns() - 10**12, 5)  # 1000 s ago: +Inf

@@ -58,8 +58,8 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 ["gradients", "off", "on", "on than off", "off CPU", "on CPU", "on than off (CPU)"], ddp_rows
             ),
             "One all_reduce, 2 ranks, us per call, wall (CPU): bare `dist.all_reduce`, the same with the "
-            "zero-code kernels, the library's `sar.all_reduce`, the library's with the kernels (which step "
-            "aside: each call counted once):",
+            "zero-code kernels, the library's `sar.all_reduce`, the library's with the kernels (its calls "
+            "dispatched below them: each call counted once, by the wrapper):",
             md_table(CALL_HEADER, call_rows),
             "The library's wrapper on a one-rank 4-byte gloo all_reduce (kernels removed), us per call:",
             md_table(
@@ -76,6 +76,7 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
                 ],
                 "rrrrrr",
             ),
+            *_library_on(w),
             "Where the wrapper's time goes: each part alone in a loop, ns per call (median of 20 blocks of "
             "20,000; the empty loop's cost is in every row):",
             md_table(["part", "ns"], [(name, f"{ns:.0f}") for name, ns in doc["parts"].items()]),
@@ -83,6 +84,34 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         ]
     )
     return Section.of(doc, "zerocode", "Zero-code metrics", headline, body)
+
+
+def _library_on(w: dict[str, Any]) -> list[str]:
+    """The library's call with zero-code on against off (its calls dispatched below the kernels),
+    when the recording has it."""
+    on = w.get("library_on")
+    if not on:
+        return []
+    off = w["library"]
+    return [
+        "The same library call with zero-code on (its kernels registered; the wrapper dispatches the "
+        "call below them, so the Python kernel never runs for it, and the progress hook counts the "
+        "library's depth) against off (no kernels, no hook), us per call:",
+        md_table(
+            ["off", "on", "on than off", "off CPU", "on CPU", "on than off (CPU)"],
+            [
+                (
+                    f"{off['wall_s'] * 1e6:.2f}",
+                    f"{on['wall_s'] * 1e6:.2f}",
+                    times(on["wall_s"], off["wall_s"], "less", "more"),
+                    f"{off['cpu_s'] * 1e6:.2f}",
+                    f"{on['cpu_s'] * 1e6:.2f}",
+                    times(on["cpu_s"], off["cpu_s"], "less", "more"),
+                )
+            ],
+            "rrrrrr",
+        ),
+    ]
 
 
 def _kernel(doc: dict[str, Any]) -> list[str]:
@@ -98,8 +127,8 @@ def _kernel(doc: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
     return [
         "Where the zero-code path's cost goes, one-rank 4-byte `dist.all_reduce`, us per call: bare; the "
-        "Python kernel handing the call on (as it does inside the library's wrappers: boxing the "
-        "arguments into Python and back); the whole path (the work's future and its completion callback "
-        "on gloo's thread besides):",
+        "Python kernel handing the call on (boxing the arguments into Python and back: what each of the "
+        "library's calls paid before they were dispatched below the kernel); the whole path (the "
+        "work's future and its completion callback on gloo's thread besides):",
         md_table(["path", "wall", "added", "CPU", "added (CPU)"], rows),
     ]

@@ -54,7 +54,7 @@ from sarcomm.worker.launch_env import (
     required_master_port,
     socket_environment,
 )
-from sarcomm.worker.library import metrics, registration, sar_keywords
+from sarcomm.worker.library import cuda_events, metrics, registration, sar_keywords
 from sarcomm.worker.library.backends import (
     CCL_MODULE,
     adopted_backend,
@@ -119,6 +119,7 @@ class CommState:
         "cpu_backend",
         "cpu_group",
         "cpu_stats",
+        "cuda_events",
         "exit_timeout",
         "initialized",
         "master_addr",
@@ -155,6 +156,8 @@ class CommState:
         #: op -> stats for the default group's backend, and for the CPU side group's.
         self.stats: dict[str, metrics.CollectiveStats] = {}
         self.cpu_stats: dict[str, metrics.CollectiveStats] = {}
+        #: The CUDA events timing the library's calls on CUDA tensors (a CUDA comm device only).
+        self.cuda_events: cuda_events.EventTimer | None = None
         #: The sockets (``socket:[inode]``) the process groups opened: gloo's connections to the
         #: peers and the store's; abort_backend shuts them down.
         self.backend_sockets: frozenset[str] = frozenset()
@@ -276,6 +279,9 @@ def initialize_comms(
     STATE.cpu_backend = "gloo" if cpu_group is not None else name
     STATE.stats = {op: metrics.collective_stats(op, name) for op in OPS}
     STATE.cpu_stats = {op: metrics.collective_stats(op, STATE.cpu_backend) for op in OPS}
+    if device.type == "cuda":
+        STATE.cuda_events = cuda_events.for_cuda(lambda line: log.warning("rank %s: %s", rank, line))
+        metrics.set_before_scrape("cuda_events", STATE.cuda_events.poll)
     STATE.initialized = True
     STATE.peer_failure = None
     _failure_known.clear()
@@ -324,6 +330,9 @@ def destroy_comms() -> None:
             groups.append(STATE.cpu_group)
         if STATE.owns_group:
             groups.append(_default_group())
+    if STATE.cuda_events is not None:  # pending events are forgotten, never waited for
+        STATE.cuda_events.close()
+        metrics.set_before_scrape("cuda_events", None)
     STATE.reset()  # drops STATE's reference to the side group: end_groups must hold the last one
     end_groups(groups)
 

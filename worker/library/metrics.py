@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 from wsgiref.simple_server import WSGIServer
@@ -58,6 +58,7 @@ __all__ = [
     "collective_stats",
     "last_collective",
     "serving_port",
+    "set_before_scrape",
     "set_worker_info",
     "start_metrics_server",
     "stop_metrics_server",
@@ -182,25 +183,34 @@ class CollectiveStats:
 
     def _fold(self) -> None:
         """Move pending observations into the totals. Observations appended meanwhile by another
-        thread are either taken now or left for the next fold; none is lost (popleft is atomic)."""
+        thread are either taken now or left for the next fold; none is lost (popleft is atomic,
+        and only a fold, under the lock, takes from the left).
+
+        The batch is folded with C-level builtins instead of a Python loop over its entries
+        (about 0.1 us an entry instead of 0.5): sorted, its bucket counts are the differences of
+        ``bisect_right`` at each bound (a duration equal to a bound counts in that bound's
+        bucket, as :func:`bucket_index` puts it); sums and the last end by ``sum`` and ``max``.
+        The totals are the same integers as one entry at a time."""
         with self._lock:
-            pending = self._pending
+            popleft = self._pending.popleft
+            batch = [popleft() for _ in range(len(self._pending))]
+            if not batch:
+                return
+            durations, sizes, ends = zip(*batch, strict=True)
+            ordered = sorted(durations)
             counts = self._bucket_counts
-            total_ns = 0
-            total_bytes = 0
-            last = self._last_end_ns
-            while True:
-                try:
-                    duration_ns, nbytes, end_ns = pending.popleft()
-                except IndexError:
+            total = len(ordered)
+            below = 0
+            for index, bound in enumerate(_BOUNDS_NS):
+                upto = bisect.bisect_right(ordered, bound, below)
+                counts[index] += upto - below
+                below = upto
+                if below == total:
                     break
-                counts[bucket_index(duration_ns)] += 1
-                total_ns += duration_ns
-                total_bytes += nbytes
-                last = max(last, end_ns)
-            self._sum_ns += total_ns
-            self._bytes += total_bytes
-            self._last_end_ns = last
+            counts[-1] += total - below
+            self._sum_ns += sum(durations)
+            self._bytes += sum(sizes)
+            self._last_end_ns = max(self._last_end_ns, max(ends))
 
     @property
     def last_end_ns(self) -> int:
@@ -223,8 +233,8 @@ class CollectiveStats:
             )
 
 
-#: Pending observations that trigger a fold: amortises the fold (~0.3 us per entry, run with
-#: warm caches) and bounds the deque to a few kilobytes per (op, backend).
+#: Pending observations that trigger a fold: amortises the fold (its lock and bisects; about 0.1 us
+#: an entry besides) and bounds the deque to a few kilobytes per (op, backend).
 _FOLD_AT: Final = 256
 
 
@@ -268,10 +278,29 @@ def last_collective() -> LastCollective | None:
     return LastCollective(latest.op, latest.backend, (latest.last_end_ns + _UNIX_MINUS_PERF_NS) / 1e9)
 
 
+#: What records figures measured elsewhere before a scrape reads the totals (the CUDA events of
+#: the library's calls), by name.
+_before_scrape: dict[str, Callable[[], object]] = {}
+
+
+def set_before_scrape(name: str, poll: Callable[[], object] | None) -> None:
+    """Run ``poll`` before each scrape (None removes ``name``'s). It must not block; what it
+    raises is logged, never served."""
+    if poll is None:
+        _before_scrape.pop(name, None)
+    else:
+        _before_scrape[name] = poll
+
+
 class _CollectiveCollector(Collector):
     """Exports the :class:`CollectiveStats` totals as Prometheus families at scrape time."""
 
     def collect(self) -> Iterator[Metric]:
+        for name, poll in list(_before_scrape.items()):
+            try:
+                poll()
+            except Exception:
+                log.exception("metrics: %s before the scrape failed", name)
         duration, sent, errors = self._families()
         factors = _bus_factor_family()
         world = _world_size

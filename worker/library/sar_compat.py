@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sarcomm.common.errors import FailedPreconditionError, InvalidArgumentError, shorten
 from sarcomm.worker.launch_env import process_environ, rank_identity
 from sarcomm.worker.library import comm
-from sarcomm.worker.library.collectives.timing import raise_not_ready, route, timed_call
+from sarcomm.worker.library.collectives.timing import dispatch_below, raise_not_ready, route, timed_call
 
 __all__ = ["exchange_single_tensor", "nfs_ip_init"]
 
@@ -97,9 +97,11 @@ def exchange_single_tensor(
     def run() -> None:
         works = []
         if out.numel():
-            works.append(dist.isend(out, send_idx, group=group, tag=_TAG))
+            with dispatch_below():
+                works.append(dist.isend(out, send_idx, group=group, tag=_TAG))
         if into.numel():
-            works.append(dist.irecv(into, recv_idx, group=group, tag=_TAG))
+            with dispatch_below():
+                works.append(dist.irecv(into, recv_idx, group=group, tag=_TAG))
         for work in works:
             if work is not None:
                 work.wait()

@@ -16,8 +16,12 @@ Loaded by :mod:`sarcomm.worker.autometrics.entry` (``import torch`` calls it) in
    on CUDA tensors from the process group's completion hook (:mod:`.gpu_timing`).
 
 Counted once: the library's own wrappers record their calls themselves (with the op names and
-byte counts of their API), so the kernel passes over a call made inside one of them (a per-thread
-depth that the wrappers' progress hook raises, :class:`_LibraryCall`).
+byte counts of their API). On CPU tensors they run torch's collective with the AutogradCPU key
+excluded (:func:`~sarcomm.worker.library.collectives.timing.set_dispatch_below`), so the kernel
+never runs for them and costs them nothing; a call that still reaches it inside a wrapper (a
+fallback that computes as well, a CUDA call) is passed over by a per-thread depth that the
+wrappers' progress hook raises (:class:`_LibraryCall`); a CUDA one is noted as the library's for
+the completion hook to skip.
 
 Never raises of its own: an error in the bookkeeping is said once and turns the kernels into a
 plain hand-over (:func:`_fail`); an error of the collective is the caller's, counted and re-raised.
@@ -321,6 +325,7 @@ def install(launcher: str) -> None:
     services.start_rank_services(env)
     _groups.patch(_ProcessGroup)
     _state.library = _register()
+    timing.set_dispatch_below(True)
     _state.on = True
     log.debug("sarcomm: rank %s (%s): zero-code metrics on", _state.rank_label, launcher)
 
@@ -334,6 +339,7 @@ def set_kernels(on: bool) -> None:
     elif not on and _state.library is not None:
         _state.library._destroy()  # type: ignore[no-untyped-call]
         _state.library = None
+    timing.set_dispatch_below(on)
 
 
 # The module is imported by the entry point only; keep a reference to dist so that the c10d ops

@@ -56,6 +56,7 @@ from sarcomm.worker.library.collectives.alltoall_checks import (
 from sarcomm.worker.library.collectives.alltoall_gloo import hybrid_all_to_all
 from sarcomm.worker.library.collectives.timing import (
     Unsupported,
+    dispatch_below,
     raise_not_ready,
     route,
     timed,
@@ -330,7 +331,8 @@ def _exchange_rows(rows: list[int], group: dist.ProcessGroup | None) -> list[int
     """Every rank's row count for this rank: one equal-split all_to_all_single of int64."""
     mine = torch.tensor(rows, dtype=torch.int64)
     theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=_cpu_side(group))
+    with dispatch_below():
+        dist.all_to_all_single(theirs, mine, group=_cpu_side(group))
     return [int(n) for n in theirs.tolist()]
 
 
@@ -383,7 +385,9 @@ def _exchange(
             t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
             for t in recvs
         ]
-        dist.all_to_all(targets, [t.contiguous() for t in sends], group=group)
+        contiguous = [t.contiguous() for t in sends]
+        with dispatch_below():
+            dist.all_to_all(targets, contiguous, group=group)
         for mine, target in zip(recvs, targets, strict=True):
             if mine is not target:
                 mine.copy_(target)

@@ -23,6 +23,8 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from sarcomm.worker.library.collectives.timing import dispatch_below
+
 __all__ = ["byte_view", "hybrid_all_to_all"]
 
 # all_to_all's point-to-point messages use their own tag so that they can never be matched with
@@ -109,9 +111,10 @@ def hybrid_all_to_all(
     # gloo's transport threads carry while this thread posts the next one. Every rank issues the
     # collective, even with nothing to pack: it cannot know that no peer has a small message.
     overlap = bool(large_sends or large_recvs)
-    packed = dist.all_to_all_single(
-        packed_out, packed_in, recv_splits, send_splits, group=group, async_op=overlap
-    )
+    with dispatch_below():
+        packed = dist.all_to_all_single(
+            packed_out, packed_in, recv_splits, send_splits, group=group, async_op=overlap
+        )
     if overlap:
         large_targets: list[tuple[torch.Tensor, torch.Tensor]] = []
         works = _post_large(recvs, sends, me, world, group, peers, large_sends, large_recvs, large_targets)
@@ -149,14 +152,18 @@ def _post_large(
     for dst in large_sends:
         out = sends[dst]
         out = out if out.is_contiguous() else out.contiguous()
-        works.append(dist.isend(out, peers[dst] if peers is not None else dst, group=group, tag=_A2A_TAG))
+        with dispatch_below():
+            works.append(dist.isend(out, peers[dst] if peers is not None else dst, group=group, tag=_A2A_TAG))
     for src in large_recvs:
         into = recvs[src]
         target = (
             into if into.is_contiguous() else torch.empty_like(into, memory_format=torch.contiguous_format)
         )
         targets.append((into, target))
-        works.append(dist.irecv(target, peers[src] if peers is not None else src, group=group, tag=_A2A_TAG))
+        with dispatch_below():
+            works.append(
+                dist.irecv(target, peers[src] if peers is not None else src, group=group, tag=_A2A_TAG)
+            )
     return works
 
 

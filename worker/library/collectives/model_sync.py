@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from sarcomm.worker.library import comm
-from sarcomm.worker.library.collectives.timing import raise_not_ready, timed_call
+from sarcomm.worker.library.collectives.timing import dispatch_below, raise_not_ready, timed_call
 
 __all__ = ["BUCKET_BYTES", "gather_grads", "sync_params"]
 
@@ -74,7 +74,8 @@ def sync_params(model: torch.nn.Module) -> None:
     nbytes = sum(t.nbytes for t in tensors) if sending else 0
 
     def broadcast_from_0(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        dist.broadcast(flat, 0, group=group)
+        with dispatch_below():
+            dist.broadcast(flat, 0, group=group)
 
     def run() -> None:
         with torch.no_grad():
@@ -132,7 +133,8 @@ def _gather_grads(params: list[torch.nn.Parameter], average: bool, bucketed: boo
         grad = param.grad
         if grad.is_sparse:
             group = state.cpu_group if grad.is_cpu else None
-            dist.all_reduce(grad, group=group)
+            with dispatch_below():
+                dist.all_reduce(grad, group=group)
             if average:
                 grad.div_(state.world_size)
         else:
@@ -140,7 +142,8 @@ def _gather_grads(params: list[torch.nn.Parameter], average: bool, bucketed: boo
     world = state.world_size
 
     def reduce(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        dist.all_reduce(flat, group=group)
+        with dispatch_below():
+            dist.all_reduce(flat, group=group)
         if average:
             flat.div_(world)
 

@@ -36,15 +36,18 @@ from sarcomm.worker.library.services import add_progress_listener
 __all__ = [
     "CollectiveHandle",
     "Completed",
+    "DispatchBelow",
     "ProgressHook",
     "ReduceOpLike",
     "Unsupported",
     "all_reduce",
+    "dispatch_below",
     "is_me",
     "optional_kwarg",
     "raise_failure",
     "raise_not_ready",
     "route",
+    "set_dispatch_below",
     "set_progress_hook",
     "timed",
     "timed_all_to_all",
@@ -70,6 +73,25 @@ class ProgressHook(Protocol):
 
 
 _progress: ProgressHook | None = None
+
+# Zero-code metrics (sarcomm.worker.library.zerocode) put a Python kernel in front of torch's c10d
+# ops at the Autograd keys. A call of the library's own is recorded here, so while those kernels
+# are on, the wrappers run their collective with the AutogradCPU key excluded from this thread's
+# dispatch (the collective then goes straight to the backend's kernel, as it does below the
+# Autograd key anyway): a CPU call never enters the Python kernel (about 55 us a call that it
+# would only hand on). Set the key in this thread's exclude set by torch's TLS functions, not a
+# guard object: 3 plain calls, under 1 us. CUDA calls still pass the kernel at AutogradCUDA (it
+# notes them for the nccl completion hook, which must skip them: see zerocode's module).
+_AUTOGRAD_CPU: Final = torch._C.DispatchKey.AutogradCPU
+_is_excluded: Final = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded: Final = torch._C._dispatch_tls_set_dispatch_key_excluded
+_below = False
+# The collectives that are nothing but torch's collective (so dispatching them below Autograd
+# changes nothing else): a wrapped function that also computes (the fallbacks) keeps Autograd.
+_DIRECT: Final = frozenset(
+    {dist.all_reduce, dist.broadcast, dist.all_gather, dist.reduce, dist.gather, dist.scatter,
+     dist.send, dist.recv, dist.barrier}
+)  # fmt: skip
 # The options of every timed_all_to_all: a blocking call with the group's timeout.
 _A2A_OPTIONS: Final = dist.AllToAllOptions()
 if hasattr(_A2A_OPTIONS, "asyncOp"):  # newer torch: tell the backend the caller waits at once
@@ -80,6 +102,41 @@ def set_progress_hook(hook: ProgressHook | None) -> None:
     """Install ``hook`` (None removes it); it is told of every later collective of this process."""
     global _progress
     _progress = hook
+
+
+def set_dispatch_below(on: bool) -> None:
+    """While on, the wrappers run torch's collectives below the Autograd keys' kernels (CPU
+    tensors: the AutogradCPU key excluded in this thread for the call). Zero-code metrics turn it
+    on with their kernels (their Python kernel then never runs for a call the library records)."""
+    global _below
+    _below = on
+
+
+class DispatchBelow:
+    """``with dispatch_below():`` around torch collectives inside a wrapper that also computes
+    (the all_to_all exchanges, model sync, SAR's tensor exchange): they run below zero-code's
+    kernels while those are on, as :func:`timed` runs torch's plain collectives. Only around the
+    collective calls themselves: Autograd is off for CPU ops inside."""
+
+    __slots__ = ("_undo",)
+
+    def __enter__(self) -> None:
+        self._undo = _enter_below()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._undo:
+            _set_excluded(_AUTOGRAD_CPU, False)
+
+
+dispatch_below: Final = DispatchBelow
+
+
+def _enter_below() -> bool:
+    """Exclude AutogradCPU for the next call when on and not excluded already; True: undo after."""
+    if _below and not _is_excluded(_AUTOGRAD_CPU):
+        _set_excluded(_AUTOGRAD_CPU, True)
+        return True
+    return False
 
 
 # -- shared plumbing -----------------------------------------------------------------------------
@@ -208,6 +265,10 @@ def timed(
     progress = _progress
     if progress is not None:
         progress.enter(stats.op)
+    direct = fn in _DIRECT
+    below = direct and _enter_below()
+    events = _STATE.cuda_events
+    begun = events.begin() if events is not None and direct and _on_cuda(args) else None
     start = _now()
     try:
         result = fn(*args, **kwargs)
@@ -217,12 +278,25 @@ def timed(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
-    if isinstance(result, (dist.Work, Completed)):
+    if isinstance(result, (dist.Work, Completed)):  # async: timed to its wait(), on the host
         return CollectiveHandle(result, stats, start, nbytes)
+    if begun is not None and events is not None:  # the GPU's time, recorded once the GPU is done
+        events.end(begun, stats, nbytes)
+        return None
     stats.observe(start, nbytes)
     return None
+
+
+def _on_cuda(args: tuple[Any, ...]) -> bool:
+    """Whether a torch collective's first argument (its tensor, or list of them) is on CUDA."""
+    first = args[0] if args else None
+    if isinstance(first, list) and first:
+        first = first[0]
+    return isinstance(first, torch.Tensor) and first.is_cuda
 
 
 def timed_call(stats: CollectiveStats, nbytes: int, fn: Callable[[], _T]) -> _T:
@@ -292,9 +366,14 @@ def all_reduce(
     # a bare dist.all_reduce of 4 bytes in benchmarks/overhead.py.
     stats = state.stats["all_reduce"]
     nbytes = tensor.nbytes  # before the call: afterwards the tensor's memory is cold
+    events = state.cuda_events  # None unless the comm device is CUDA
+    begun = events.begin() if events is not None and tensor.is_cuda else None
     progress = _progress
     if progress is not None:
         progress.enter("all_reduce")
+    below = _below and not _is_excluded(_AUTOGRAD_CPU)  # _enter_below, inlined
+    if below:
+        _set_excluded(_AUTOGRAD_CPU, True)
     start = _now()
     try:
         dist.all_reduce(tensor, op)
@@ -302,8 +381,13 @@ def all_reduce(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
+    if begun is not None and events is not None:  # the GPU's time, recorded once the GPU is done
+        events.end(begun, stats, nbytes)
+        return None
     stats.observe(start, nbytes)
     return None
 
@@ -326,6 +410,7 @@ def timed_all_to_all(
     progress = _progress
     if progress is not None:
         progress.enter("all_to_all")
+    below = _enter_below()
     start = _now()
     try:
         pg.alltoall(recvs, sends, _A2A_OPTIONS).wait()
@@ -335,6 +420,8 @@ def timed_all_to_all(
         raise_failure(stats, exc)
         raise
     finally:
+        if below:
+            _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
     stats.observe(start, nbytes)
