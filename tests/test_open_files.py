@@ -1,0 +1,108 @@
+"""The coordinator's open-file limit: what it admits (said at start) and what it says when the table
+is full (gRPC's listener then leaves new connections unaccepted, and says only so in its C core).
+
+The fast tests take the budget and the watch with a fake table; the one integration test starts a
+coordinator under ``prlimit --nofile=96`` and opens more connections than it has descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import resource
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from sarcomm.coordinator import fdlimit
+from tests.conftest import CoordinatorProcess
+from tests.helpers import free_ports, wait_for
+
+
+def test_budget_reserves_what_is_open_at_start_and_a_margin() -> None:
+    budget = fdlimit.FileBudget(limit=1024, at_start=30)
+    assert budget.reserved == 30 + fdlimit.RESERVED_BEYOND_START
+    assert budget.agent_connections == 1024 - 30 - fdlimit.RESERVED_BEYOND_START
+    assert "open-file limit 1024: 930 agent connections" in budget.describe()
+    assert fdlimit.FileBudget(limit=50, at_start=30).agent_connections == 0
+
+
+def test_the_watch_says_once_per_episode_and_counts_each(caplog: pytest.LogCaptureFixture) -> None:
+    table = [False, True, True, True, False, True]
+    counted: list[int] = []
+    watch = fdlimit.FileLimitWatch(96, lambda: counted.append(1), full=lambda: table.pop(0))
+    with caplog.at_level(logging.ERROR, logger=fdlimit.__name__):
+        seen = [watch.check() for _ in range(6)]
+    assert seen == [False, True, True, True, False, True]
+    assert len(counted) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert "open-file limit reached (RLIMIT_NOFILE 96)" in said[0]
+    assert "LimitNOFILE=" in said[0]
+
+
+def test_table_full_is_emfile_only() -> None:
+    def refused(code: int) -> None:
+        raise OSError(code, "refused")
+
+    assert fdlimit.table_full(lambda: refused(errno.EMFILE))
+    assert not fdlimit.table_full(lambda: refused(errno.EACCES))
+    assert not fdlimit.table_full()  # this process has room
+
+
+def test_the_limit_is_raised_to_the_hard_limit() -> None:
+
+    soft = fdlimit.raise_open_file_limit()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert soft == fdlimit.open_file_limit()
+    assert soft == (hard if hard != resource.RLIM_INFINITY else fdlimit.UNLIMITED_STANDIN)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_full_table_is_said_once_and_counted(tmp_path: Path, real_processes: None) -> None:
+    grpc_port, http_port = free_ports(2)
+    coord = CoordinatorProcess(
+        grpc_port=grpc_port,
+        http_port=http_port,
+        state_path=None,
+        args=["--log-level", "INFO"],
+        log_path=tmp_path / "coordinator.log",
+        command=["prlimit", "--nofile=96:96", sys.executable, "-m", "sarcomm.coordinator.cli"],
+    )
+    coord.start()
+    try:
+        started = re.search(r"open-file limit 96: (\d+) agent connections", coord.log())
+        assert started is not None, coord.log()
+        admitted = int(started.group(1))
+        assert 0 < admitted < 96 - fdlimit.RESERVED_BEYOND_START
+        # More connections than the table holds: the kernel completes each handshake; gRPC
+        # accepts until the table is full and leaves the rest in the accept queue.
+        flood = [socket.create_connection(("127.0.0.1", grpc_port), timeout=5) for _ in range(100)]
+        try:
+            wait_for(lambda: "open-file limit reached (RLIMIT_NOFILE 96)" in coord.log(), 15,
+                     what="the coordinator to say its open-file limit is reached")  # fmt: skip
+        finally:
+            for sock in flood:
+                sock.close()
+        # Once the connections are gone there is room again, and /metrics answers with the count.
+        wait_for(
+            lambda: "sar_coordinator_open_file_limit_reached_total 1.0" in _metrics(coord),
+            15,
+            what="/metrics to count one episode",
+        )
+        assert "sar_coordinator_open_file_limit 96.0" in _metrics(coord)
+        assert coord.log().count("open-file limit reached") == 1
+    finally:
+        coord.stop()
+
+
+def _metrics(coord: CoordinatorProcess) -> str:
+    try:
+        return coord.get_text("/metrics")
+    except OSError:
+        return ""
