@@ -49,7 +49,6 @@ import contextlib
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,8 @@ from typing import Any
 from harness import CoordinatorProcess, connections, memory_kib, own_channel, process_cpu_seconds
 from recording import describe, write_results
 from renderers import heartbeat_load as heartbeat_load_page
+
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -195,8 +196,7 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
 def run_client(argv: list[str]) -> int:
     config = json.loads(argv[0])
     # One channel (one connection, a few descriptors) per simulated agent.
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()
     result = asyncio.run(client_main(config))
     Path(config["out"]).write_text(json.dumps(result))
     return 0

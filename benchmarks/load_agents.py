@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import own_channel
 
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
 from sarcomm.v1 import coordinator_pb2 as pb
 
 JOIN = "/sarcomm.v1.Coordinator/Join"
@@ -291,8 +291,7 @@ async def main(config: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()
     try:
         import uvloop
 
