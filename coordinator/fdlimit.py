@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 #: Descriptors kept for what is not an agent connection, beyond those open at start (listeners,
 #: the store's files, event loops' epoll and wake-up descriptors): HTTP scrapes and API calls (a
 #: Prometheus, ``sar-coordinator status``, a dashboard: a few each), the etcd client's
-#: reconnections, SQLite's journal, a log file reopened. Generous, so that a full table of agents
-#: still leaves ``/metrics`` answering.
+#: reconnections, SQLite's journal, a log file reopened. gRPC does not stop accepting there (it
+#: accepts until the table is full): the watch warns when agents reach into it.
 RESERVED_BEYOND_START = 64
 #: How often the watch asks for a descriptor (one ``open`` and ``close`` of ``/dev/null``: microseconds).
 WATCH_PERIOD_S = 1.0
@@ -86,47 +86,71 @@ class FileBudget:
         )
 
 
-def _one_more() -> None:
-    os.close(os.open(os.devnull, os.O_RDONLY))
+#: What :func:`next_descriptor` answers when the table is full.
+FULL = -1
+#: The cure, as the log says it.
+_CURE = (
+    "raise the hard limit (systemd LimitNOFILE=, ulimit -Hn, a container's --ulimit nofile=) "
+    "or spread the agents over more coordinators"
+)
 
 
-def table_full(ask: Callable[[], None] = _one_more) -> bool:
-    """Whether this process's descriptor table is full now (asking for one more fails EMFILE)."""
+def next_descriptor() -> int:
+    """The descriptor a new file gets now, the lowest free one: with no gaps below it, how many are
+    open (fewer with gaps). :data:`FULL` when the table is full (``EMFILE``)."""
     try:
-        ask()
+        fd = os.open(os.devnull, os.O_RDONLY)
     except OSError as error:
-        return error.errno == errno.EMFILE
-    return False
+        if error.errno == errno.EMFILE:
+            return FULL
+        raise
+    os.close(fd)
+    return fd
 
 
 class FileLimitWatch:
-    """Says once in the log when the table fills (and again only after it had room), and counts
-    each time in ``on_full`` (a metric's ``inc``)."""
+    """Looks once a period: says once (at WARNING) when the descriptors in use pass what
+    ``budget`` admits, once (at ERROR) when the table is full, each again only after a look that
+    found it below, and counts each full table in ``on_full`` (a metric's ``inc``)."""
 
     def __init__(
-        self, limit: int, on_full: Callable[[], None], full: Callable[[], bool] = table_full
+        self, budget: FileBudget, on_full: Callable[[], None], probe: Callable[[], int] = next_descriptor
     ) -> None:
-        self.limit = limit
+        self.budget = budget
         self._on_full = on_full
-        self._full = full
-        self._said = False
+        self._probe = probe
+        self._said_full = False
+        self._said_past = False
 
     def check(self) -> bool:
         """One look; True when the table is full now."""
-        if not self._full():
-            self._said = False
-            return False
-        if not self._said:
-            self._said = True
+        fd = self._probe()
+        full = fd == FULL
+        past = full or fd > self.budget.limit - RESERVED_BEYOND_START
+        if past and not self._said_past:
+            self._said_past = True
+            log.warning(
+                "open files past what the open-file limit admits (RLIMIT_NOFILE %d: %d agent "
+                "connections): what is kept for HTTP and the store is being used; at %d new "
+                "connections will wait unaccepted; %s",
+                self.budget.limit,
+                self.budget.agent_connections,
+                self.budget.limit,
+                _CURE,
+            )
+        if full and not self._said_full:
+            self._said_full = True
             self._on_full()
             log.error(
                 "open-file limit reached (RLIMIT_NOFILE %d): new agent connections wait unaccepted "
-                "(gRPC logs 'File descriptor limit reached. Retrying.') and their calls do not start; "
-                "raise the hard limit (systemd LimitNOFILE=, ulimit -Hn, a container's --ulimit "
-                "nofile=) or spread the agents over more coordinators",
-                self.limit,
+                "(gRPC logs 'File descriptor limit reached. Retrying.') and their calls do not start, "
+                "nor do HTTP requests; %s",
+                self.budget.limit,
+                _CURE,
             )
-        return True
+        self._said_past = self._said_past and past
+        self._said_full = self._said_full and full
+        return full
 
     async def run(self, period: float = WATCH_PERIOD_S) -> None:
         while True:

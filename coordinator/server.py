@@ -250,7 +250,7 @@ class Coordinator:
         self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
         files = fdlimit.FileBudget(fdlimit.open_file_limit(), fdlimit.open_files() or 0)
         self.metrics.open_file_limit.set(files.limit)
-        watch = fdlimit.FileLimitWatch(files.limit, self.metrics.open_file_limit_reached.inc)
+        watch = fdlimit.FileLimitWatch(files, self.metrics.open_file_limit_reached.inc)
         self._file_watch = asyncio.create_task(watch.run(), name="open-file-watch")
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()

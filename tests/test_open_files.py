@@ -7,8 +7,8 @@ coordinator under ``prlimit --nofile=96`` and opens more connections than it has
 
 from __future__ import annotations
 
-import errno
 import logging
+import os
 import re
 import resource
 import shutil
@@ -31,27 +31,33 @@ def test_budget_reserves_what_is_open_at_start_and_a_margin() -> None:
     assert fdlimit.FileBudget(limit=50, at_start=30).agent_connections == 0
 
 
-def test_the_watch_says_once_per_episode_and_counts_each(caplog: pytest.LogCaptureFixture) -> None:
-    table = [False, True, True, True, False, True]
+def test_the_watch_says_once_per_episode_and_counts_each_full_table(caplog: pytest.LogCaptureFixture) -> None:
+    budget = fdlimit.FileBudget(limit=200, at_start=20)  # admits 116 agent connections
+    threshold = 200 - fdlimit.RESERVED_BEYOND_START  # 136 open: 116 agents
+    # The lowest free descriptor at each look: below, past the budget, full x2, past, below, full.
+    looks = [50, threshold + 1, fdlimit.FULL, fdlimit.FULL, threshold + 5, threshold, fdlimit.FULL]
     counted: list[int] = []
-    watch = fdlimit.FileLimitWatch(96, lambda: counted.append(1), full=lambda: table.pop(0))
-    with caplog.at_level(logging.ERROR, logger=fdlimit.__name__):
-        seen = [watch.check() for _ in range(6)]
-    assert seen == [False, True, True, True, False, True]
+    watch = fdlimit.FileLimitWatch(budget, lambda: counted.append(1), probe=lambda: looks.pop(0))
+    with caplog.at_level(logging.WARNING, logger=fdlimit.__name__):
+        seen = [watch.check() for _ in range(7)]
+    assert seen == [False, False, True, True, False, False, True]
     assert len(counted) == 2
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2
-    assert "open-file limit reached (RLIMIT_NOFILE 96)" in said[0]
-    assert "LimitNOFILE=" in said[0]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "ERROR", "WARNING", "ERROR"]
+    assert "past what the open-file limit admits (RLIMIT_NOFILE 200: 116 agent connections)" in said[0][1]
+    assert "open-file limit reached (RLIMIT_NOFILE 200)" in said[1][1]
+    assert all("LimitNOFILE=" in message for _, message in said)
 
 
-def test_table_full_is_emfile_only() -> None:
-    def refused(code: int) -> None:
-        raise OSError(code, "refused")
-
-    assert fdlimit.table_full(lambda: refused(errno.EMFILE))
-    assert not fdlimit.table_full(lambda: refused(errno.EACCES))
-    assert not fdlimit.table_full()  # this process has room
+def test_next_descriptor_is_the_lowest_free_one_or_full() -> None:
+    opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    try:
+        lowest = min(opened)
+        os.close(lowest)
+        assert fdlimit.next_descriptor() == lowest
+    finally:
+        for fd in opened[1:]:
+            os.close(fd)
 
 
 def test_the_limit_is_raised_to_the_hard_limit() -> None:
@@ -96,7 +102,10 @@ def test_a_full_table_is_said_once_and_counted(tmp_path: Path, real_processes: N
             what="/metrics to count one episode",
         )
         assert "sar_coordinator_open_file_limit 96.0" in _metrics(coord)
-        assert coord.log().count("open-file limit reached") == 1
+        log = coord.log()
+        assert log.count("open-file limit reached") == 1
+        # Past the budget before full: said first, at WARNING.
+        assert log.index("past what the open-file limit admits") < log.index("open-file limit reached")
     finally:
         coord.stop()
 
