@@ -11,6 +11,10 @@ baseline taking turns at every size:
   answer after the common start, and the coordinator's CPU seconds for it.
 - ``singles``: formation of N self-registered single-rank members (one Join each, over
   ``--single-channels`` connections per client process), N = ``--singles`` (4096 ... 32768).
+
+Every simulated connection is a TCP connection of its own (``harness.own_channel``); the number
+the coordinator holds is counted (``connections`` in each run: before the Joins, and at the end of
+the beat window).
 - ``beat``: at ``--beat-agents`` agents x 8 (4096: 32,768 ranks), after formation every agent keeps
   one ``Heartbeat`` stream and writes one request with its 8 reports every interval, for
   ``--warmup`` then ``--duration`` seconds. Recorded over the measured window: reports offered
@@ -51,7 +55,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import psutil
-from harness import free_port
+from harness import connections, free_port
 from recording import describe, write_results
 from renderers import big_job as big_job_page
 from renderers.big_job import BeatRow, BeatRun, Formation, FormationRow, FormationRun, Row
@@ -109,7 +113,8 @@ def _get(url: str, timeout: float = 60) -> str:
         return str(response.read().decode())
 
 
-def _sample(metrics: str, name: str) -> float:
+def metric_sum(metrics: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all its label sets; or one, named with its labels)."""
     total = 0.0
     pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
     for match in pattern.finditer(metrics):
@@ -174,6 +179,10 @@ class Coordinator:
 
     def rss_mib(self) -> float:
         return float(self.ps.memory_info().rss) / 2**20
+
+    def connections(self) -> int:
+        """TCP connections it holds on its gRPC port now (counted, not assumed)."""
+        return connections(self.grpc_port, self.proc.pid)
 
     def metrics(self) -> str:
         return _get(f"{self.http}/metrics")
@@ -262,7 +271,8 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
          ) -> Formation:  # fmt: skip
     """Start every Join at one instant; the coordinator's and the clients' view of the formation."""
     cpu0 = coordinator.cpu()
-    gc0 = _sample(coordinator.metrics(), "sar_coordinator_gc_pause_seconds_sum")
+    held = coordinator.connections()
+    gc0 = metric_sum(coordinator.metrics(), "sar_coordinator_gc_pause_seconds_sum")
     start = time.monotonic() + 0.5
     group.tell_all({"join": start})
     answers = group.answer_all("joined")
@@ -273,12 +283,13 @@ def form(coordinator: Coordinator, group: Clients, profiler: subprocess.Popen[by
         profiler.send_signal(signal.SIGINT)
         profiler.wait(60)
     metrics = coordinator.metrics()
-    view = _sample(metrics, "sar_coordinator_rendezvous_duration_seconds_sum")
+    view = metric_sum(metrics, "sar_coordinator_rendezvous_duration_seconds_sum")
     return {
         "coordinator_view_s": round(view, 3),
+        "connections": held,
         "last_answer_s": round(max(times) - start, 3) if times and min(times) > 0 else None,
         "coordinator_cpu_s": round(cpu, 3),
-        "coordinator_gc_s": round(_sample(metrics, "sar_coordinator_gc_pause_seconds_sum") - gc0, 3),
+        "coordinator_gc_s": round(metric_sum(metrics, "sar_coordinator_gc_pause_seconds_sum") - gc0, 3),
         "join_errors": len(errors),
         "join_error_examples": errors[:3],
     }
@@ -324,7 +335,7 @@ def _held(before: str, after: str) -> list[int]:
     """How often the loop was held over 0.1 s and over 0.5 s between two scrapes."""
 
     def over(metrics: str, bound: str) -> float:
-        return _sample(metrics, f'{LAG}{{le="+Inf"}}') - _sample(metrics, f'{LAG}{{le="{bound}"}}')
+        return metric_sum(metrics, f'{LAG}{{le="+Inf"}}') - metric_sum(metrics, f'{LAG}{{le="{bound}"}}')
 
     return [int(over(after, b) - over(before, b)) for b in ("0.1", "0.5")]
 
@@ -360,7 +371,10 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         time.sleep(max(0.0, window[0] - time.monotonic()))
         warm_metrics = coordinator.metrics()
         profiler = _profile(coordinator, args, f"beat-{code.name.split()[0]}", args.duration)
-        cpu0, beats0 = coordinator.cpu(), _sample(coordinator.metrics(), "sar_coordinator_heartbeats_total")
+        cpu0, beats0 = (
+            coordinator.cpu(),
+            metric_sum(coordinator.metrics(), "sar_coordinator_heartbeats_total"),
+        )
         user0, clients0 = coordinator.user_cpu(), group.cpu()
         rss = coordinator.rss_mib()
         while time.monotonic() < window[1]:
@@ -368,12 +382,13 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
             rss = max(rss, coordinator.rss_mib())
         cpu1, metrics = coordinator.cpu(), coordinator.metrics()
         user1, clients1 = coordinator.user_cpu(), group.cpu()
+        held = coordinator.connections()
         for running in (starting, profiler):
             if running is not None:
                 running.wait(60)
         span = time.monotonic() - window[0]
-        processed = _sample(metrics, "sar_coordinator_heartbeats_total") - beats0
-        failed = _sample(metrics, 'sar_coordinator_members{state="FAILED"}')
+        processed = metric_sum(metrics, "sar_coordinator_heartbeats_total") - beats0
+        failed = metric_sum(metrics, 'sar_coordinator_members{state="FAILED"}')
         endpoints = {
             path: round(max(_timed_get(f"{coordinator.http}{path}") for _ in range(3)), 3)
             for path in ("/metrics", "/sd", f"/v1/jobs?job={job}")
@@ -398,6 +413,7 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
     return {
         "code": code.name, "store": "etcd" if store else "sqlite", "agents": agents,
         "ranks": agents * members,
+        "connections": held,
         "formation": formed,
         "offered_reports_per_s": round(written), "acked_reports_per_s": round(acked),
         "processed_reports_per_s": round(processed / span),
@@ -408,9 +424,9 @@ def run_beats(code: Code, args: argparse.Namespace, work: Path, store: str | Non
         "load_generator_cpu_share": round((clients1 - clients0) / span, 3),
         "rss_peak_mib": round(rss, 1),
         "start_loop_held": _held(start_metrics, warm_metrics),
-        "start_gc_s": round(_sample(warm_metrics, GC_SUM) - _sample(start_metrics, GC_SUM), 3),
+        "start_gc_s": round(metric_sum(warm_metrics, GC_SUM) - metric_sum(start_metrics, GC_SUM), 3),
         "window_loop_held": _held(warm_metrics, metrics),
-        "window_gc_s": round(_sample(metrics, GC_SUM) - _sample(warm_metrics, GC_SUM), 3),
+        "window_gc_s": round(metric_sum(metrics, GC_SUM) - metric_sum(warm_metrics, GC_SUM), 3),
         "first_beat_written_s": _spread(first_written),
         "first_beat_acked_s": _spread(first_acked),
         "members_failed_in_window": int(failed),

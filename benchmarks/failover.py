@@ -56,6 +56,8 @@ from recording import describe, write_results
 from renderers import failover as failover_page
 from renderers.failover import Kill, KillTimes, Reattach, SetupResult
 
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
 
@@ -134,11 +136,8 @@ async def _read(stream: Any, times: list[float]) -> None:
 
 
 def run_client(argv: list[str]) -> int:
-    import resource
-
     config = json.loads(argv[0])
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()
     result = asyncio.run(client_main(config))
     Path(config["out"]).write_text(json.dumps(result))
     return 0

@@ -3,7 +3,8 @@
 nothing a coordinator decides. Its Join calls wait until ``world_size`` members have joined (a
 barrier, as TCPStore's) and get a canned answer; every Heartbeat request gets the same ack without
 being read. What it costs is what gRPC, the event loop and the kernel cost for the same calls: the
-least any coordinator on this stack can spend, measured beside it in the same run.
+least any coordinator on this stack can spend, measured beside it in the same run (with as many
+TCP connections: ``big_job.py`` counts them, one per simulated agent).
 
 ``python grpc_floor.py --listen HOST:PORT --http HOST:PORT`` runs until SIGTERM. Its HTTP side
 answers ``/healthz`` and ``/metrics`` with the counters ``big_job.py`` reads:
@@ -26,6 +27,7 @@ import grpc
 from aiohttp import web
 
 from sarcomm.coordinator.domain.liveness import keepalive_settings
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
 from sarcomm.v1 import coordinator_pb2 as pb
 
 SERVICE = "sarcomm.v1.Coordinator"
@@ -138,6 +140,8 @@ def main() -> None:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--http", required=True)
     args, _ = parser.parse_known_args()
+    # As the coordinator: one descriptor per agent connection, so the hard limit's worth of them.
+    raise_open_file_limit()
     try:
         import uvloop
 

@@ -1,5 +1,6 @@
 """What every benchmark that runs a coordinator shares: ports, a ``sar-coordinator`` child process
-(started, waited for, measured, stopped the same way), its CPU and memory, and py-spy around it.
+(started, waited for, measured, stopped the same way), its CPU, memory and connections (counted),
+py-spy around it, and the load generators' channels (one TCP connection each).
 
 Benchmarks run as scripts (``python benchmarks/NAME.py``) and import this by its bare name, as they
 import :mod:`recording`.
@@ -40,11 +41,56 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` has used so far (user + system, all threads)."""
+#: The channel option that gives a channel its own subchannel pool. Without it gRPC's global pool
+#: puts every channel of a process with equal arguments on one subchannel, so on one TCP
+#: connection: a load generator's thousand "agents" were a handful of connections.
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+#: The state column of /proc/net/tcp for an established connection.
+_ESTABLISHED = "01"
+
+
+def own_channel(target: str) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel on a TCP connection of its own, as a real agent's."""
+    return grpc.aio.insecure_channel(target, options=[OWN_CONNECTION])
+
+
+def connections(port: int, pid: int | None = None) -> int:
+    """TCP connections established to local ``port`` (their server ends, as
+    ``ss -tn state established '( sport = :PORT )'`` counts them, IPv4 and IPv6); with ``pid``,
+    only those that process holds, so accepted, not waiting in the listener's queue."""
+    sockets: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == _ESTABLISHED and int(fields[1].rpartition(":")[2], 16) == port:
+                sockets.add(fields[9])
+    if pid is None:
+        return len(sockets)
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:  # closed since the listing
+            continue
+        if link.startswith("socket:[") and link[8:-1] in sockets:
+            held += 1
+    return held
+
+
+def process_cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds process ``pid`` has used so far, all threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (user + system, all threads)."""
+    return sum(process_cpu_times(pid))
 
 
 def memory_kib(pid: int) -> dict[str, int]:

@@ -49,7 +49,6 @@ import contextlib
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -58,10 +57,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import CoordinatorProcess, memory_kib, process_cpu_seconds
+from harness import CoordinatorProcess, connections, memory_kib, own_channel, process_cpu_seconds
 from recording import describe, write_results
 from renderers import heartbeat_load as heartbeat_load_page
 from renderers.heartbeat_load import HeartbeatRow, LoopLag
+
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.etcd_cluster import ETCD_MISSING, EtcdCluster
@@ -82,9 +83,10 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
     target, job, world = config["target"], config["job"], config["world"]
     agents, members, interval = config["agents"], config["members"], config["interval"]
     lo = pb.NetworkInterface(name="lo", addresses=["127.0.0.1"], kind=pb.INTERFACE_KIND_LOOPBACK)
-    # One channel (one TCP connection) per simulated agent, or agents spread over `channels`.
+    # One channel (one TCP connection: own_channel) per simulated agent, or agents spread over
+    # `channels`.
     count = config["channels"] or agents
-    channels = [grpc.aio.insecure_channel(target) for _ in range(count)]
+    channels = [own_channel(target) for _ in range(count)]
     # (CoordinatorAsyncStub is the stub's type on an aio channel; it exists only in the .pyi.)
     stubs: list[pb_grpc.CoordinatorAsyncStub] = [
         pb_grpc.CoordinatorStub(channels[i % count]) for i in range(agents)
@@ -195,8 +197,7 @@ async def client_main(config: dict[str, Any]) -> dict[str, Any]:
 def run_client(argv: list[str]) -> int:
     config = json.loads(argv[0])
     # One channel (one connection, a few descriptors) per simulated agent.
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()
     result = asyncio.run(client_main(config))
     Path(config["out"]).write_text(json.dumps(result))
     return 0
@@ -325,6 +326,7 @@ def measure(
             time.sleep(max(0.0, min(1.0, wall0 + args.duration - time.monotonic())))
             peak_rss = max(peak_rss, memory_kib(coordinator.pid)["VmRSS"])
         cpu1, wall1 = process_cpu_seconds(coordinator.pid), time.monotonic()
+        held = connections(server.grpc_port, coordinator.pid)
         etcd_cpu1 = sum(process_cpu_seconds(pid) for pid in etcd_pids)
         profile: list[dict[str, Any]] = []
         if profiler is not None:
@@ -378,6 +380,8 @@ def measure(
         # The three etcd members together (0 with SQLite): what the store costs besides the coordinator.
         "etcd_cpu_percent": round(100 * (etcd_cpu1 - etcd_cpu0) / (wall1 - wall0), 1),
         "streams": agents,
+        # TCP connections the coordinator held at the window's end (counted, not assumed).
+        "connections": held,
         "members": world,
         "members_per_stream": members,
         "interval_s": interval,

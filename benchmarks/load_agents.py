@@ -4,8 +4,9 @@
 One process runs ``python load_agents.py CONFIG_JSON`` and talks to its parent in JSON lines (the
 parent writes commands on stdin, the process answers on stdout):
 
-- at start it opens its channels (``channels`` of them, agents spread over them; 0: one per agent,
-  a TCP connection each as real agents have) and answers ``{"ready": ...}``;
+- at start it opens its channels (``channels`` of them, agents spread over them; 0: one per agent)
+  and answers ``{"ready": ...}``; every channel is a TCP connection of its own
+  (:func:`harness.own_channel`), as a real agent's;
 - ``{"join": T}``: at monotonic time T (one clock for every process on Linux) it sends every
   agent's ``Join`` at once (one call per agent with its ``members`` members) and answers with the
   time of each answer;
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -39,6 +39,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import own_channel
+
+from sarcomm.coordinator.fdlimit import raise_open_file_limit
 from sarcomm.v1 import coordinator_pb2 as pb
 
 JOIN = "/sarcomm.v1.Coordinator/Join"
@@ -96,7 +99,7 @@ class Agents:
         self.config = config
         count = config["agents"]
         per_channel = config["channels"] or count
-        self.channels = [grpc.aio.insecure_channel(config["target"]) for _ in range(min(count, per_channel))]
+        self.channels = [own_channel(config["target"]) for _ in range(min(count, per_channel))]
         self.joins = [
             ch.unary_unary(
                 JOIN, request_serializer=_identity, response_deserializer=pb.JoinResponse.FromString
@@ -288,8 +291,7 @@ async def main(config: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit()
     try:
         import uvloop
 

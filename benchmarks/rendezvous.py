@@ -4,7 +4,8 @@ What is measured, for each world size N (default 64, 256, 1024, 4096), in one ru
 
 - ``sarcomm``: a real ``sar-coordinator`` process (started here, on loopback, with a SQLite state
   file). The N members are spread over ``--procs`` client processes; each process runs one asyncio
-  loop with one ``grpc.aio`` channel and sends its members' ``Join`` calls concurrently through the
+  loop with one ``grpc.aio`` channel (a TCP connection of its own) per member and sends its members'
+  ``Join`` calls concurrently through the
   raw generated ``CoordinatorStub`` (one member per call, ``host=f"h{i}"``, one loopback interface).
 - ``tcpstore``: the floor, a bare ``torch.distributed.TCPStore`` barrier. One master store; each
   member has its own client connection, does ``add("arrived", 1)``, the one that sees N sets
@@ -64,7 +65,7 @@ from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from harness import CoordinatorProcess, process_cpu_seconds
+from harness import CoordinatorProcess, own_channel, process_cpu_seconds
 from recording import describe, write_results
 from renderers import rendezvous as rendezvous_page
 from renderers.rendezvous import OutcomeRow, RoundSummary
@@ -261,8 +262,6 @@ async def _sarcomm_members(
 ) -> list[tuple[int, float, int]]:
     import asyncio
 
-    import grpc
-
     from sarcomm.v1 import coordinator_pb2 as pb
     from sarcomm.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -278,15 +277,18 @@ async def _sarcomm_members(
         )
         for i in members
     }
-    async with grpc.aio.insecure_channel(target) as channel:
+    # One TCP connection per member, as a self-registered rank has: TCPStore's and c10d's members
+    # each have theirs too.
+    channels = {i: own_channel(target) for i in members}
+    try:
         # Connect before the clock starts: connection set-up is not what this benchmark measures.
-        await asyncio.wait_for(channel.channel_ready(), timeout)
-        stub = pb_grpc.CoordinatorStub(channel)
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels.values())), timeout)
+        stubs = {i: pb_grpc.CoordinatorStub(c) for i, c in channels.items()}
         start = link.await_start(timeout)
         await asyncio.sleep(max(0.0, start - time.monotonic()))
 
         async def join(i: int) -> tuple[int, float, int]:
-            response = await stub.Join(requests[i], timeout=timeout)
+            response = await stubs[i].Join(requests[i], timeout=timeout)
             return i, time.monotonic(), response.assignments[0].rank
 
         tasks = [asyncio.create_task(join(i)) for i in members]
@@ -301,6 +303,8 @@ async def _sarcomm_members(
         if pending:
             raise TimeoutError(f"{len(pending)} of {len(members)} joins unanswered after {timeout:g} s")
         return [t.result() for t in tasks]
+    finally:
+        await asyncio.gather(*(c.close(None) for c in channels.values()))
 
 
 def _join_failures(tasks: Sequence[Any], total: int) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -30,7 +29,7 @@ from sarcomm.common.flags import (
     switch,
 )
 from sarcomm.common.tls import ClientTls, read_token_file
-from sarcomm.coordinator import loop, status
+from sarcomm.coordinator import fdlimit, loop, status
 from sarcomm.coordinator.config import MAX_ACCEPTORS, CoordinatorConfig, Limits
 from sarcomm.coordinator.server import serve
 from sarcomm.coordinator.storage.etcd_config import (
@@ -261,23 +260,6 @@ def _client_tls(args: argparse.Namespace) -> ClientTls | None:
     return ClientTls(args.client_tls_ca, args.client_tls_cert, args.client_tls_key)
 
 
-def _raise_open_file_limit() -> None:
-    """Let the coordinator hold as many connections as the hard limit allows.
-
-    Every member, stream and scrape is a socket, and the soft limit is often 1024: hitting it
-    would refuse healthy clients while a flood of connections lasts.
-    """
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 async def _status(args: argparse.Namespace) -> None:
     token = read_token_file(args.token_file) if args.token_file else None
     tls = _client_tls(args)
@@ -316,7 +298,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             loop.run(_status(args))
             return 0
         config = config_from_args(args)
-        _raise_open_file_limit()
+        fdlimit.raise_open_file_limit()
         loop.run(serve(config))
         return 0
     except CoordinatorFailedError as error:

@@ -27,7 +27,7 @@ from sarcomm.common.addresses import host_port, parse_host_port
 from sarcomm.common.errors import CoordinatorFailedError
 from sarcomm.common.tasks import cancel_and_wait
 from sarcomm.common.tls import read_token_file, server_credentials, server_ssl_context
-from sarcomm.coordinator import systemd
+from sarcomm.coordinator import fdlimit, systemd
 from sarcomm.coordinator.api.http import HttpApi
 from sarcomm.coordinator.api.interceptor import StatusInterceptor
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
@@ -120,6 +120,7 @@ class Coordinator:
         self._interceptor = StatusInterceptor(self.metrics, self.token, config.limits.max_streams)
         self._runner: web.AppRunner | None = None
         self._lag_watcher: asyncio.Task[None] | None = None
+        self._file_watch: asyncio.Task[None] | None = None
         # The health status changes not yet applied: kept, since the loop holds only weak
         # references to tasks (one could be collected before it ran), and awaited by stop.
         self._health_updates: set[asyncio.Task[None]] = set()
@@ -248,6 +249,10 @@ class Coordinator:
             advertised = host_port(advertised.rpartition(":")[0].strip("[]"), self.grpc_port)
         self.seat.start(advertised)
         self._lag_watcher = asyncio.create_task(self._watch_loop_lag(), name="loop-lag-watcher")
+        files = fdlimit.FileBudget(fdlimit.open_file_limit(), fdlimit.open_files() or 0)
+        self.metrics.open_file_limit.set(files.limit)
+        watch = fdlimit.FileLimitWatch(files, self.metrics.open_file_limit_reached.inc)
+        self._file_watch = asyncio.create_task(watch.run(), name="open-file-watch")
         # Everything allocated so far lives as long as the process: keep the collector off it.
         gc.freeze()
         # A full collection walks every object of every open stream: ~150 to 400 ms with 4096
@@ -259,7 +264,7 @@ class Coordinator:
         gc.callbacks.append(self._time_gc)
         log.info(
             "coordinator serving gRPC on %s (port %d), HTTP on %s (port %d), state %s, liveness %g s x %d, "
-            "TLS %s, token %s",
+            "TLS %s, token %s, %s",
             self.config.listen,
             self.grpc_port,
             self.config.http,
@@ -269,6 +274,7 @@ class Coordinator:
             self.config.heartbeat_misses,
             "mutual" if self.config.tls_client_ca else "on" if self.tls_context else "off",
             "required" if self.token else "off",
+            files.describe(),
         )
 
     def _time_gc(self, phase: str, info: dict[str, int]) -> None:
@@ -309,7 +315,8 @@ class Coordinator:
         # A term's change still on its way must not set SERVING again after the shutdown's status.
         await asyncio.gather(*self._health_updates)
         await self.health.enter_graceful_shutdown()
-        await cancel_and_wait(self._lag_watcher)
+        for watcher in (self._lag_watcher, self._file_watch):
+            await cancel_and_wait(watcher)
         await self._close_listeners(self.config.shutdown_grace)
         await self.seat.stop()
         log.info("coordinator stopped")

@@ -9,7 +9,7 @@ baseline); the report shows the newest run of each phase and links the others.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, TypedDict, cast
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 from render import (
     Context,
@@ -40,6 +40,9 @@ class Formation(TypedDict):
     """Every Join started at one instant: the coordinator's and the clients' view."""
 
     coordinator_view_s: float
+    #: TCP connections the coordinator held before the Joins (absent from runs before it was
+    #: counted, when a load process's channels shared one connection).
+    connections: NotRequired[int]
     last_answer_s: float | None
     coordinator_cpu_s: float
     #: Python's garbage collections in that time (the coordinator's gc_pause metric).
@@ -72,6 +75,8 @@ class BeatRun(TypedDict):
     store: str
     agents: int
     ranks: int
+    #: TCP connections the coordinator held at the window's end (absent from older runs).
+    connections: NotRequired[int]
     formation: Formation
     offered_reports_per_s: int
     acked_reports_per_s: int

@@ -301,6 +301,18 @@ class CoordinatorMetrics:
             "Leader changes this coordinator has seen in the shared etcd store.",
             registry=self.registry,
         )
+        self.open_file_limit = Gauge(
+            "sar_coordinator_open_file_limit",
+            "The coordinator's open-file limit (soft RLIMIT_NOFILE, raised to the hard limit at "
+            "start): one descriptor per agent connection, the rest for listeners, store and HTTP.",
+            registry=self.registry,
+        )
+        self.open_file_limit_reached = Counter(
+            "sar_coordinator_open_file_limit_reached",
+            "Times the coordinator found its open-file limit reached: while it lasts, new "
+            "connections wait unaccepted and their calls do not start.",
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "sar_coordinator_rpc_duration_seconds",
             "gRPC call handling time by method.",
