@@ -139,4 +139,4 @@ def test_ddp_without_sarcomm_is_measured_under_torchrun_and_sar_worker(
     assert agent.returncode == 0, output
     failed = [line for line in output.splitlines() if FAILED_LINE in line]
     assert len(failed) == 1, output
-    assert "SAR_METRICS_PORT" in failed[0], output
+    assert "SARCOMM_HEARTBEAT_INTERVAL" in failed[0], output

@@ -5,8 +5,11 @@ sarcomm's library, ``sar.init()`` and ``sar.all_reduce``).
 Usage: ``zerocode_ddp.py OUT_DIR --steps N [--library] [--break-rank R] [--optout-rank R]
 [--backend nccl]`` (nccl: the model and data on the local rank's GPU; ``scripts/gpu-check.sh``)
 
-- ``--break-rank R``: global rank R sets a malformed ``SAR_METRICS_PORT`` before it imports torch,
-  so that its zero-code instrumentation fails (it must train on and say so once);
+- ``--break-rank R``: global rank R sets a malformed ``SARCOMM_HEARTBEAT_INTERVAL`` (the progress
+  record's interval, which sar-worker gives its ranks) before it imports torch, so that its
+  zero-code instrumentation fails (it must train on and say so once). A malformed
+  ``SAR_METRICS_PORT`` would not do: monitoring settings cost only the endpoint, never the
+  instrumentation (docs/metrics.md, "Monitoring never stops a job");
 - ``--optout-rank R``: global rank R sets ``SAR_AUTO_METRICS=0`` before it imports torch.
 
 Each rank trains N steps, then makes 5 all_reduces of ``rank + 1`` (``dist.all_reduce``, or
@@ -38,7 +41,7 @@ parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
 args = parser.parse_args()
 RANK = int(os.environ["RANK"])
 if args.break_rank == RANK:
-    os.environ["SAR_METRICS_PORT"] = "not-a-port"
+    os.environ["SARCOMM_HEARTBEAT_INTERVAL"] = "not-a-number"
 if args.optout_rank == RANK:
     os.environ["SAR_AUTO_METRICS"] = "0"
 
