@@ -39,9 +39,11 @@ class LoopLag(TypedDict):
 class HeartbeatRow(LoopLag):
     """One measurement (a shape on a store, at a size and interval): a row of ``summary`` or
     ``scaling``. ``store`` and ``etcd_cpu_percent`` are absent from recordings older than the etcd
-    store (SQLite, then)."""
+    store (SQLite, then); ``connections`` (the TCP connections the coordinator held, counted) from
+    recordings older than one connection per simulated agent."""
 
     shape: str
+    connections: NotRequired[int]
     store: NotRequired[str]
     etcd_cpu_percent: NotRequired[float]
     streams: int
