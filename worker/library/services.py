@@ -134,8 +134,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
+#: Set once zero-code metrics (:mod:`sarcomm.worker.library.zerocode`) started this rank's
+#: services: the library's own start (``initialize_comms``) then finds them started and neither
+#: starts nor says anything a second time (a bad ``SAR_METRICS_PORT`` is said once, not twice).
+_started_by_zero_code = False
+
+
+def start_rank_services(environ: Mapping[str, str] | None = None, *, zero_code: bool = False) -> None:
     """Start what a rank runs beside its training once communication is up; idempotent.
+    ``zero_code``: the caller is zero-code metrics, at ``import torch``; a later call does nothing.
 
     ``initialize_comms`` calls this, so that SAR-style scripts that call it directly (not
     :func:`~sarcomm.worker.library.startup.init`) get the same: under ``sar-worker`` the progress record
@@ -149,6 +156,10 @@ def start_rank_services(environ: Mapping[str, str] | None = None) -> None:
     that can refuse a bad variable before training starts do: ``sar-worker``'s flags, torchrun's
     sarcomm rendezvous.) Raises :class:`InvalidArgumentError` for a malformed progress setting.
     """
+    global _started_by_zero_code
+    if _started_by_zero_code:
+        return
+    _started_by_zero_code = zero_code
     env = process_environ() if environ is None else environ
     writer = _progress
     # A self-registered process has its (in-memory) writer already: this makes the shared one.

@@ -322,7 +322,7 @@ def install(launcher: str) -> None:
     # hook becomes the depth counter around the rank's progress writer, now and if it changes.
     _set_writer(None)
     services.add_progress_listener(_set_writer)
-    services.start_rank_services(env)
+    services.start_rank_services(env, zero_code=True)
     _groups.patch(_ProcessGroup)
     _state.library = _register()
     timing.set_dispatch_below(True)
