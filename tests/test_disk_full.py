@@ -60,6 +60,15 @@ def coordinator_on(disk: Path, tmp_path: Path) -> CoordinatorProcess:
     return coord
 
 
+def stop_all(agents: list[subprocess.Popen[str]], coord: CoordinatorProcess) -> None:
+    """Kill the agents still running (a failed test), then stop the coordinator."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+    coord.stop()
+
+
 def clean_environment() -> dict[str, str]:
     """This process's environment without sarcomm's variables, for the agents."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("SARCOMM_", "SAR_"))}
@@ -108,11 +117,7 @@ def test_a_world_forming_on_a_full_disk_forms_once_when_space_returns(
         assert (job["job"], job["generation"], job["state"]) == ("dfull", 1, "FINISHED")
         assert sorted(m["rank"] for m in job["members"]) == [0, 1]
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(10)
-        coord.stop()
+        stop_all(agents, coord)
 
 
 def test_a_world_that_cannot_be_written_is_not_shown_running_and_its_joins_end_naming_the_disk(
@@ -159,8 +164,4 @@ def test_a_world_that_cannot_be_written_is_not_shown_running_and_its_joins_end_n
             assert "Traceback" not in err, err
         print(f"\nthe agents' last line: {last}")
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(10)
-        coord.stop()
+        stop_all(agents, coord)
