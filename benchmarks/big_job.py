@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -126,7 +126,14 @@ class Coordinator:
     """A ``sar-coordinator`` process of ``code``; a context manager that stops it."""
 
     def __init__(
-        self, code: Code, work: Path, store: str | None, interval: float, misses: int, acceptors: int = 1
+        self,
+        code: Code,
+        work: Path,
+        store: str | None,
+        interval: float,
+        misses: int,
+        acceptors: int = 1,
+        flags: Sequence[str] = (),
     ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         env = dict(os.environ)
@@ -135,14 +142,15 @@ class Coordinator:
         state = (
             ["--store", store] if store else ["--state", str(work / f"state-{time.monotonic_ns()}.sqlite")]
         )
-        self.log = (work / f"coordinator-{code.name}.log").open("ab")
+        self.log_path = work / f"coordinator-{code.name}.log"
+        self.log = self.log_path.open("ab")
         program = [str(FLOOR)] if code.floor else ["-m", "sarcomm.coordinator.cli"]
         self.proc = subprocess.Popen(
             [sys.executable, *program, "--listen", f"{LOOPBACK}:{self.grpc_port}",
              "--http", f"{LOOPBACK}:{self.http_port}", *state, "--heartbeat-interval", str(interval),
              "--heartbeat-misses", str(misses), "--join-timeout", "300", "--max-world-size", "65536",
              "--log-level", "WARNING", "--shutdown-grace", "1",
-             *(["--acceptors", str(acceptors)] if acceptors > 1 and code.current else [])],
+             *(["--acceptors", str(acceptors)] if acceptors > 1 and code.current else []), *flags],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=work,
         )  # fmt: skip
         self.ps = psutil.Process(self.proc.pid)
@@ -187,19 +195,26 @@ class Coordinator:
     def metrics(self) -> str:
         return _get(f"{self.http}/metrics")
 
+    def get(self, path: str) -> str:
+        """The body of ``GET path`` from its HTTP endpoint."""
+        return _get(f"{self.http}{path}")
+
 
 class Clients:
     """``load_agents.py`` processes sharing ``agents`` agents of ``members`` members."""
 
     def __init__(self, target: str, job: str, agents: int, members: int, args: argparse.Namespace,
-                 channels: int, probe: int = 0) -> None:  # fmt: skip
+                 channels: int, probe: int = 0, *, world: int | None = None, host_prefix: str = "",
+                 protocol: str = "per-second", reconnect: bool = False) -> None:  # fmt: skip
         load = agents - probe
         shares = [load // args.procs + (1 if p < load % args.procs else 0) for p in range(args.procs)]
         shares += [probe] if probe else []
         self.procs = []
         for p, count in enumerate(shares):
             config = {
-                "target": target, "job": job, "world": agents * members, "agents": count,
+                "target": target, "job": job, "world": world or agents * members, "agents": count,
+                "host_prefix": f"{host_prefix}{p}" if host_prefix else "", "protocol": protocol,
+                "reconnect": reconnect,
                 "members": members, "proc": p, "channels": channels, "interval": args.interval,
                 "coordinator_interval": args.interval,
                 "join_timeout": 300, "timed": probe > 0 and p == len(shares) - 1,
@@ -237,6 +252,11 @@ class Clients:
     def tell_all(self, command: dict[str, Any]) -> None:
         for p in range(len(self.procs)):
             self.ask(p, command)
+
+    def answer_all_after(self, command: dict[str, Any], key: str) -> list[dict[str, Any]]:
+        """Every process's answer ``key`` to ``command``."""
+        self.tell_all(command)
+        return self.answer_all(key)
 
     def cpu(self) -> float:
         """CPU seconds of every load process so far."""

@@ -6,7 +6,11 @@ being read. What it costs is what gRPC, the event loop and the kernel cost for t
 least any coordinator on this stack can spend, measured beside it in the same run (with as many
 TCP connections: ``big_job.py`` counts them, one per simulated agent).
 
-``python grpc_floor.py --listen HOST:PORT --http HOST:PORT`` runs until SIGTERM. Its HTTP side
+With ``--lease S`` the first answer of each Heartbeat stream offers a ``ReportPolicy`` with that
+lease, as a coordinator that takes reports by exception does: the floor of that protocol (what gRPC
+costs for the lease renewals of open streams, and their keepalive pings).
+
+``python grpc_floor.py --listen HOST:PORT --http HOST:PORT [--lease S]`` runs until SIGTERM. Its HTTP side
 answers ``/healthz`` and ``/metrics`` with the counters ``big_job.py`` reads:
 ``sar_coordinator_rendezvous_duration_seconds_sum`` (first Join to the last one joined, s),
 ``sar_coordinator_heartbeats_total`` (requests x members per Join) and
@@ -37,7 +41,7 @@ LIVENESS_TIMEOUT_S = 3.0
 class Floor:
     """Join as a barrier, Heartbeat as an ack, Leave as nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease: float = 0.0) -> None:
         self.joined = 0
         self.ranks = 0
         self.members_per_join = 1
@@ -46,6 +50,15 @@ class Floor:
         self.requests = 0
         self.world: asyncio.Future[None] | None = None
         self.ack = pb.HeartbeatResponse(heartbeat_interval_seconds=1.0).SerializeToString()
+        # With a lease: the first answer of each stream offers reporting by exception.
+        policy = pb.ReportPolicy(
+            lease_seconds=lease, silence_seconds=3.0, quiet_seconds=5.0, progress_seconds=10.0
+        )
+        self.offer = (
+            pb.HeartbeatResponse(heartbeat_interval_seconds=1.0, policy=policy).SerializeToString()
+            if lease > 0
+            else self.ack
+        )
 
     async def join(self, raw: bytes, context: Any) -> bytes:
         request = pb.JoinRequest.FromString(raw)
@@ -71,9 +84,11 @@ class Floor:
         ).SerializeToString()  # fmt: skip
 
     async def heartbeat(self, requests: Any, context: Any) -> Any:
+        answer = self.offer
         async for _ in requests:
             self.requests += 1
-            yield self.ack
+            yield answer
+            answer = self.ack
 
     async def leave(self, raw: bytes, context: Any) -> bytes:
         return pb.LeaveResponse(job_state="RUNNING").SerializeToString()
@@ -87,8 +102,8 @@ class Floor:
         )
 
 
-async def serve(listen: str, http: str) -> None:
-    floor = Floor()
+async def serve(listen: str, http: str, lease: float) -> None:
+    floor = Floor(lease)
     ping_every, answer_within = keepalive_settings(LIVENESS_TIMEOUT_S)
     server = grpc.aio.server(
         options=[
@@ -139,15 +154,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--listen", required=True)
     parser.add_argument("--http", required=True)
+    parser.add_argument(
+        "--lease", type=float, default=0.0, help="offer reporting by exception with this lease, s (0: never)"
+    )
     args, _ = parser.parse_known_args()
     # As the coordinator: one descriptor per agent connection, so the hard limit's worth of them.
     raise_open_file_limit()
     try:
         import uvloop
 
-        uvloop.run(serve(args.listen, args.http))
+        uvloop.run(serve(args.listen, args.http, args.lease))
     except ImportError:
-        asyncio.run(serve(args.listen, args.http))
+        asyncio.run(serve(args.listen, args.http, args.lease))
 
 
 if __name__ == "__main__":

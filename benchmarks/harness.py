@@ -49,9 +49,10 @@ OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 _ESTABLISHED = "01"
 
 
-def own_channel(target: str) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel on a TCP connection of its own, as a real agent's."""
-    return grpc.aio.insecure_channel(target, options=[OWN_CONNECTION])
+def own_channel(target: str, options: Sequence[tuple[str, str | int]] = ()) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel on a TCP connection of its own, as a real agent's (with ``options``
+    besides)."""
+    return grpc.aio.insecure_channel(target, options=[OWN_CONNECTION, *options])
 
 
 def connections(port: int, pid: int | None = None) -> int:

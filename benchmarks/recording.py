@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -60,3 +62,29 @@ def write_results(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     print(write_page(doc, renderer, markdown_path))
+
+
+def write_rows(
+    script: str,
+    argv: Sequence[str] | None,
+    title: str,
+    headline: list[str],
+    rows: Sequence[Any],
+    renderer: Renderer,
+    json_path: Path | None,
+    markdown_path: Path | None,
+) -> None:
+    """Write a benchmark's ``rows`` (with its ``headline``, the command that ran ``script`` with
+    ``argv``, and the machine) as :func:`write_results` does; its name is the JSON file's."""
+    name = Path(script).stem
+    doc: dict[str, Any] = {
+        "benchmark": json_path.stem if json_path else name,
+        "title": title,
+        "command": " ".join(
+            ["python", f"benchmarks/{name}.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "headline": headline,
+        "rows": list(rows),
+        "machine": describe("grpcio", "protobuf", load_at="end"),
+    }
+    write_results(doc, renderer, json_path, markdown_path)

@@ -35,11 +35,14 @@ from typing import Any
 import run_all
 from render import RATIOS_READ, Context, FamilyRenderer, Recording, Renderer, Section, md_table
 from renderers import (
+    agent_cpu,
     all_to_all,
     before_after,
     bench_sweep,
     big_job,
+    burst_lag,
     bursts,
+    detection,
     etcd_history,
     failover,
     failure_detection,
@@ -52,6 +55,7 @@ from renderers import (
     rendezvous,
     soak,
     state_writes,
+    steady_state,
     torchrun_rendezvous,
     zerocode,
 )
@@ -83,6 +87,10 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "bursts": bursts.section,
     "etcd_history": etcd_history.section,
     "zerocode": zerocode.section,
+    "agent_cpu": agent_cpu.section,
+    "steady_state": steady_state.section,
+    "detection": detection.section,
+    "burst_lag": burst_lag.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: Benchmarks recorded more than once: one section for all their recordings (``NAME.json`` and

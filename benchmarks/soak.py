@@ -26,7 +26,7 @@ Run (the recorded result; about 5 minutes on 2 cores)::
     python benchmarks/soak.py --duration 300 --json benchmarks/results/soak.json \\
         --markdown benchmarks/results/soak.md
 
-``tests/test_soak.py`` runs the same with ``--duration 60``. Only 127.0.0.1 is contacted.
+``tests/test_soak.py`` runs it with ``--duration 36 --beats 2``. Only 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ def _blocks(
     }
 
 
-def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
+def rank_main(rank: int, world: int, quick: bool, out: Path, pin: bool = False) -> None:
+    if pin:  # before torch starts its threads (gloo's included): they inherit this one CPU
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import torch
     import torch.distributed as dist
 
@@ -99,9 +101,9 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
                 model(x).sum().backward()
 
             step()
-            ddp[f"{mib} MiB"] = _blocks(
-                {"off": step, "on": step}, 2 if quick else 4, 6 if quick else 16, toggle
-            )
+            row = _blocks({"off": step, "on": step}, 2 if quick else 4, 6 if quick else 32, toggle)
+            row["collectives_per_step"] = _collectives_per_step(step, toggle)
+            ddp[f"{mib} MiB"] = row
         result["ddp"] = ddp
         per_call: dict[str, Any] = {}
         for label, nbytes in PER_CALL.items():
@@ -133,6 +135,21 @@ def rank_main(rank: int, world: int, quick: bool, out: Path) -> None:
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collectives_per_step(step: Callable[[], None], toggle: Callable[[str], None]) -> int:
+    """How many collectives zero-code records in one DDP step (its kernels on): the count that
+    multiplies its per-collective cost into a bound on the step's."""
+    from sarcomm.worker.library import metrics
+
+    def recorded() -> int:
+        return sum(s.count for s in metrics.all_stats())
+
+    toggle("on")
+    before = recorded()
+    step()
+    toggle("off")  # the toggle's own barrier is recorded once its kernels are off: not counted
+    return recorded() - before
 
 
 def _library_mode(zerocode: Any, timing: Any, name: str) -> None:
@@ -178,10 +195,42 @@ def _parts(tensor: Any, timing: Any) -> dict[str, float]:
                 fn()
             samples.append((time.perf_counter_ns() - t0) / 20_000)
         found[name] = statistics.median(samples)
+    found.update(_cold_parts(tensor, stats))
     return found
 
 
-def run_world(world: int, quick: bool) -> dict[str, Any]:
+def _cold_parts(tensor: Any, stats: Any) -> dict[str, float]:
+    """The same parts timed right after a real one-rank all_reduce, as the wrapper meets them (its
+    thread just back from gloo, caches cold), ns per call (median of 20 blocks of 500)."""
+    import torch.distributed as dist
+
+    from sarcomm.worker.library import comm
+
+    clock = time.perf_counter_ns
+    parts: dict[str, Callable[[], Any]] = {
+        "after a real call: two clock reads": lambda: None,
+        "after a real call: tensor.nbytes and state checks": lambda: (
+            tensor.nbytes,
+            comm.STATE.ready and comm.STATE.cpu_group is None,
+        ),
+        "after a real call: stats.observe": lambda: stats.observe(clock(), 4),
+    }
+    found: dict[str, float] = {}
+    for name, fn in parts.items():
+        samples = []
+        for _ in range(20):
+            spent = 0
+            for _ in range(500):
+                dist.all_reduce(tensor)
+                t0 = clock()
+                fn()
+                spent += clock() - t0
+            samples.append(spent / 500)
+        found[name] = statistics.median(samples)
+    return found
+
+
+def run_world(world: int, quick: bool, pin: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         notes = Path(tmp) / "endpoints"
@@ -197,7 +246,8 @@ def run_world(world: int, quick: bool) -> dict[str, Any]:
                 "SAR_METRICS_PORT": "-1", "SAR_GENERATION": "1", "OMP_NUM_THREADS": "1",
             }  # fmt: skip
             args = [sys.executable, __file__, "--rank", str(rank), "--world", str(world), "--out", str(out)]
-            procs.append(subprocess.Popen([*args, *(["--quick"] if quick else [])], env=env))
+            flags = [*(["--quick"] if quick else []), *(["--pin"] if pin else [])]
+            procs.append(subprocess.Popen([*args, *flags], env=env))
         codes = [p.wait(900) for p in procs]
         if codes != [0] * world:
             raise SystemExit(f"ranks exited {codes}")
@@ -222,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank is not None:
-        rank_main(args.rank, args.world, args.quick, args.out)
+        rank_main(args.rank, args.world, args.quick, args.out, args.pin)
         return 0
     started = datetime.datetime.now(datetime.timezone.utc)
     command = ["python", "benchmarks/zerocode.py", *(argv if argv is not None else sys.argv[1:])]
@@ -242,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc.update(run_world(2, args.quick))
     doc.update(run_world(1, args.quick))
+    # The one-rank run again with the rank (and gloo's threads) on one CPU: what the wrapper costs
+    # when its thread does not come back from the collective on another core.
+    pinned = run_world(1, args.quick, pin=True)
+    doc["pinned"] = {"world1": pinned["world1"], "parts": pinned["parts"]}
     doc["machine"]["loadavg_1m_at_end"] = os.getloadavg()[0]
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

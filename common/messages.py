@@ -23,6 +23,7 @@ __all__ = [
     "MemberReport",
     "Progress",
     "RendezvousState",
+    "ReportPolicy",
     "WorkerEndpoint",
     "failure_from_proto",
     "failure_to_proto",
@@ -195,6 +196,32 @@ class RendezvousState:
 
 
 @dataclass(frozen=True)
+class ReportPolicy:
+    """How a reporter by exception reports (the proto's ``ReportPolicy``, which says when a member
+    is reported): a lease renewal every ``lease_seconds`` when nothing changed; a member reported
+    once its own sign of life is older than ``silence_seconds``, or once it has been inside one
+    collective for longer than ``quiet_seconds`` (and when it moves again); progress changes each
+    interval for ``progress_seconds`` after the coordinator asked for a job's progress."""
+
+    lease_seconds: float
+    silence_seconds: float
+    quiet_seconds: float
+    progress_seconds: float
+
+    def to_proto(self) -> pb.ReportPolicy:
+        return pb.ReportPolicy(
+            lease_seconds=self.lease_seconds,
+            silence_seconds=self.silence_seconds,
+            quiet_seconds=self.quiet_seconds,
+            progress_seconds=self.progress_seconds,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.ReportPolicy) -> ReportPolicy:
+        return cls(msg.lease_seconds, msg.silence_seconds, msg.quiet_seconds, msg.progress_seconds)
+
+
+@dataclass(frozen=True)
 class HeartbeatReply:
     """The coordinator's answer to one heartbeat: members it no longer knows, job events (a
     ``MEMBER_FAILED`` here means the reporters should stop), its current heartbeat interval
@@ -207,6 +234,10 @@ class HeartbeatReply:
     rendezvous: tuple[RendezvousState, ...] = ()
     #: What the coordinator dropped from the reports (a bad metrics endpoint), one line each.
     refused: tuple[str, ...] = ()
+    #: The reporting policy the coordinator offers (None: it takes only per-interval reports).
+    policy: ReportPolicy | None = None
+    #: Jobs whose members' progress the coordinator asks for now (see :class:`ReportPolicy`).
+    progress_wanted: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: pb.HeartbeatResponse) -> HeartbeatReply:
@@ -216,6 +247,8 @@ class HeartbeatReply:
             msg.heartbeat_interval_seconds,
             tuple(RendezvousState(r.job, r.generation, r.waiting_members, r.closed) for r in msg.rendezvous),
             tuple(msg.refused),
+            ReportPolicy.from_proto(msg.policy) if msg.HasField("policy") else None,
+            tuple(msg.progress_wanted),
         )
 
 

@@ -30,7 +30,7 @@ from sarcomm.common.flags import (
 )
 from sarcomm.common.tls import ClientTls, read_token_file
 from sarcomm.coordinator import fdlimit, loop, status
-from sarcomm.coordinator.config import MAX_ACCEPTORS, CoordinatorConfig, Limits
+from sarcomm.coordinator.config import MAX_ACCEPTORS, REPORT_POLICIES, CoordinatorConfig, Limits
 from sarcomm.coordinator.server import serve
 from sarcomm.coordinator.storage.etcd_config import (
     COMPACTION_RETENTION_RULE,
@@ -60,6 +60,13 @@ def _compaction_retention(text: str) -> float:
     if not compaction_retention_ok(value):
         raise ValueError
     return value
+
+
+def _report_policy(text: str) -> str:
+    """``--report-policy``: one of REPORT_POLICIES."""
+    if text not in REPORT_POLICIES:
+        raise ValueError
+    return text
 
 
 def _ranks(text: str) -> tuple[tuple[int, int], ...]:
@@ -108,6 +115,11 @@ SERVER_OPTIONS: tuple[Option, ...] = (
            "on SIGTERM/SIGINT", default=5.0),
     Option("--acceptors", *integer(1, MAX_ACCEPTORS), "gRPC servers sharing --listen's port, each taking new "
            "calls: 8 for jobs of thousands of agents, whose Joins and streams arrive at once", default=1),
+    Option("--report-policy", _report_policy, "exception or per-second", "exception: offer each agent "
+           "reports by exception (it reports only what changed and renews a lease; its open connection "
+           "proves it alive, see docs/failures.md); per-second: never offer it, every reporter reports "
+           "every member each --heartbeat-interval (the default for now: docs/failures.md says why)",
+           default="per-second"),
     Option("--token-file", Path, "a path", "file holding the shared token clients must send"),
     Option("--tls-cert", Path, "a path", "PEM certificate for gRPC and HTTP"),
     Option("--tls-key", Path, "a path", "PEM private key for --tls-cert"),
@@ -238,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         join_timeout=args.join_timeout,
         shutdown_grace=args.shutdown_grace,
         acceptors=args.acceptors,
+        report_policy=args.report_policy,
         token_file=args.token_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -17,6 +17,9 @@ from sarcomm.coordinator.storage.etcd_config import EtcdSettings
 
 #: At most this many gRPC servers share the --listen port (--acceptors).
 MAX_ACCEPTORS = 64
+#: --report-policy: offer reports by exception to every Heartbeat stream, or never (each reporter
+#: reports every member every interval, as coordinators before reports by exception had it).
+REPORT_POLICIES = ("exception", "per-second")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,10 @@ class CoordinatorConfig:
     # over the acceptors, and each takes its own, so thousands of Joins and streams arriving at
     # once wait less for a busy loop.
     acceptors: int = 1
+    # "exception": offer each Heartbeat stream reports by exception (see domain.policy);
+    # "per-second" (the default until a cut-off host is told from a dead one by exception, and the
+    # keepalive cost at scale is settled: docs/failures.md): never offer it.
+    report_policy: str = "per-second"
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -127,6 +134,10 @@ class CoordinatorConfig:
             raise InvalidArgumentError(
                 f"acceptors {self.acceptors!r} must be 1 to {MAX_ACCEPTORS} (gRPC servers sharing the "
                 f"--listen port); 1 serves jobs of hundreds of agents, 8 jobs of thousands"
+            )
+        if self.report_policy not in REPORT_POLICIES:
+            raise InvalidArgumentError(
+                f"report_policy {self.report_policy!r} must be one of {', '.join(REPORT_POLICIES)}"
             )
         if self.heartbeat_misses < 1:
             raise InvalidArgumentError(f"heartbeat_misses {self.heartbeat_misses!r} must be >= 1")

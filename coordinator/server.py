@@ -113,6 +113,8 @@ class Coordinator:
             stored=self.seat.stored_view,
             role=self.seat.role,
         )
+        # /v1/jobs?job=NAME asks the job's by-exception reporters for its progress first.
+        self.http.gather_progress = self.term.service.streams.gather if self.term is not None else None
         self.grpc_port = 0
         self.http_port = 0
         # The gRPC servers on --listen's port: one, or --acceptors of them sharing it.
@@ -136,6 +138,7 @@ class Coordinator:
     def _term_changed(self, term: Term | None) -> None:
         self.term = term
         self.metrics.membership = self.http.membership = term.membership if term is not None else None
+        self.http.gather_progress = term.service.streams.gather if term is not None else None
         status = (
             health_pb2.HealthCheckResponse.SERVING if term else health_pb2.HealthCheckResponse.NOT_SERVING
         )

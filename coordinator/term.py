@@ -20,6 +20,7 @@ from sarcomm.coordinator.api.events import EventHub, FormedWaiters
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.api.service import CoordinatorService
 from sarcomm.coordinator.config import CoordinatorConfig
+from sarcomm.coordinator.domain import policy
 from sarcomm.coordinator.domain.clock import Clock
 from sarcomm.coordinator.domain.membership import Membership
 from sarcomm.coordinator.domain.model import Job, JobEvent, StoredState
@@ -50,6 +51,7 @@ def build_membership(
         restore_grace=config.reconnect_grace,
         stall_threshold=config.stall_threshold,
         answer_timeout=config.join_timeout,
+        silence=policy.silence_seconds(config.heartbeat_interval, config.heartbeat_misses),
     )
 
 

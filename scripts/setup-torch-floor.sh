@@ -3,10 +3,20 @@
 # sarcomm editable and its test tools. torch 2.2.1 is the newest torch DGL's PyPI wheel supports.
 # It comes from PyPI with its CUDA dependencies (about 3 GB; torch 2.2.1 without them does not
 # import: libcublas is missing) and needs numpy<2. Safe to run again (it only adds what is
-# missing). scripts/test.sh runs it in the background while the static checks run;
-# scripts/test-torch-floor.sh runs it before its tests.
+# missing). .ci/run starts it first of all, scripts/test.sh in the background while the static
+# checks run; scripts/test-torch-floor.sh runs it before its tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One build at a time: .ci/run starts one as early as it can and scripts/test.sh starts it again;
+# the second waits here for the first and then finds everything installed.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>.venv-torch-floor.lock
+  if ! flock -w 1800 9; then
+    echo "error: another build of .venv-torch-floor has held .venv-torch-floor.lock for 30 minutes;" \
+      "see .venv-torch-floor.early.log, stop that build and run this again" >&2
+    exit 1
+  fi
+fi
 FLOOR_TORCH="${SARCOMM_FLOOR_TORCH:-2.2.1}"
 VENV=.venv-torch-floor
 PYTHON="${PYTHON:-python3}"

@@ -4,7 +4,8 @@
 # only is what this catches). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-torch-floor.sh
+# scripts/test.sh has built it already (and says so): no second pass of pip over it.
+[ "${SARCOMM_FLOOR_BUILT:-0}" = 1 ] || bash scripts/setup-torch-floor.sh
 . .venv-torch-floor/bin/activate
 python -m pytest -ra -p no:cacheprovider tests/test_collectives.py tests/test_comm_startup.py \
   tests/test_collective_helpers.py tests/test_exit_path.py "$@"

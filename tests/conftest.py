@@ -152,7 +152,7 @@ STORES = ["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: The operations of a Membership after which its invariants are checked (see membership_invariants).
 MEMBERSHIP_OPERATIONS = (
     "join", "answered", "abandon", "heartbeat", "beats", "leave", "close_job", "stream_lost",
-    "stream_closed", "sweep",
+    "stream_closed", "sweep", "took_policy",
 )  # fmt: skip
 
 

@@ -277,6 +277,30 @@ async def test_heartbeat_stream_raises_when_the_callback_breaks(client: Coordina
             await within(stream.__anext__())
 
 
+async def test_first_answer_waits_for_the_coordinators_first_reply_and_never_on_an_ended_stream(
+    client: CoordinatorClient,
+) -> None:
+    """What ``coord_ip_init`` waits on before it returns (tests/test_gil_liveness.py says why)."""
+    (member,) = await form(client, "first", 1)
+    stream = client.heartbeats(lambda: [MemberReport(member.member_id, member.secret)], 0.2)
+    assert await within(stream.first_answer(DEADLINE_S), 1.0) is False  # not started: no wait
+    async with stream:
+        assert await within(stream.first_answer(DEADLINE_S)) is True
+        assert stream.connected
+        assert await within(stream.first_answer(DEADLINE_S), 1.0) is True  # once answered, at once
+    assert stream.ended
+
+    def broken() -> list[MemberReport]:
+        raise RuntimeError("no reports today")
+
+    async with client.heartbeats(broken, 0.1) as refused:
+        # Ends before anything is sent: the wait returns then, not after its timeout.
+        assert await within(refused.first_answer(DEADLINE_S), 5.0) is False
+        assert refused.ended
+        with pytest.raises(RuntimeError, match="no reports today"):
+            await within(refused.__anext__())
+
+
 async def test_watch_yields_world_formed_then_member_failed(client: CoordinatorClient) -> None:
     _, b = await form(client, "watched")
     seen: list[Event] = []

@@ -8,12 +8,14 @@ their GPU times in milliseconds. ``scripts/gpu-check.sh`` runs the real events o
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
 from sarcomm.worker.library import metrics
+from sarcomm.worker.library.collectives.timing import CollectiveHandle
 from sarcomm.worker.library.cuda_events import EventTimer
 from sarcomm.worker.library.metrics import CollectiveStats
 
@@ -164,3 +166,57 @@ def test_a_scrape_records_what_the_gpu_finished() -> None:
         metrics.set_before_scrape("cuda_events_test", None)
     assert 'sar_collective_bytes_total{backend="nccl",op="cuda_events_test_op"} 7.0' in text
     assert 'sar_collective_duration_seconds_count{backend="nccl",op="cuda_events_test_op"} 1.0' in text
+
+
+class FakeWork:
+    """A FAKE of an nccl ``dist.Work`` (no GPU here): ``wait()`` returns at once, as nccl's does,
+    having made the current stream wait for the collective (here: nothing to do)."""
+
+    def __init__(self, completed: bool = True) -> None:
+        self.completed = completed
+        self.waits = 0
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waits += 1
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def get_future(self) -> Any:
+        raise NotImplementedError
+
+
+def test_an_async_call_on_cuda_is_timed_by_events_from_the_call_to_after_its_wait() -> None:
+    gpu, said = FakeGpu(), list[str]()
+    timer = _timer(gpu, said)
+    stats = CollectiveStats("all_gather_into_tensor", "nccl")
+    begun = timer.begin()  # what timed() records before the call
+    for _ in range(2):  # the caller's own kernels between the call and wait(): they count too
+        gpu.event().record()
+    handle = CollectiveHandle(FakeWork(), stats, 0, 64, _begun=begun, _events=timer)
+    assert handle.wait() is True
+    assert (stats.snapshot().count, timer.pending()) == (0, 1)  # never blocks on the GPU
+    gpu.done = gpu.recorded
+    assert timer.poll() == 1
+    snap = stats.snapshot()
+    # From the start event (#0) to the end event recorded after wait() (#3): 3 x 1.5 ms, on the GPU.
+    assert (snap.count, snap.bytes_sent, said) == (1, 64, [])
+    assert snap.sum_seconds == pytest.approx(0.0045)
+    assert handle.wait() is True  # idempotent: recorded once
+    gpu.done = gpu.recorded
+    timer.poll()
+    assert stats.snapshot().count == 1
+
+
+def test_an_async_call_on_cuda_only_polled_with_is_completed_records_the_hosts_time() -> None:
+    gpu, said = FakeGpu(), list[str]()
+    timer = _timer(gpu, said)
+    stats = CollectiveStats("all_reduce", "nccl")
+    # Without wait() the current stream never waits for the collective: an event recorded on it
+    # would not end with it, so the host's time from the call is recorded instead.
+    handle = CollectiveHandle(
+        FakeWork(), stats, time.perf_counter_ns(), 8, _begun=timer.begin(), _events=timer
+    )
+    assert handle.is_completed()
+    assert (stats.snapshot().count, timer.pending()) == (1, 0)

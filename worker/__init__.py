@@ -17,6 +17,7 @@ Start-up::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,11 @@ def __getattr__(name: str) -> Any:
     # which the sar-worker agent (sarcomm.worker.agent, torch-free) never pays for.
     if name.startswith("__") and name != "__all__":
         raise AttributeError(f"module 'sarcomm.worker' has no attribute {name!r}")
+    # `from sarcomm.worker import bandwidth` asks here before it imports the submodule: a
+    # submodule is imported as itself, never through the library (the agent's `bench` did that,
+    # and every sar-worker process paid for torch).
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     library = importlib.import_module(_LIBRARY)
     public = _public(library)
     if name == "__all__":

@@ -336,14 +336,20 @@ class CoordinatorClient:
         interval: float = 1.0,
         *,
         stream_timeout: float = 3600.0,
+        by_exception: bool = False,
+        job: str = "",
     ) -> HeartbeatStream:
         """A long-lived heartbeat stream: ``async with client.heartbeats(fn, 1.0) as hb: async for
         reply in hb: ...``.
 
         ``reports()`` is called every ``interval`` seconds and its reports are sent as one batch
-        (an empty batch is skipped). See :class:`HeartbeatStream`.
+        (an empty batch is skipped). ``by_exception=True``: take the coordinator's offer to report
+        only changes (all reports are of ``job``). See :class:`HeartbeatStream`.
         """
-        return HeartbeatStream(self._replicas, reports, interval, stream_timeout=stream_timeout)
+        return HeartbeatStream(
+            self._replicas, reports, interval, stream_timeout=stream_timeout, by_exception=by_exception,
+            job=job,
+        )  # fmt: skip
 
     # -- Leave, Watch, ListJobs --------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -14,13 +15,14 @@ import grpc
 import grpc.aio
 
 from sarcomm.common import durations
+from sarcomm.common.client.by_exception import SentState, decide
 from sarcomm.common.client.channel import connection_broke
 from sarcomm.common.client.replicas import Replicas
 from sarcomm.common.errors import InvalidArgumentError
-from sarcomm.common.messages import HeartbeatReply, MemberReport, paced_interval
+from sarcomm.common.messages import HeartbeatReply, MemberReport, ReportPolicy, paced_interval
 from sarcomm.v1 import coordinator_pb2 as pb
 
-__all__ = ["SILENT_BEATS", "SILENT_MIN_S", "HeartbeatStream"]
+__all__ = ["REPLICATED_LEASE_S", "SILENT_BEATS", "SILENT_MIN_S", "HeartbeatStream"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,12 @@ _ORDERLY_CLOSE_S = 1.0
 # long is of no use, and leaving it then keeps inside the grace a new leader gives (10 s default).
 SILENT_BEATS = 3
 SILENT_MIN_S = 3.0
+# With replicas, a stream reporting by exception renews its lease at least this often: the watchdog
+# above measures requests that go unanswered, and by exception a request may be a whole lease
+# (10 to 60 s) away. A hung leader is then left within this + SILENT_MIN_S (and an interval), inside
+# the leader TTL + --reconnect-grace (5 + 10 s by default) after which a new leader fails members
+# that have not re-attached. One address: the connection's keepalive decides, the policy's lease holds.
+REPLICATED_LEASE_S = 5.0
 
 
 class HeartbeatStream:
@@ -58,6 +66,15 @@ class HeartbeatStream:
     manager; leaving it ends the stream in order (a half-close), which the coordinator tells apart
     from a broken stream: a broken one means the reporter most likely died, and the members it
     reported fail unless another stream reports them within one interval.
+
+    ``by_exception=True`` (the ``sar-worker`` agent; ``job``: its members' job) takes the
+    :class:`~sarcomm.common.messages.ReportPolicy` a coordinator offers on a stream: from then on
+    ``reports()`` is still called every interval, but each request carries ``by_exception`` and only
+    what :func:`~sarcomm.common.client.by_exception.decide` says goes (an empty request renews the
+    lease); a ``progress_wanted`` answer wakes the writer so that the job's members go at once. Each
+    new stream (a reconnect, a failover) starts over: a full report, then per-interval reports until
+    that coordinator offers the policy (one that never does is an older one: per-interval
+    throughout). ``policy`` is the policy taken on the current stream (None: per-interval).
     """
 
     def __init__(
@@ -67,6 +84,8 @@ class HeartbeatStream:
         interval: float,
         *,
         stream_timeout: float = 3600.0,
+        by_exception: bool = False,
+        job: str = "",
     ) -> None:
         durations.checked(interval, f"interval={interval!r}")
         if not stream_timeout > interval:
@@ -90,9 +109,20 @@ class HeartbeatStream:
         # Whether the last stream had answers before it broke: then it is reopened at once.
         self._was_connected = False
         self.connected = False
+        # Set by the first answer on any stream: the coordinator has heard from this reporter.
+        self._first_answer = asyncio.Event()
         # The replica the current stream goes to; since when a report of it waits for an answer.
         self._target = replicas.target
         self._unanswered_since: float | None = None
+        # Reports by exception: whether to take an offered policy; per stream, the policy taken,
+        # what was sent, and the progress asks (job: Unix time of the ask).
+        self._by_exception = by_exception
+        self._job = job
+        self.policy: ReportPolicy | None = None
+        self._sent = SentState()
+        self._asked: dict[str, float] = {}
+        #: Requests written, all streams together (for tests and benchmarks).
+        self.requests_sent = 0
 
     async def __aenter__(self) -> HeartbeatStream:
         self.start()
@@ -136,6 +166,30 @@ class HeartbeatStream:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: asyncio would log it as never retrieved
 
+    @property
+    def ended(self) -> bool:
+        """Whether the stream is over for good: closed, or ended by an error (the iteration raises it)."""
+        return self._ended
+
+    async def first_answer(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the coordinator's first answer on this stream (on
+        any of its reopened streams); True once it came. A member the coordinator has never heard
+        from is failed after the liveness timeout, so a process that may hold the GIL right after it
+        registered (a long C call) waits for this first: from then on the stream's connection, whose
+        keepalive pings gRPC's core answers without the GIL, stands for it.
+
+        Returns False at once when the stream has ended (closed, or refused: the iteration raises
+        why), or was never started."""
+        task = self._task
+        if task is None or task.done():
+            return self._first_answer.is_set()
+        answered = asyncio.ensure_future(self._first_answer.wait())
+        try:
+            await asyncio.wait({answered, task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answered.cancel()
+        return self._first_answer.is_set()
+
     def __aiter__(self) -> HeartbeatStream:
         return self
 
@@ -157,19 +211,51 @@ class HeartbeatStream:
         half-close, when :meth:`aclose` asked for the end."""
         while not self._closing.is_set():
             try:
-                request = pb.HeartbeatRequest(reports=[r.to_proto() for r in self._reports()])
+                request = self._request()
             except Exception as exc:  # a broken callback must not silently stop the heartbeats
                 self._queue.put_nowait(exc)
                 return
-            if request.reports:
+            if request is not None:
                 if self._unanswered_since is None:
                     self._unanswered_since = time.monotonic()
+                self.requests_sent += 1
                 await call.write(request)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
         await call.write(pb.HeartbeatRequest(closing=True))
         await call.done_writing()
+
+    def _request(self) -> pb.HeartbeatRequest | None:
+        """This interval's request: every report (per-interval; none when there are none), or
+        what the policy taken says goes (None: nothing, the lease is not due)."""
+        reports = self._reports()
+        policy = self.policy
+        if policy is None:
+            return pb.HeartbeatRequest(reports=[r.to_proto() for r in reports]) if reports else None
+        if self._replicas.replicated and policy.lease_seconds > REPLICATED_LEASE_S:
+            policy = dataclasses.replace(policy, lease_seconds=REPLICATED_LEASE_S)
+        decision = decide(reports, policy, time.time(), self._asked, self._sent, self._job)
+        if not decision.send:
+            return None
+        return pb.HeartbeatRequest(reports=[r.to_proto() for r in decision.reports], by_exception=True)
+
+    def _take(self, reply: HeartbeatReply) -> None:
+        """Follow a by-exception answer: take (or update) the policy offered, note progress asks;
+        either wakes the writer so that what it changes goes at once."""
+        if reply.policy is not None and reply.policy != self.policy:
+            if self.policy is None:
+                log.info(
+                    "Heartbeat stream to %s: reporting by exception (lease every %g s)",
+                    self._target, reply.policy.lease_seconds,
+                )  # fmt: skip
+            self.policy = reply.policy
+            self._wake.set()
+        if reply.progress_wanted:
+            now = time.time()
+            for job in reply.progress_wanted:
+                self._asked[job] = now
+            self._wake.set()
 
     async def _reader(
         self, call: grpc.aio.StreamStreamCall[pb.HeartbeatRequest, pb.HeartbeatResponse]
@@ -179,6 +265,7 @@ class HeartbeatStream:
             if not self.connected:
                 self._replicas.answered(self._target)
             self.connected = True
+            self._first_answer.set()
             reply = HeartbeatReply.from_proto(resp)
             paced = paced_interval(self._configured, reply.heartbeat_interval)
             if paced != self.interval:
@@ -188,6 +275,8 @@ class HeartbeatStream:
                 )  # fmt: skip
                 self.interval = paced
                 self._wake.set()  # the next report goes at the new pace, not after the old interval
+            if self._by_exception:
+                self._take(reply)
             for line in reply.refused:  # the coordinator tells each once; the rest was taken
                 log.warning("the coordinator at %s dropped from a heartbeat: %s", self._target, line)
             self._queue.put_nowait(reply)
@@ -202,6 +291,8 @@ class HeartbeatStream:
             None, timeout=self.stream_timeout, metadata=replicas.metadata, wait_for_ready=False
         )
         self._unanswered_since = None
+        # A new stream starts per-interval with a full report and waits for this coordinator's offer.
+        self.policy, self._sent, self._asked = None, SentState(), {}
         reader = asyncio.ensure_future(self._reader(call))
         writer = asyncio.ensure_future(self._writer(call))
         tasks = {reader, writer}
@@ -266,7 +357,8 @@ class HeartbeatStream:
 
     async def _silence(self) -> None:
         """Return once a report has waited :data:`SILENT_BEATS` intervals (at least
-        :data:`SILENT_MIN_S`) for its answer."""
+        :data:`SILENT_MIN_S`) for its answer. Only a request sent and not answered counts: a stream
+        by exception sends seldom (a lease, a change), and each request still gets its answer."""
         while True:
             await asyncio.sleep(self.interval)
             waiting = self._unanswered_since

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from sarcomm.common.constants import EventKind
 from sarcomm.coordinator.domain.model import Job, JobEvent, JobState
@@ -19,18 +21,36 @@ log = logging.getLogger(__name__)
 QUEUE_LIMIT = 256
 
 
+@dataclass(frozen=True)
+class ProgressWanted:
+    """The coordinator wants the progress of ``job``'s members now: pushed on the Heartbeat
+    streams that report its members by exception (``HeartbeatResponse.progress_wanted``), never
+    on a Watch."""
+
+    job: str
+
+
+#: What a subscriber's queue carries: job events, and (a by-exception Heartbeat stream's only)
+#: asks for progress.
+Pushed = JobEvent | ProgressWanted
+
+
 class EventHub:
     """Subscribers by job name; :meth:`publish` is the membership's event listener."""
 
     def __init__(self) -> None:
-        self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        self._subscribers: dict[str, set[asyncio.Queue[Pushed]]] = {}
 
-    def subscribe(self, job: str, queue: asyncio.Queue[JobEvent] | None = None) -> asyncio.Queue[JobEvent]:
+    def subscribe(self, job: str, queue: asyncio.Queue[Pushed] | None = None) -> asyncio.Queue[Pushed]:
         queue = queue if queue is not None else asyncio.Queue(QUEUE_LIMIT)
         self._subscribers.setdefault(job, set()).add(queue)
         return queue
 
-    def unsubscribe(self, job: str, queue: asyncio.Queue[JobEvent]) -> None:
+    def subscribers(self, job: str) -> Iterable[asyncio.Queue[Pushed]]:
+        """The queues subscribed to ``job`` now."""
+        return self._subscribers.get(job, ())
+
+    def unsubscribe(self, job: str, queue: asyncio.Queue[Pushed]) -> None:
         queues = self._subscribers.get(job)
         if queues is not None:
             queues.discard(queue)
@@ -39,14 +59,19 @@ class EventHub:
 
     def publish(self, event: JobEvent) -> None:
         for queue in self._subscribers.get(event.job, ()):
-            if queue.full():
-                queue.get_nowait()
-                log.warning("job %r: a slow watcher lost its oldest event", event.job)
-            queue.put_nowait(event)
+            push(queue, event)
 
     @property
     def subscriber_count(self) -> int:
         return sum(len(q) for q in self._subscribers.values())
+
+
+def push(queue: asyncio.Queue[Pushed], item: Pushed) -> None:
+    """Put ``item`` in a subscriber's ``queue``; a full one loses its oldest item."""
+    if queue.full():
+        queue.get_nowait()
+        log.warning("job %r: a slow watcher lost its oldest event", item.job)
+    queue.put_nowait(item)
 
 
 class FormedWaiters:

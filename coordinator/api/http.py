@@ -86,6 +86,9 @@ class HttpApi:
         self._metrics = metrics
         self._advertised_address = advertised_address
         self.serving = True
+        #: Asks a job's reporters by exception for its members' progress and waits, bounded (the
+        #: leader's ``ExceptionStreams.gather``; None on a standby).
+        self.gather_progress: Callable[[str], Awaitable[None]] | None = None
         aiohttp_server_log = logging.getLogger("aiohttp.server")
         if _quiet_bad_requests not in aiohttp_server_log.filters:
             aiohttp_server_log.addFilter(_quiet_bad_requests)
@@ -150,6 +153,8 @@ class HttpApi:
                 validation.job_name(name)
             except InvalidArgumentError as error:
                 raise web.HTTPBadRequest(text=str(error)) from None
+        if name and self.gather_progress is not None and self.membership is not None:
+            await self.gather_progress(name)
         membership = await self._view()
         jobs = membership.jobs()
         if name:

@@ -249,6 +249,25 @@ class CoordinatorMetrics:
         self.heartbeats = Counter(
             "sar_coordinator_heartbeats", "Member reports received.", registry=self.registry
         )
+        self.heartbeat_streams = Gauge(
+            "sar_coordinator_heartbeat_streams",
+            "Heartbeat streams open, by how they report: exception (only what changed, a lease "
+            "renewed) or per-second (every member every interval; also a stream before it switches).",
+            ["protocol"],
+            registry=self.registry,
+        )
+        for protocol in ("exception", "per-second"):
+            self.heartbeat_streams.labels(protocol)
+        self.leases = Counter(
+            "sar_coordinator_leases",
+            "Lease renewals received: requests of a by-exception stream that carried no report.",
+            registry=self.registry,
+        )
+        self.progress_asks = Counter(
+            "sar_coordinator_progress_asks",
+            "Asks for a job's progress (progress_wanted) pushed to by-exception Heartbeat streams.",
+            registry=self.registry,
+        )
         self.member_failures = Counter(
             "sar_coordinator_member_failures",
             "Members judged failed, by reason.",

@@ -30,6 +30,7 @@ from sarcomm.common.errors import InvalidArgumentError
 from sarcomm.common.messages import Progress, WorkerEndpoint
 from sarcomm.coordinator.api import validation
 from sarcomm.coordinator.domain.model import Job, Member
+from sarcomm.coordinator.domain.reporters import Reporter
 from sarcomm.v1 import coordinator_pb2 as pb
 
 #: Members one stream remembers at most (an agent reports its own few; a stream past this many
@@ -133,9 +134,11 @@ class StreamReports:
     its reports looked like when they were accepted."""
 
     def __init__(self) -> None:
-        # The stream's identity for the membership (Member.stream).
-        self.token = object()
-        self.reported: set[str] = set()
+        # The stream as the membership knows it (Member.stream): whether it reports by exception,
+        # its lease, the members it reported.
+        self.reporter = Reporter()
+        self.token = self.reporter
+        self.reported: set[str] = self.reporter.members
         self.watched: set[str] = set()
         self._accepted: dict[str, Accepted] = {}
         # The refusals last told of each member (see tell).

@@ -24,7 +24,8 @@ from sarcomm.common.errors import (
 )
 from sarcomm.common.interfaces import parse_peer
 from sarcomm.coordinator.api import validation
-from sarcomm.coordinator.api.events import EventHub, FormedWaiters
+from sarcomm.coordinator.api.events import EventHub, FormedWaiters, ProgressWanted, Pushed
+from sarcomm.coordinator.api.exception_streams import ExceptionStreams
 from sarcomm.coordinator.api.metrics import CoordinatorMetrics
 from sarcomm.coordinator.api.reports import CheckedReport, StreamReports, check_own, check_report
 from sarcomm.coordinator.api.views import event_message, failure_message, jobs_message
@@ -71,6 +72,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ack = pb.HeartbeatResponse(heartbeat_interval_seconds=config.heartbeat_interval)
         self._event_answers: dict[tuple[JobEvent, ...], pb.HeartbeatResponse] = {}
         self._failure_events: dict[tuple[str, int, float], pb.JobEvent] = {}
+        # Reports by exception: the offer, the switch, leases, progress asked for.
+        self.streams = ExceptionStreams(membership, events, config)
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -197,7 +200,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # writes but never reads stops being read once HTTP/2 flow control holds the answers back.
         # Pushed events are written by a task of their own, so a failure reaches the reporter at
         # once, not at its next beat; one write at a time (gRPC allows no more).
-        events: asyncio.Queue[JobEvent] = asyncio.Queue(256)
+        events: asyncio.Queue[Pushed] = asyncio.Queue(256)
         # This stream's identity and the members it reported: if it breaks (cancelled, connection
         # gone) instead of ending in order, those members' reporter most likely died.
         state = StreamReports()
@@ -214,19 +217,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     pushed.append(events.get_nowait())
                 async with writing:
                     try:
-                        await context.write(self._event_answer(tuple(pushed)))
+                        await context.write(self._pushed_answer(pushed))
                     except Exception:  # the call ended meanwhile: its reading side settles it
                         log.debug("an event for a Heartbeat stream that had ended was dropped")
                         return
 
         forwarder = asyncio.create_task(forward_events())
+        streams = self.streams
+        first = True
+        self._metrics.heartbeat_streams.labels("per-second").inc()
         try:
             async for request in request_iterator:
                 closing = closing or request.closing
+                was = state.reporter.by_exception
+                longer = streams.request(request, state.reporter, events)
                 answer = self._handle_reports(request, state, events)
                 if isinstance(answer, SarcommError):
                     broken = False  # our own refusal ends it; the reporter is alive
                     raise answer
+                if first:
+                    answer = streams.first_answer(answer, state.reporter)  # the policy on offer
+                    first = False
+                elif longer is not None:
+                    answer = streams.reoffered(answer, longer)
+                if state.reporter.by_exception:
+                    if not was:
+                        self._metrics.heartbeat_streams.labels("per-second").dec()
+                        self._metrics.heartbeat_streams.labels("exception").inc()
+                    if not request.reports:
+                        self._metrics.leases.inc()
                 async with writing:
                     await context.write(answer)
             if not closing:
@@ -237,12 +256,29 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             broken = False  # the reporter half-closed: an orderly end
         finally:
             forwarder.cancel()
+            streams.ended(events)
+            protocol = "exception" if state.reporter.by_exception else "per-second"
+            self._metrics.heartbeat_streams.labels(protocol).dec()
             for job in state.watched:
                 self._events.unsubscribe(job, events)
             if broken and state.reported:
                 self._membership.stream_lost(state.token, state.reported)
             elif state.reported:
                 self._membership.stream_closed(state.token, state.reported)
+
+    def _pushed_answer(self, pushed: list[Pushed]) -> pb.HeartbeatResponse:
+        """The answer that pushes ``pushed``: job events, and the jobs whose progress is wanted."""
+        events = tuple(e for e in pushed if isinstance(e, JobEvent))
+        wanted = sorted({p.job for p in pushed if isinstance(p, ProgressWanted)})
+        if not wanted:
+            return self._event_answer(events)
+        answer = pb.HeartbeatResponse(
+            events=[event_message(e) for e in events],
+            heartbeat_interval_seconds=self._config.heartbeat_interval,
+            progress_wanted=wanted,
+        )
+        self._metrics.progress_asks.inc(len(wanted))
+        return answer
 
     def _event_answer(self, pushed: tuple[JobEvent, ...]) -> pb.HeartbeatResponse:
         """The answer that pushes ``pushed`` to a reporter: built once for every stream they reach
@@ -258,7 +294,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return answer
 
     def _handle_reports(
-        self, request: pb.HeartbeatRequest, state: StreamReports, events: asyncio.Queue[JobEvent]
+        self, request: pb.HeartbeatRequest, state: StreamReports, events: asyncio.Queue[Pushed]
     ) -> pb.HeartbeatResponse | SarcommError:
         taken = state.take(request, self._membership.current)
         if taken is not None:
@@ -294,6 +330,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elastic: dict[str, Job] = {}
             for report in known:
                 member_id = report.member_id
+                reported.add(member_id)  # first: the stream stands for it once recorded
                 job, _ = self._membership.heartbeat(
                     member_id,
                     report.secret,
@@ -307,7 +344,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self._refused(response, job, member_id, state.tell(member_id, report.refused))
                 if job.elastic is not None:
                     elastic[job.name] = job
-                reported.add(member_id)
                 found = self._membership.current(member_id)
                 if found is not None:
                     state.accepted(report, found)
@@ -414,6 +450,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield event_message(JobEvent(kind, job.name, job.generation, job.ended or job.formed))
             while True:
                 event = await queue.get()
+                if not isinstance(event, JobEvent):  # progress asks go to Heartbeat streams only
+                    continue
                 if request.generation and event.generation < request.generation:
                     continue
                 yield event_message(event)
@@ -426,6 +464,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         selection = validation.member_selection(request)
         if request.job:
             name = validation.job_name(request.job)
+            if not (request.member_offset or request.member_states):
+                # Its by-exception reporters report its members' progress first (a bounded wait;
+                # status's further pages and its list of failed members do not ask again).
+                await self.streams.gather(name)
             job = self._membership.job(name)
             return jobs_message([job] if job else [], self._membership.stall, selection)
         return jobs_message(self._membership.jobs(), self._membership.stall, selection)

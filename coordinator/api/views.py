@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from sarcomm.common.messages import failure_to_proto
 from sarcomm.coordinator.domain.elastic import waiting
 from sarcomm.coordinator.domain.model import Job, JobEvent, JobState, Member, MemberState, Stall
+from sarcomm.coordinator.domain.reporters import last_sign_of_life
 from sarcomm.v1 import coordinator_pb2 as pb
 
 #: The proto's number of a failure reason (shared with the clients, which read it back).
@@ -68,7 +69,7 @@ def member_status(member: Member) -> pb.MemberStatus:
         state=member_state(member),
         exit_code=member.exit_code or 0,
         reason=member.reason,
-        last_heartbeat=member.last_heartbeat,
+        last_heartbeat=last_sign_of_life(member),
         progress=pb.Progress(
             seq=member.progress.seq,
             op=member.progress.op,
@@ -187,7 +188,7 @@ def member_view(member: Member) -> dict[str, Any]:
         "state": member_state(member),
         "exit_code": member.exit_code or 0,
         "reason": member.reason,
-        "last_heartbeat": _json_double(member.last_heartbeat),
+        "last_heartbeat": _json_double(last_sign_of_life(member)),
         "progress": {
             "seq": progress.seq,
             "op": progress.op,

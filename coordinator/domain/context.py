@@ -30,6 +30,9 @@ class Timeouts:
     answer: float = 600.0
     #: How long ranks wait in one collective before the ranks they wait for are named.
     stall: float = 30.0
+    #: A by-exception report of a member whose own sign of life is this old says it went silent
+    #: (``policy.silence_seconds``: interval x (misses - 1)); a younger one, that it is fresh.
+    silence: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ gRPC's core threads, which need no GIL, still answer the coordinator's keepalive
 answered in time, so a stopped or vanished process's stream breaks within about the liveness
 timeout). So a member is judged for silence only from reports that arrive (an agent's report
 carries the rank's own age) or once its stream is gone: not while its stream is open and quiet.
+A reporter by exception builds on that: while its open stream stands for a member (its last
+report fresh), the sweep does not look at the member at all (:mod:`.reporters`,
+:mod:`.by_exception`).
 
 Stalls: the progress each report carries (the sequence number of the collective a rank is in or
 finished last) shows, when some ranks have waited in collective #k for longer than the stall
@@ -121,6 +124,10 @@ def silent_members(
     :func:`silence_verdict`, one at a time: the caller fails each before the next is looked at (an
     elastic generation that ends lets its other members go, and they are not RUNNING then).
 
+    Only the members the sweep judges (``job.memory.judged``) are looked at: a member whose open
+    by-exception stream stands for it is not (see :mod:`.reporters`); the members that stopped
+    running leave that set here.
+
     Only a member that may be silent is asked: one whose stream broke, whose Join is unanswered,
     or that was last seen before the liveness timeout (and was heard from, or its job is no longer
     starting). Any other one :func:`silence_verdict` finds alive, and this test, written out in
@@ -130,8 +137,12 @@ def silent_members(
     first_heard = job.memory.first_heard
     is_starting = starting(first_heard, now, liveness_timeout)
     heard_since = now - liveness_timeout
-    for member in job.members:
+    judged = job.memory.judged
+    gone: list[str] = []
+    # A copy: the caller fails each member before the next is looked at.
+    for member in list(judged.values()):
         if member.state is not MemberState.RUNNING:
+            gone.append(member.member_id)  # stopped running: never judged again
             continue
         if (
             member.lost_at is None
@@ -142,6 +153,8 @@ def silent_members(
         verdict = silence_verdict(member, now, liveness_timeout, lost_grace, answer_timeout, first_heard)
         if verdict is not None:
             yield member, verdict
+    for member_id in gone:
+        judged.pop(member_id, None)
 
 
 def note_report(

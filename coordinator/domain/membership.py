@@ -24,6 +24,7 @@ from sarcomm.common.errors import (
 )
 from sarcomm.common.messages import Progress, WorkerEndpoint
 from sarcomm.coordinator.domain import liveness, resent_joins
+from sarcomm.coordinator.domain.by_exception import ReportsByException
 from sarcomm.coordinator.domain.clock import SYSTEM_CLOCK, Clock
 from sarcomm.coordinator.domain.context import MembershipContext, Timeouts
 from sarcomm.coordinator.domain.elastic import ElasticRendezvous
@@ -47,6 +48,7 @@ from sarcomm.coordinator.domain.model import (
     withdraw_members,
 )
 from sarcomm.coordinator.domain.ranks import Plan, host_key, plan_world
+from sarcomm.coordinator.domain.reporters import Reporter
 from sarcomm.coordinator.domain.sweep import LivenessSweep
 from sarcomm.coordinator.domain.transitions import EventListener, StateMachine
 
@@ -68,7 +70,9 @@ class Membership:
     members restored from ``stored`` have to reconnect before they are judged (at least the
     liveness timeout); ``stall_threshold`` how long ranks must wait in one collective before
     :meth:`stall` names the ranks they wait for; ``answer_timeout`` how long a formed world's
-    members wait for their Join's answer before they are judged (the join timeout). ``persist``
+    members wait for their Join's answer before they are judged (the join timeout); ``silence``
+    how old a member's sign of life is when a reporter by exception reports it (default: two
+    thirds of the liveness timeout, ``policy.silence_seconds`` at 3 misses). ``persist``
     is told of every job whose stored record changed (default: nobody: memory only).
     """
 
@@ -83,6 +87,7 @@ class Membership:
         restore_grace: float = 0.0,
         stall_threshold: float = 30.0,
         answer_timeout: float = 600.0,
+        silence: float | None = None,
         clock: Clock = SYSTEM_CLOCK,
         persist: Callable[[Job], None] | None = None,
     ) -> None:
@@ -94,6 +99,7 @@ class Membership:
             lost_grace if lost_grace is not None else liveness_timeout / 3,
             answer_timeout,
             stall_threshold,
+            silence if silence is not None else liveness_timeout * 2 / 3,
         )
         self._restore_grace = max(restore_grace, liveness_timeout)
         self._max_jobs = max_jobs
@@ -118,8 +124,10 @@ class Membership:
         )  # fmt: skip
         # Elastic jobs (torchrun's --nnodes MIN:MAX): their joins, re-joins, closing (see .elastic).
         self.elastic = ElasticRendezvous(context)
+        # Streams that report by exception: trusted members, leases, progress asked for (see .by_exception).
+        self.by_exception = ReportsByException(context)
         # Broken and ended streams, the sweep of silent members, stalls (see .sweep).
-        self._sweep = LivenessSweep(context, self.elastic.form_if_ready)
+        self._sweep = LivenessSweep(context, self.elastic.form_if_ready, self.by_exception)
         self._restore(stored or StoredState())
 
     def jobs(self) -> list[Job]:
@@ -296,6 +304,7 @@ class Membership:
             member.interface, member.address = per_host[host_key(member)]
             member.rank = ranks[member.member_id]
             member.last_seen = now_mono
+            job.memory.judged[member.member_id] = member
         self._members.index(job, job.members)
         master = next(m for m in job.members if m.rank == 0)
         job.master_addr = master.address
@@ -354,6 +363,7 @@ class Membership:
         if not member.last_report:
             job.memory.first_heard = now  # its first report: the job is still starting (liveness.starting)
         liveness.note_report(member, now, self._clock.wall(), progress, age, stream)
+        self.by_exception.reported(job, member, stream, progress, age)
         changed = worker_endpoints is not None and worker_endpoints != member.worker_endpoints
         if changed and worker_endpoints is not None:
             member.worker_endpoints = worker_endpoints
@@ -376,8 +386,13 @@ class Membership:
         at one instant for all (one request's reports arrive together)."""
         now = self._clock.monotonic()
         wall = self._clock.wall()
+        # Only a by-exception stream's report (few: what changed), or one of a member such a stream
+        # stood for, changes whether the sweep judges it (see .by_exception).
+        exceptional = isinstance(stream, Reporter) and stream.by_exception
         for member, progress, age in reports:
             liveness.note_report(member, now, wall, progress, age, stream)
+            if (exceptional or member.trusted) and (found := self._members.get(member.member_id)):
+                self.by_exception.reported(found[0], member, stream, progress, age)
 
     def leave(self, member_id: str, secret: str, exit_code: int, reason: str = "") -> Job:
         """Record that a member is done; a non-zero exit code fails the job.
@@ -432,6 +447,10 @@ class Membership:
         """See :meth:`.sweep.LivenessSweep.stream_closed`: the members of a stream that ended."""
         self._sweep.stream_closed(stream, member_ids)
 
+    def took_policy(self, reporter: Reporter, lease_seconds: float) -> None:
+        """See :meth:`.by_exception.ReportsByException.took_policy`: a stream reports by exception."""
+        self.by_exception.took_policy(reporter, lease_seconds)
+
     def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
         """See :meth:`.sweep.LivenessSweep.sweep`: fail the silent members, log stalls."""
         return self._sweep.sweep(excused)
@@ -471,7 +490,9 @@ class Membership:
             self._join_ids.restore(job)
             for member in job.members:
                 member.last_seen = now
-            self._members.index(job, [m for m in job.members if m.state is MemberState.RUNNING])
+            running = [m for m in job.members if m.state is MemberState.RUNNING]
+            job.memory.judged.update((m.member_id, m) for m in running)
+            self._members.index(job, running)
         if self._jobs:
             log.info("restored %d job(s) from the state store", len(self._jobs))
         self._forget_old_ended_jobs()
@@ -482,3 +503,4 @@ class Membership:
         (``membership_invariants`` in tests/conftest.py): it walks every job and member."""
         self._members.check(self._jobs)
         self._join_ids.check_invariants()
+        self.by_exception.check_invariants(list(self._jobs.values()))

@@ -188,9 +188,13 @@ class Member:
     # Monotonic time the stream that last carried this member's reports broke, while no newer
     # report came; None while its stream is up. Not persisted.
     lost_at: float | None = None
-    # The stream that last carried a report of this member (an opaque token of the service), so
-    # that the end of an older stream, replaced by a newer one, does not count as a loss.
+    # The stream that last carried a report of this member (its .reporters.Reporter; tests may
+    # pass any token), so that the end of an older stream, replaced by a newer one, does not count
+    # as a loss.
     stream: object | None = field(default=None, repr=False)
+    # Its last report came fresh over an open by-exception stream, which stands for it: the
+    # liveness sweep does not visit it (it is not in JobMemory.judged; see .reporters). Memory only.
+    trusted: bool = False
     # SHA-256 of the join id of the Join that brought it ("" when none was sent). Persisted, so a
     # Join resent after a take-over or restart gets its world's answer (see :mod:`.resent_joins`).
     join_digest: str = ""
@@ -254,6 +258,15 @@ class JobMemory:
     # of its first members fitted into the world then (the rest were beyond max_members).
     withdrawn: str | None = None
     room: int = 0
+    # Once formed: the members the liveness sweep judges, by id, in the order of ``members``: all
+    # of them, but those whose open by-exception stream stands for them (``Member.trusted``, see
+    # .reporters). Members that stopped running leave it at the next sweep.
+    judged: dict[str, Member] = field(default_factory=dict)
+    # Members a by-exception report said are quiet (inside one collective for quiet_seconds), with
+    # the collective they were in: while one still is, the job's progress is asked for (see
+    # .by_exception). Monotonic time it was asked for last (0.0: never).
+    quiet: dict[str, tuple[Member, int]] = field(default_factory=dict)
+    progress_asked: float = 0.0
 
 
 @dataclass

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from sarcomm.coordinator.domain import liveness
+from sarcomm.coordinator.domain.by_exception import ReportsByException
 from sarcomm.coordinator.domain.context import MembershipContext
 from sarcomm.coordinator.domain.model import (
     Job,
@@ -23,6 +24,7 @@ from sarcomm.coordinator.domain.model import (
     member_rank,
     rank_list,
 )
+from sarcomm.coordinator.domain.reporters import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,14 @@ STALL_CHECK_PERIOD_S = 1.0
 class LivenessSweep:
     """The liveness part of a :class:`~sarcomm.coordinator.domain.membership.Membership`."""
 
-    def __init__(self, context: MembershipContext, form_if_ready: Callable[[Job], bool]) -> None:
+    def __init__(
+        self,
+        context: MembershipContext,
+        form_if_ready: Callable[[Job], bool],
+        by_exception: ReportsByException,
+    ) -> None:
         self._m = context
+        self._by_exception = by_exception
         # An elastic world's last call (see .elastic): the sweep is the clock that calls it.
         self._form_if_ready = form_if_ready
         self._stall_checked = float("-inf")
@@ -47,6 +55,8 @@ class LivenessSweep:
         a dead process's connections. Each of those members that no newer stream reports fails
         once ``lost_grace`` has passed without a report (see :meth:`sweep`)."""
         m = self._m
+        if isinstance(stream, Reporter):
+            self._by_exception.ended(stream)  # its trusted members: alive until now, judged again
         now = m.clock.monotonic()
         lost: list[Member] = []
         for member_id in member_ids:
@@ -68,6 +78,8 @@ class LivenessSweep:
         """The stream ``stream`` ended in order: its members are judged by their reports alone
         from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
         m = self._m
+        if isinstance(stream, Reporter):
+            self._by_exception.ended(stream)
         for member_id in member_ids:
             found = m.member(member_id)
             if found is not None and found[1].stream is stream:
@@ -85,11 +97,14 @@ class LivenessSweep:
         if excused > 0:
             for _, member in m.members():
                 liveness.excuse(member, excused)
+            self._by_exception.excuse(excused)
         # A stall is named after tens of seconds: looking for one each second is plenty (sweeps run
         # four times an interval, and comparing every rank's progress is the costly part of them).
+        # Leases run for tens of seconds too: checked as often.
         check_stalls = now - self._stall_checked >= STALL_CHECK_PERIOD_S
         if check_stalls:
             self._stall_checked = now
+            failed += self._by_exception.check()
         t = m.timeouts
         for job in m.jobs():
             if job.state is JobState.FORMING:
@@ -108,7 +123,10 @@ class LivenessSweep:
                 changed = True
             if changed:
                 m.changed(job)
-            elif job.state is JobState.RUNNING and check_stalls:
+            elif job.state is JobState.RUNNING and check_stalls and (job.memory.judged or job.memory.quiet):
+                # A job whose every member an open by-exception stream stands for has no stall to
+                # name until one is reported quiet (quiet_seconds, half the stall threshold): its
+                # members' progress is not compared each second.
                 self._log_stall(job)
         return failed
 

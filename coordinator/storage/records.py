@@ -108,7 +108,7 @@ MEMBER_FIELDS: tuple[StoredField, ...] = (
 #: :mod:`~sarcomm.coordinator.domain.model`); with :data:`MEMBER_FIELDS`, every field of a member.
 MEMBER_MEMORY_ONLY = frozenset(
     {"last_report", "progress", "last_seen", "answered", "lost_at", "stream", "join_call", "verified_secret",
-     "previous_rank"}
+     "previous_rank", "trusted"}
 )  # fmt: skip
 
 #: The field a report moves every beat: :class:`JobEncoder` writes it between a member's two kept

@@ -29,6 +29,7 @@ from typing import Any
 # Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import wait_for, wait_for_sd
+from tests.scripts.published import publish
 
 CONTRACT_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SAR_COORD",
@@ -70,7 +71,7 @@ def collectives(out: Path) -> int:
         "all_reduce": summed.tolist(),
         "all_to_all": [t.tolist() for t in recv],
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    publish(out / f"rank{rank}.json", json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -92,7 +93,7 @@ def _sd(job: str, world: int) -> list[dict[str, Any]]:
 
 def fail(out: Path, failing_rank: int, code: int) -> int:
     rank = int(os.environ["RANK"])
-    (out / f"rank{rank}.started").write_text(os.environ["SAR_GENERATION"])
+    publish(out / f"rank{rank}.started", os.environ["SAR_GENERATION"])
     if rank == failing_rank:
         time.sleep(0.5)
         return code
@@ -118,7 +119,7 @@ def hang(out: Path, hanging_rank: int) -> int:
             writer.publish()
 
     threading.Thread(target=stamp, daemon=True).start()
-    (out / f"rank{rank}.started").write_text(os.environ["SAR_GENERATION"])
+    publish(out / f"rank{rank}.started", os.environ["SAR_GENERATION"])
     if rank == hanging_rank:
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGSTOP)  # wedged: the process exists but does nothing
@@ -128,9 +129,9 @@ def hang(out: Path, hanging_rank: int) -> int:
 
 def sleep(out: Path, seconds: float) -> int:
     rank = int(os.environ["RANK"])
-    (out / f"rank{rank}.started").write_text(os.environ["SAR_GENERATION"])
+    publish(out / f"rank{rank}.started", os.environ["SAR_GENERATION"])
     time.sleep(seconds)
-    (out / f"rank{rank}.done").write_text(os.environ["SAR_GENERATION"])
+    publish(out / f"rank{rank}.done", os.environ["SAR_GENERATION"])
     return 0
 
 
@@ -139,7 +140,7 @@ def restart(out: Path, failing_rank: int, code: int) -> int:
     if restarts == 0:
         return fail(out, failing_rank, code)
     rank = int(os.environ["RANK"])
-    (out / f"rank{rank}.restart{restarts}").write_text(os.environ["SAR_GENERATION"])
+    publish(out / f"rank{rank}.restart{restarts}", os.environ["SAR_GENERATION"])
     return 0
 
 
@@ -153,7 +154,7 @@ def failover(out: Path) -> int:
     rank, world = info.rank, info.world_size
     before = torch.tensor([float(rank + 1)])
     sar.all_reduce(before)
-    (out / f"rank{rank}.before").write_text(str(before.item()))
+    publish(out / f"rank{rank}.before", str(before.item()))
     wait_for((out / "go").exists, 120.0, what="the test's go after moving the coordinator", interval=0.1)
     summed = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
     sar.all_reduce(summed)
@@ -166,7 +167,7 @@ def failover(out: Path) -> int:
         "all_reduce": summed.tolist(),
         "all_to_all": [t.tolist() for t in recv],
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    publish(out / f"rank{rank}.json", json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 ROUNDS = 5
 #: Bounds the last step's poll (it takes milliseconds).
 LAST_STEP_S = 30.0
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> int:
         if [g.tolist() for g in got] != [[src, rank, round_] for src in range(world)]:
             wrong.append(f"round {round_}: exchange_tensors gave {[g.tolist() for g in got]}")
     # Written before the last step: the test times the exit from the moment this file appears.
-    out.write_text(json.dumps({"rank": rank, "rounds": ROUNDS, "wrong": wrong}))
+    publish(out, json.dumps({"rank": rank, "rounds": ROUNDS, "wrong": wrong}))
     # The last step, made to hit the exit's race every time: the main thread keeps the GIL from
     # the last collective's end to the exit hook (it polls instead of blocking, and hands the GIL to
     # no waiting thread for a minute), while a gloo thread needs the GIL to finish that collective:
@@ -104,7 +108,7 @@ def silent_peer(rank: int, world: int, out: Path) -> int:
         return 0
     # Never completes: the last rank does not join. The exit hook must end the groups anyway.
     handle = sar.all_reduce(torch.ones(8), torch.distributed.ReduceOp.SUM, async_op=True)
-    out.write_text(json.dumps({"rank": rank, "pending": handle is not None}))
+    publish(out, json.dumps({"rank": rank, "pending": handle is not None}))
     return 3
 
 

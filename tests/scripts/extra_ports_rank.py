@@ -19,6 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 GO_WAIT_S = 60.0
 
 
@@ -33,7 +37,7 @@ def main(argv: list[str]) -> int:
         else:
             sar.init(coord=coord, job=job, world_size=1, initialize=False, timeout=60, extra_ports=count)
     extra = [int(port) for port in os.environ["SAR_EXTRA_PORTS"].split(",")]
-    out.write_text(json.dumps({"master_port": int(os.environ["MASTER_PORT"]), "extra": extra}))
+    publish(out, json.dumps({"master_port": int(os.environ["MASTER_PORT"]), "extra": extra}))
     deadline = time.monotonic() + GO_WAIT_S
     while not go.exists():
         if time.monotonic() > deadline:
@@ -51,7 +55,7 @@ def main(argv: list[str]) -> int:
         if store.get("sampling") == str(port).encode():
             served.append(port)
         stores.append(store)
-    Path(f"{out}.bound").write_text(json.dumps(served))
+    publish(Path(f"{out}.bound"), json.dumps(served))
     return 0
 
 

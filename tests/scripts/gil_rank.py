@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 # A match of this pattern against "a" * N + "b" takes exponential time in N: 34 is about 1.5 s of
 # one core here, and far more with 8 ranks on 2 cores.
 _BACKTRACK = re.compile(r"(a|aa)+$")
@@ -36,7 +40,7 @@ def main(argv: list[str]) -> int:
     else:
         sar.init(initialize=False)
     job, rank = os.environ["SAR_JOB"], int(os.environ["RANK"])
-    (control / f"{job}.rank{rank}.holding").write_text(str(os.getpid()))
+    publish(control / f"{job}.rank{rank}.holding", str(os.getpid()))
     end = time.monotonic() + hold
     if rank == 0:
         ctypes.PyDLL(None).sleep(int(hold))

@@ -32,6 +32,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 PAUSE_S = 0.02
 SLOW_S = 1.5
 RESTART_ITERS = 20
@@ -52,7 +56,7 @@ def main(argv: list[str]) -> int:
     else:
         info = sar.init()
         rank, world, generation, restarts = info.rank, info.world_size, info.generation, info.restart_count
-    (control / f"rank{rank}.pid").write_text(str(os.getpid()))
+    publish(control / f"rank{rank}.pid", str(os.getpid()))
     result: dict[str, object] = {"rank": rank, "generation": generation, "restarts": restarts}
     iterations, wrong = 0, 0
     deadline = time.monotonic() + DEADLINE_S
@@ -76,7 +80,7 @@ def main(argv: list[str]) -> int:
         result["error"] = {"message": str(error), "rank": error.rank, "raised_at": time.time()}
         code = 3
     result.update(iterations=iterations, wrong=wrong)
-    (control / f"rank{rank}.gen{generation}.json").write_text(json.dumps(result))
+    publish(control / f"rank{rank}.gen{generation}.json", json.dumps(result))
     return code
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 # Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import wait_for_sd
+from tests.scripts.published import publish
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
             other = "connected"
     except ConnectionRefusedError:
         other = "refused"
-    out.write_text(json.dumps({"port": port, "sd": sd, "scraped": scraped, "other": other}))
+    publish(out, json.dumps({"port": port, "sd": sd, "scraped": scraped, "other": other}))
     sar.finalize()
     return 0
 

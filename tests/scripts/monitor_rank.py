@@ -22,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 PACE_S = 0.1
 SLOW_S = 1.5
 DEADLINE_S = 240.0
@@ -42,7 +46,7 @@ def main(control: Path) -> int:
 
     info = sar.init()
     rank, world = info.rank, info.world_size
-    (control / f"rank{rank}.pid").write_text(str(os.getpid()))
+    publish(control / f"rank{rank}.pid", str(os.getpid()))
     deadline = time.monotonic() + DEADLINE_S
     slow_file, hold_file, stop_file = control / "slow", control / "hold", control / "stop"
     while True:

@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "SAR_COORD", "SAR_JOB", "SAR_GENERATION", "SAR_SOCKET_NAME")
 # Bounds the wait for the coordinator to report a dead peer.
 HEAR_OF_FAILURE_S = 30.0
@@ -73,7 +77,7 @@ def main(argv: list[str]) -> int:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    publish(out / f"rank{rank}.json", json.dumps(result))
     return 0
 
 

@@ -13,6 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
 
 
 def main(pid_file: str) -> int:
@@ -20,10 +25,7 @@ def main(pid_file: str) -> int:
         signal.signal(signum, signal.SIG_IGN)
     # SIG_IGN stays ignored across exec: the helper ignores SIGTERM and SIGINT too.
     helper = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    partial = f"{pid_file}.partial"
-    with open(partial, "w") as out:
-        out.write(f"{os.getpid()} {helper.pid}\n")
-    os.replace(partial, pid_file)
+    publish(pid_file, f"{os.getpid()} {helper.pid}\n")
     print("stubborn rank running", flush=True)
     time.sleep(300)
     return 0

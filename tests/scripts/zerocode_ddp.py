@@ -31,6 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file (its own folder on sys.path): the repository root makes the tests' helpers importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.scripts.published import publish
+
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
 parser.add_argument("--steps", type=int, default=10)
@@ -100,7 +104,7 @@ def main() -> int:
     record["loaded"] = zerocode is not None
     record["instrumented"] = zerocode is not None and bool(zerocode.active())
     record["ok"] = ok
-    (args.out / f"{os.getpid()}.json").write_text(json.dumps(record))
+    publish(args.out / f"{os.getpid()}.json", json.dumps(record))
     deadline = time.monotonic() + STOP_WAIT_S
     while not (args.out / "stop").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

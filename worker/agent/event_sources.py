@@ -45,12 +45,17 @@ async def heartbeat(
 ) -> None:
     """One stream for all of ``joined``'s local ranks, each beat made of ``reports()``; what its
     answers say of this generation becomes events. ``re_forming()`` says whether the world is
-    re-forming (the coordinator then forgets the generation's members: no warning)."""
+    re-forming (the coordinator then forgets the generation's members: no warning).
+
+    The stream reports by exception when the coordinator offers it (issue 28): ``reports()`` still
+    reads every rank each interval (local and cheap), but only changes go (a rank silent or fresh
+    again, quiet in a collective or moving again, its metrics address, progress asked for), with a
+    lease renewal when nothing changed. Exits go by ``Leave`` as before."""
     mine = {a.member_id for a in joined.assignments}
     warned_unknown = False
     status = RendezvousStatus(0, False)
     try:
-        async with client.heartbeats(reports, interval) as stream:
+        async with client.heartbeats(reports, interval, by_exception=True, job=joined.job) as stream:
             async for reply in stream:
                 for event in reply.events:
                     if event.job != joined.job or event.generation != joined.generation:

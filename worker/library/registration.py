@@ -121,9 +121,32 @@ class _Registration:
             ]
 
         self._interval = paced_interval(self._interval, result.heartbeat_interval)
-        self._stream = self._client.heartbeats(reports, self._interval)
-        self._watcher = self._thread.submit(self._watch(self._stream, result))
+        # Per-interval, not by exception (issue 28): the reporter is the rank itself, with no agent
+        # reading its progress stamp; by exception a rank wedged with its gRPC thread still answering
+        # pings would be caught only by the lease (tens of seconds), not in interval x misses.
+        self._stream = stream = self._client.heartbeats(reports, self._interval)
+        self._watcher = self._thread.submit(self._watch(stream, result))
         self._install_hooks()
+        # Return only once the coordinator has heard from this member: until its first report
+        # arrives it is judged by silence alone, and the caller may hold the GIL next (a long C call)
+        # and keep the heartbeat thread from sending one; after it, the open connection stands for
+        # it. Bounded: collectives never depend on the coordinator, and the stream keeps trying.
+        wait = self._client.timeout
+
+        async def _heard() -> bool:
+            stream.start()  # idempotent: the watcher's `async with` starts it too
+            return await stream.first_answer(wait)
+
+        if self._thread.run(_heard(), wait + 5.0):
+            return
+        if stream.ended:  # the watcher logged why ("heartbeats stopped: ...")
+            why = "its heartbeat stream ended before the coordinator answered it"
+        else:
+            why = f"no answer to its first heartbeat in {wait:g} s (the heartbeats keep trying)"
+        log.warning(
+            "job=%s rank=%d generation=%d: %s; going on (a member the coordinator never hears from is "
+            "failed after its liveness timeout)", result.job, member.rank, result.generation, why,
+        )  # fmt: skip
 
     async def _watch(self, stream: HeartbeatStream, result: JoinResult) -> None:
         member = result.assignments[0]
@@ -370,7 +393,10 @@ def coord_ip_init(
     (``"a:50051,b:50051"``): the process follows the leader and its heartbeats fail over.
 
     Blocks until all ``world_size`` members joined, or ``timeout`` seconds (None: the
-    coordinator's ``--join-timeout``). Afterwards ``os.environ`` holds ``MASTER_ADDR``,
+    coordinator's ``--join-timeout``), and then until the coordinator answered this process's first
+    heartbeat (at most the client's call timeout, 30 s; a warning if not), so that a long C call
+    holding the GIL right after it cannot get the member failed as never heard from.
+    Afterwards ``os.environ`` holds ``MASTER_ADDR``,
     ``MASTER_PORT`` (so ``initialize_comms(..., master_port_number=None)`` uses the port handed
     out), ``SAR_COORD``, ``SAR_JOB``, ``SAR_GENERATION``, ``SAR_SOCKET_NAME`` (the interface the
     coordinator chose; a ``SAR_SOCKET_NAME`` set before is honoured as the forced choice) and

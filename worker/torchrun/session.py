@@ -219,6 +219,10 @@ class RendezvousSession:
         member = result.assignments[0]
         reports = _WorkerReports(MemberReport(member.member_id, member.secret), endpoints, result)
         interval = paced_interval(HEARTBEAT_INTERVAL_S, result.heartbeat_interval)
+        # Per-interval, not by exception (issue 28): the node's member is torchrun's own agent loop,
+        # with no observer beside it stamping its liveness; by exception a wedged loop whose gRPC
+        # still answers pings would be caught only by the lease (tens of seconds), not in interval
+        # x misses. One small report a node a second is cheap.
         self._stream = stream = self._client.heartbeats(reports, interval)
         self._watcher = self._thread.submit(self._watch(stream, result))
 

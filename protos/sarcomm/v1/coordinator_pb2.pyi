@@ -477,11 +477,21 @@ class HeartbeatRequest(_message.Message):
 
     REPORTS_FIELD_NUMBER: _builtins.int
     CLOSING_FIELD_NUMBER: _builtins.int
+    BY_EXCEPTION_FIELD_NUMBER: _builtins.int
     closing: _builtins.bool
     """The reporter ends the stream in order (it is done, or reopens it) and half-closes after this
     request. Any other end of a stream (the connection broke, the call was cancelled) means its
     reporter most likely died: the members it reported fail unless another stream reports them
     within one heartbeat interval.
+    """
+    by_exception: _builtins.bool
+    """Set by a reporter that took the policy the coordinator offered (HeartbeatResponse.policy), on
+    every request from the one that takes it on: this stream reports by exception. Its members are
+    alive while the stream is (the server's keepalive pings prove the connection), each report
+    carries only members whose state changed (see ReportPolicy), and a request with no reports
+    renews the stream's lease. A stream that took the policy and sends nothing for two lease
+    periods has a stuck reporter: its members fail. Unset: one report of every member each
+    heartbeat interval, as before.
     """
     @_builtins.property
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberReport]: ...
@@ -490,14 +500,56 @@ class HeartbeatRequest(_message.Message):
         *,
         reports: _abc.Iterable[Global___MemberReport] | None = ...,
         closing: _builtins.bool = ...,
+        by_exception: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closing", b"closing", "reports", b"reports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_exception", b"by_exception", "closing", b"closing", "reports", b"reports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class ReportPolicy(_message.Message):
+    """How a reporter by exception reports (HeartbeatRequest.by_exception), as the coordinator sets it.
+    A member is reported when, and only when, something about it changed:
+    - its own sign of life is older than silence_seconds (it is judged silent: once);
+    - its progress stopped: it has been inside one collective for longer than quiet_seconds (once
+      per collective), or it moved again after that;
+    - its metrics endpoints changed, or it asks to close its job's rendezvous;
+    - the coordinator asked for its job's progress (HeartbeatResponse.progress_wanted): every member
+      of the job at once, then each member whose progress changed, each heartbeat interval, for
+      progress_seconds.
+    A rank that exits is told by Leave, as before. With nothing to report, an empty request every
+    lease_seconds.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    SILENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    QUIET_SECONDS_FIELD_NUMBER: _builtins.int
+    PROGRESS_SECONDS_FIELD_NUMBER: _builtins.int
+    lease_seconds: _builtins.float
+    silence_seconds: _builtins.float
+    quiet_seconds: _builtins.float
+    progress_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        lease_seconds: _builtins.float = ...,
+        silence_seconds: _builtins.float = ...,
+        quiet_seconds: _builtins.float = ...,
+        progress_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds", "progress_seconds", b"progress_seconds", "quiet_seconds", b"quiet_seconds", "silence_seconds", b"silence_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPolicy: _TypeAlias = ReportPolicy  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
@@ -508,6 +560,8 @@ class HeartbeatResponse(_message.Message):
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    PROGRESS_WANTED_FIELD_NUMBER: _builtins.int
     heartbeat_interval_seconds: _builtins.float
     """The coordinator's current --heartbeat-interval: reporters beat at least this often, also after
     the coordinator was restarted with other liveness settings.
@@ -534,6 +588,20 @@ class HeartbeatResponse(_message.Message):
         monitoring data never costs a member its place.
         """
 
+    @_builtins.property
+    def policy(self) -> Global___ReportPolicy:
+        """Offered on the first answer of a stream by a coordinator that takes reports by exception (and
+        again whenever its numbers change): a reporter that can switches by setting by_exception on its
+        requests; one that cannot ignores it and reports every interval as before.
+        """
+
+    @_builtins.property
+    def progress_wanted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Jobs whose members' progress the coordinator wants now (a stall is suspected, or someone asked
+        for the job's status): a reporter by exception sends a report of each of its members of these
+        jobs at once, then reports their progress changes each interval for policy.progress_seconds.
+        """
+
     def __init__(
         self,
         *,
@@ -542,10 +610,12 @@ class HeartbeatResponse(_message.Message):
         heartbeat_interval_seconds: _builtins.float = ...,
         rendezvous: _abc.Iterable[Global___RendezvousState] | None = ...,
         refused: _abc.Iterable[_builtins.str] | None = ...,
+        policy: Global___ReportPolicy | None = ...,
+        progress_wanted: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "refused", b"refused", "rendezvous", b"rendezvous", "unknown_members", b"unknown_members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat_interval_seconds", b"heartbeat_interval_seconds", "policy", b"policy", "progress_wanted", b"progress_wanted", "refused", b"refused", "rendezvous", b"rendezvous", "unknown_members", b"unknown_members"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

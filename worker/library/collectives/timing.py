@@ -6,7 +6,9 @@ reads, measures the call's wall time, counts the bytes this rank sent and any er
 :mod:`sarcomm.worker.library.metrics` under the op and the backend that carried it, and turns a backend
 error that follows a known peer failure into :class:`~sarcomm.common.errors.PeerFailedError`.
 With ``async_op=True`` a :class:`CollectiveHandle` is returned and its ``wait()`` records the time
-from the call to completion.
+from the call to completion: on the host, or, for a call on CUDA tensors, by CUDA events (the end
+event is recorded on the current stream once ``wait()`` has made it wait for the collective; work
+the caller put on that stream between the call and ``wait()`` counts too, see docs/metrics.md).
 
 ``all_reduce`` lives here, beside the progress hook it reads: it is SAR's hot path, and its
 whole cost is measured against a bare ``dist.all_reduce`` in ``benchmarks/overhead.py``, so it reads
@@ -30,6 +32,7 @@ from sarcomm.common.errors import FailedPreconditionError
 from sarcomm.worker.library import comm, sar_keywords
 from sarcomm.worker.library.backends import uses_cpu_side_group
 from sarcomm.worker.library.comm import peer_failure_after
+from sarcomm.worker.library.cuda_events import EventLike, EventTimer
 from sarcomm.worker.library.metrics import CollectiveStats
 from sarcomm.worker.library.services import add_progress_listener
 
@@ -180,6 +183,10 @@ class CollectiveHandle:
     _nbytes: int
     _after: Callable[[], None] | None = None
     _recorded: bool = False
+    # A call on CUDA tensors: the event recorded on the current stream before it, and the timer
+    # that records the pair once ``wait()`` has made the stream wait for the collective.
+    _begun: EventLike | None = None
+    _events: EventTimer | None = None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until done; True when it completed. Idempotent."""
@@ -194,7 +201,7 @@ class CollectiveHandle:
         finally:
             if progress is not None:
                 progress.leave()
-        self._complete()
+        self._complete(waited=True)
         return done
 
     def is_completed(self) -> bool:
@@ -208,12 +215,17 @@ class CollectiveHandle:
         """torch's future of the underlying work (latency is recorded only by ``wait()``)."""
         return self._work.get_future()
 
-    def _complete(self) -> None:
+    def _complete(self, waited: bool = False) -> None:
         if self._recorded:
             return
         self._recorded = True
         if self._after is not None:
             self._after()
+        # Only after wait() does the current stream wait for the collective, so that an event
+        # recorded on it now completes with it; is_completed() alone records the host's time.
+        if waited and self._begun is not None and self._events is not None:
+            self._events.end(self._begun, self._stats, self._nbytes)
+            return
         self._stats.observe(self._start_ns, self._nbytes)
 
 
@@ -282,8 +294,8 @@ def timed(
             _set_excluded(_AUTOGRAD_CPU, False)
         if progress is not None:
             progress.leave()
-    if isinstance(result, (dist.Work, Completed)):  # async: timed to its wait(), on the host
-        return CollectiveHandle(result, stats, start, nbytes)
+    if isinstance(result, (dist.Work, Completed)):  # async: timed to its wait()
+        return CollectiveHandle(result, stats, start, nbytes, _begun=begun, _events=events)
     if begun is not None and events is not None:  # the GPU's time, recorded once the GPU is done
         events.end(begun, stats, nbytes)
         return None
