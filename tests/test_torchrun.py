@@ -229,13 +229,19 @@ def test_job_trains_through_leader_loss_and_handles_a_later_node_loss(
 ) -> None:
     """Two coordinators on etcd, the torchrun nodes given both: the leader is SIGKILLed while a
     world of 3 trains; the workers never notice (collectives do not go through the coordinator),
-    the agents' streams move to the new leader, and a node lost afterwards is still handled there."""
+    the agents' streams move to the new leader, and a node lost afterwards is still handled there.
+
+    A SIGKILLed node's peers see gloo's reset connection within milliseconds: a survivor's worker
+    can fail before sarcomm's word of the loss arrives, and torch then spends a restart on the
+    re-formation (docs/torchrun.md, "--max-restarts: what to set"). With none to spend, that node
+    would leave and the other would wait alone for the join timeout, as the SIGKILL case of
+    test_lost_node_survivors_reform_and_train_on says too."""
     leader, standby = replicas
     nodes = Nodes(standby, tmp_path)
     endpoint = f"{leader.grpc_target},{standby.grpc_target}"
     job = "failover"
     try:
-        started = [nodes.start(job, "2:3", endpoint=endpoint, nproc=1) for _ in range(3)]
+        started = [nodes.start(job, "2:3", endpoint=endpoint, nproc=1, max_restarts=3) for _ in range(3)]
         wait_for_training(nodes.out, 1, 3)
         leader.kill()
         wait_for(lambda: _role(standby) == "leader", SLOW_S, what="the standby to lead")
