@@ -62,6 +62,11 @@ def times(ours: float, theirs: float, less: str, more: str) -> str:
     return f"{ratio(theirs / ours)} {less}" if ours < theirs else f"{ratio(ours / theirs)} {more}"
 
 
+def cpu_compared(what: str, ours: float, theirs: float) -> str:
+    """``WHAT: 3.05x less CPU`` (or ``more CPU``): ``ours`` against ``theirs``, both CPU spent."""
+    return f"{what}: {times(ours, theirs, 'less CPU', 'more CPU')}"
+
+
 def faster(over: float) -> str:
     """A ratio of the other's time over ours (> 1: ours is faster) as ``2.00x faster`` or ``1.25x
     slower``: the larger over the smaller, in words."""

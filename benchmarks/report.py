@@ -56,6 +56,7 @@ from renderers import (
     soak,
     state_writes,
     steady_state,
+    sweep_cost,
     torchrun_rendezvous,
     zerocode,
 )
@@ -91,6 +92,7 @@ OPTIONAL_RENDERERS: dict[str, Renderer] = {
     "steady_state": steady_state.section,
     "detection": detection.section,
     "burst_lag": burst_lag.section,
+    "sweep_cost": sweep_cost.section,
 }
 OPTIONAL = tuple(OPTIONAL_RENDERERS)
 #: Benchmarks recorded more than once: one section for all their recordings (``NAME.json`` and

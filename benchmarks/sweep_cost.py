@@ -9,23 +9,28 @@ Then, for REPEATS seconds of a fake clock, each second's reports arrive (every m
 or only each stream's lease renewal) and the four sweeps of that second run: the first also
 checks stalls and leases (once a second), the other three judge liveness only. Printed: the median
 CPU milliseconds of each kind of sweep (this process's CPU time: other load on the machine does
-not count), the share of one core the four make, and the ratio of the shares, one JSON line (also
-written to --json). The reports themselves are not timed.
+not count), the share of one core the four make, and the ratio of the shares: the page its
+renderer draws (``renderers/sweep_cost.py``, the section of ``RESULTS.md``), written to --json and
+--markdown where asked. The reports themselves are not timed.
 
-    python benchmarks/sweep_cost.py                      # 65,536 members, about 10 s
-    python benchmarks/sweep_cost.py --agents 512 --repeats 20   # a smoke pass
+    python benchmarks/sweep_cost.py --json benchmarks/results/sweep_cost.json   # 65,536 members, ~30 s
+    python benchmarks/sweep_cost.py --agents 512 --repeats 20                    # a smoke pass
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from recording import describe, write_results
+from renderers import sweep_cost as page
+from renderers.sweep_cost import ProtocolRow
 
 from sarcomm.common.interfaces import InterfaceInfo, InterfaceKind
 from sarcomm.coordinator.domain.membership import JoinSpec, Member, MemberRequest, Membership, Progress
@@ -110,29 +115,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks-per-agent", type=int, default=8, help="members of each agent")
     parser.add_argument("--repeats", type=int, default=10, help="seconds of sweeps timed for each protocol")
     parser.add_argument("--json", type=Path, help="write the result here too")
+    parser.add_argument("--markdown", type=Path, help="write the page here too")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {
-        "benchmark": "sweep_cost",
-        "members": args.agents * args.ranks_per_agent,
-        "agents": args.agents,
-    }
+    machine = describe("grpcio", load_at="start")
+    rows: list[ProtocolRow] = []
     for protocol in ("per-second", "exception"):
         job = Job(args.agents, args.ranks_per_agent, protocol == "exception")
         each_second, others = cpu_ms(job, args.repeats)
-        result[protocol] = {
-            "sweep_ms": round(others, 3),
-            "sweep_with_checks_ms": round(each_second, 3),
-            # Four sweeps a second: one with the stall and lease checks, three without.
-            "core_fraction": round((each_second + 3 * others) / 1000, 4),
-        }
-    result["ratio_per_second_to_exception"] = round(
-        result["per-second"]["core_fraction"] / max(result["exception"]["core_fraction"], 1e-6), 1
-    )
-    line = json.dumps(result)
-    print(line)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(line + "\n")
+        rows.append(
+            ProtocolRow(
+                protocol=protocol,
+                sweep_ms=round(others, 3),
+                sweep_with_checks_ms=round(each_second, 3),
+                # Four sweeps a second: one with the stall and lease checks, three without.
+                core_fraction=round((each_second + 3 * others) / 1000, 8),
+            )
+        )
+        del job
+    machine.update(describe(load_at="end"))
+    doc: dict[str, Any] = {
+        "benchmark": "sweep_cost",
+        "command": shlex.join(["python", "benchmarks/sweep_cost.py", *(argv or sys.argv[1:])]),
+        "machine": machine,
+        "members": args.agents * args.ranks_per_agent,
+        "agents": args.agents,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    write_results(doc, page.section, args.json, args.markdown)
     return 0
 
 

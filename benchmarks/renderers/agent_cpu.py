@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict, cast
 
-from render import Context, Section, md_table, times
+from render import Context, Section, cpu_compared, md_table
 
 TITLE = "agent_cpu: the sar-worker agent's own CPU, per interval against by exception"
 #: Issue 28's target for the agent's own CPU with 8 busy ranks (fraction of one core).
@@ -36,8 +36,9 @@ def headline(rows: list[ModeRow]) -> list[str]:
     ]
     if per is not None and exc is not None and exc["agent_cpu_fraction"] > 0:
         lines.append(
-            "by exception against every interval: "
-            + times(exc["agent_cpu_fraction"], per["agent_cpu_fraction"], "less CPU", "more CPU")
+            cpu_compared(
+                "by exception against every interval", exc["agent_cpu_fraction"], per["agent_cpu_fraction"]
+            )
         )
     return lines
 
