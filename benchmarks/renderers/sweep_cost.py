@@ -8,7 +8,7 @@ from typing import Any, TypedDict, cast
 
 from render import Context, Section, cpu_compared, md_table
 
-TITLE = "sweep_cost: the liveness sweep at one big job, per-second against by exception"
+TITLE = "The liveness sweep at one big job"
 
 
 class ProtocolRow(TypedDict):
@@ -39,10 +39,13 @@ def headline(doc: dict[str, Any]) -> list[str]:
     ]
     if per is None or exc is None:
         return shares
-    return [
-        *shares,
-        cpu_compared("by exception against per-second", exc["core_fraction"], per["core_fraction"]),
-    ]
+    compared = cpu_compared(
+        f"by exception, {pct(exc['core_fraction'])} of a core against {pct(per['core_fraction'])} "
+        f"per-second at {members}",
+        exc["core_fraction"],
+        per["core_fraction"],
+    )
+    return [compared, *shares]
 
 
 def section(doc: dict[str, Any], ctx: Context) -> Section:
