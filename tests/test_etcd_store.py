@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,82 @@ def test_a_store_gives_back_the_latest_generation_of_each_job_and_every_highest_
     assert any_store.last_generations() == {"alpha": 2, "beta": 1}
     state = load_state(any_store)
     assert sorted(job.name for job in state.jobs) == ["alpha", "beta"]
+
+
+def test_a_store_never_goes_back_to_an_older_generation_of_a_job(any_store: StateStore) -> None:
+    """A job's last change of an ended generation can reach the writer after (or together with)
+    the generation that followed it: the older record is not written over the newer one."""
+    first = _formed_job("alpha")
+    second = {**first, "generation": 2}
+    third = {**first, "generation": 3}
+    any_store.write_rows([encode_job(second)])
+    any_store.write_rows([encode_job({**first, "state": "RESTARTED"})])
+    any_store.write_rows([encode_job(third), encode_job({**second, "state": "RESTARTED"})])
+    (loaded,) = any_store.load_jobs()
+    assert (loaded["generation"], loaded["state"]) == (3, "RUNNING")
+    assert any_store.last_generations() == {"alpha": 3}
+
+
+def test_sqlite_keeps_one_row_per_job_the_newest_generation(tmp_path: Path) -> None:
+    path = tmp_path / "state.sqlite"
+    store = SqliteStore(path)
+    try:
+        first, other = _formed_job("alpha"), _formed_job("beta")
+        store.write_rows([encode_job(first), encode_job(other)])
+        store.write_rows([encode_job({**first, "generation": 2})])
+        store.write_rows([encode_job(first)])  # late: not written
+        reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = reader.execute("SELECT name, generation FROM jobs ORDER BY name").fetchall()
+        finally:
+            reader.close()
+        assert rows == [("alpha", 2), ("beta", 1)]
+    finally:
+        store.close()
+
+
+def test_etcd_keeps_one_record_per_job_and_deletes_the_older_generations_chunks(
+    module_etcd_cluster: EtcdCluster, etcd_prefix: str
+) -> None:
+    """Generation numbers do not sort as text ("10" < "2"): the deletes are cut around the
+    generation written, and a chunked record's chunks go with its head."""
+    client = EtcdClient(EtcdSettings(module_etcd_cluster.url(etcd_prefix)))
+    prefix = "/" + etcd_prefix
+    store = EtcdStore(client, prefix)
+
+    def keys() -> tuple[list[str], list[str]]:
+        heads = [kv.key.decode().removeprefix(f"{prefix}/@jobs/") for kv in
+                 client.range_prefix(f"{prefix}/@jobs/".encode(), keys_only=True)]  # fmt: skip
+        chunks = sorted({k.split("/")[-3] for k in _chunk_keys(client, prefix)})
+        return heads, chunks
+
+    try:
+        lead(client, store)
+        big = _realistic_job("big", 4096)  # 16 chunks
+        store.write_rows([encode_job(big), encode_job(_formed_job("small"))])
+        assert keys() == (["big/1", "small/1"], ["1"])
+        store.write_rows([encode_job({**big, "generation": 2, "members": []})])
+        assert keys() == (["big/2", "small/1"], [])
+        store.write_rows([encode_job({**big, "generation": 10})])
+        assert keys() == (["big/10", "small/1"], ["10"])
+        store.write_rows([encode_job({**big, "generation": 2, "members": [], "state": "RESTARTED"})])
+        assert keys() == (["big/10", "small/1"], ["10"])
+        # Another leader's store (a take-over) prunes what the first one left, and reads it whole.
+        client.txn("stray", [], [etcd_client.put(f"{prefix}/@jobs/big/9".encode(), b"{}")])
+        successor = EtcdStore(client, prefix)
+        successor.fence(store_fence(client, store))
+        successor.write_rows([encode_job({**big, "generation": 10, "state": "FINISHED"})])
+        assert keys() == (["big/10", "small/1"], ["10"])
+        loaded = {r["name"]: r for r in successor.load_jobs()}
+        assert (loaded["big"]["state"], len(loaded["big"]["members"])) == ("FINISHED", 4096)
+    finally:
+        client.close()
+
+
+def store_fence(client: EtcdClient, store: EtcdStore) -> int:
+    """The create revision of ``store``'s leader key: what its leader fences its writes on."""
+    (leader,) = client.range_prefix(store.leader_key)
+    return int(leader.create_revision)
 
 
 def test_a_store_rewrites_a_record_in_place_and_keeps_a_large_one_whole(any_store: StateStore) -> None:

@@ -24,6 +24,13 @@ read the head at*, which etcd keeps: one consistent record. Chunks keyed by memb
 places (from 256 k on, a halved piece between) are also what lets a later write rewrite only the
 chunks that changed.
 
+One record per job name: writing a generation deletes the head and chunks of every other
+generation of its name in the transaction of its head (the first time this leader writes that
+generation: a leader remembers what it pruned), and a generation older than one already written is
+not written (see :func:`~.store.newest_rows`). Job names hold no ``/``, so ``<name>/`` holds only
+that job's keys; the ranges are cut around the generation written, since generation numbers do not
+sort as text.
+
 Why ``@``: one deployment must never read (or delete) another's keys. Prefix segments are letters,
 digits, ``.``, ``_`` and ``-`` (see :mod:`etcd_config`), so no deployment's prefix, however nested
 (``/a`` and ``/a/jobs/team``), can begin with another's ``PREFIX/@``: the ranges read here hold
@@ -61,7 +68,7 @@ from sarcomm.common.errors import (
 )
 from sarcomm.coordinator.storage import etcd_client
 from sarcomm.coordinator.storage.etcd_client import EtcdClient, RequestOp
-from sarcomm.coordinator.storage.store import MEMBERS_PER_PIECE, JobRow
+from sarcomm.coordinator.storage.store import MEMBERS_PER_PIECE, JobRow, newest_rows
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +138,16 @@ class EtcdStore:
         self.leader_key = f"{prefix}/leader".encode()
         self._fence: int | None = None
         self._writes = 0
+        # The newest generation of each job name this leader wrote (every other one of its name is
+        # deleted): a row of an older one is not written, and its generation is not pruned again.
+        self._newest: dict[str, int] = {}
         self.on_fenced: Callable[[], None] = lambda: None
         self.where = f"its state in {client.settings.describe()}"
 
     def fence(self, revision: int | None) -> None:
         """Write only while ``PREFIX/leader`` has create revision ``revision``; None: write nothing."""
+        if revision != self._fence:
+            self._newest.clear()  # another term: what another leader wrote meanwhile is not known
         self._fence = revision
 
     # -- keys --------------------------------------------------------------------------------------
@@ -224,7 +236,9 @@ class EtcdStore:
             )
         refused: dict[Key, str] = {}
         plans: list[_Plan] = []
-        for row in rows:
+        for row in newest_rows(rows):
+            if row.generation < self._newest.get(row.name, 0):
+                continue  # a newer generation of its job is written: this one is gone for good
             try:
                 plans.append(self._plan(row, fence))
             except StoreLimitError as error:
@@ -233,6 +247,10 @@ class EtcdStore:
         self._commit_groups(fence, [g for plan in plans for g in plan.chunks], refused, "record chunk(s)")
         heads = [plan.head for plan in plans if plan.head is not None and plan.key not in refused]
         self._commit_groups(fence, heads, refused, "job record(s)")
+        for plan in plans:
+            if plan.key not in refused:
+                name, generation = plan.key
+                self._newest[name] = generation
         if refused:
             raise StoreLimitError("; ".join(refused.values()), refused=refused)
 
@@ -247,7 +265,7 @@ class EtcdStore:
             # Whole: the chunks of an earlier, larger write of it (if any) go with the same step.
             ops = [etcd_client.put(self._head_key(name, generation), value)]
             ops.append(etcd_client.delete_range(space, etcd_client.prefix_end(space)))
-            plan.head = _Group(row.key, ops, len(value))
+            plan.head = _Group(row.key, ops + self._older_generations(name, generation), len(value))
             return plan
         self._writes += 1
         write = f"{fence}-{self._writes}"
@@ -273,9 +291,27 @@ class EtcdStore:
             # Every other write's chunks: the one this head replaces, and any cut short.
             etcd_client.delete_range(space, ours),
             etcd_client.delete_range(etcd_client.prefix_end(ours), etcd_client.prefix_end(space)),
+            *self._older_generations(name, generation),
         ]
         plan.head = _Group(row.key, ops, len(value))
         return plan
+
+    def _older_generations(self, name: str, generation: int) -> list[RequestOp]:
+        """The deletes of every other generation of ``name`` (heads and chunks) than
+        ``generation``, unless this leader did that already: two ranges around its head key, and
+        two around its chunk space."""
+        if self._newest.get(name) == generation:
+            return []
+        heads = self._heads + f"{name}/".encode()
+        head = self._head_key(name, generation)
+        chunks = self._chunks + f"{name}/".encode()
+        space = self._chunk_space(name, generation)
+        return [
+            etcd_client.delete_range(heads, head),
+            etcd_client.delete_range(head + b"\0", etcd_client.prefix_end(heads)),
+            etcd_client.delete_range(chunks, space),
+            etcd_client.delete_range(etcd_client.prefix_end(space), etcd_client.prefix_end(chunks)),
+        ]
 
     def _chunk_values(self, row: JobRow) -> Iterator[tuple[int, bytes]]:
         """``(index of the first member, compressed chunk)`` for each chunk of ``row``'s members;

@@ -1,6 +1,7 @@
-"""Where the coordinator's jobs live between restarts: SQLite, embedded, one row per generation.
+"""Where the coordinator's jobs live between restarts: SQLite, embedded, one row per job.
 
-The store knows nothing of the domain: it keeps JSON records keyed by job name and generation.
+The store knows nothing of the domain: it keeps JSON records keyed by job name and generation,
+the newest generation of each job name only (see :func:`newest_rows`).
 WAL mode with ``synchronous=NORMAL`` makes every committed write survive a SIGKILL of the
 coordinator (the write is in the OS before ``write_rows`` returns); only a power loss can cost the
 last transactions, which a restarted cluster would re-form anyway.
@@ -77,6 +78,23 @@ def encode_job(record: dict[str, Any]) -> JobRow:
     return JobRow(record["name"], record["generation"], record["state"], head, pieces)
 
 
+def newest_rows(rows: list[JobRow]) -> list[JobRow]:
+    """``rows`` less those a newer generation of the same job name in ``rows`` supersedes.
+
+    Every store keeps one record per job name: the newest generation's, which is the only one ever
+    read again (:meth:`StateStore.load_jobs`; its record carries the earlier generations' history),
+    and whose number is the highest ever stored (:meth:`StateStore.last_generations`). Writing a
+    generation deletes the earlier ones of its name; a generation older than one already written
+    is not written (a job's last change of an ended generation can reach the writer after, or
+    together with, the generation that followed it). Without this, every re-formation of a job
+    would leave its whole record behind for good: 5 to 8 MB in etcd for a 65,536-member job.
+    """
+    newest: dict[str, int] = {}
+    for row in rows:
+        newest[row.name] = max(row.generation, newest.get(row.name, row.generation))
+    return [row for row in rows if row.generation == newest[row.name]]
+
+
 class StateStore(Protocol):
     """The storage boundary: what the coordinator needs from wherever its jobs live.
 
@@ -95,7 +113,9 @@ class StateStore(Protocol):
 
     def write_rows(self, rows: list[JobRow]) -> None:
         """Records encoded by :func:`encode_job`; durable when it returns. Called from the writer
-        thread (see :mod:`persistence`).
+        thread (see :mod:`persistence`). A record written deletes the earlier generations of its
+        job name, and one older than a generation already stored is not written (see
+        :func:`newest_rows`).
 
         Raises:
             StoreLimitError: some records can never be stored (too large); every other record was
@@ -154,6 +174,8 @@ class SqliteStore:
         limit = self._max_length()
         kept: list[tuple[str, int, str, str]] = []
         refused: dict[tuple[str, int], str] = {}
+        storable: list[JobRow] = []
+        records: dict[tuple[str, int], str] = {}
         for row in rows:
             record = row.record_json
             if len(record) > limit:
@@ -162,12 +184,21 @@ class SqliteStore:
                     f"more than SQLite stores in one row ({limit} bytes); it is not stored"
                 )
             else:
-                kept.append((row.name, row.generation, row.state, record))
+                storable.append(row)
+                records[row.key] = record
+        for row in newest_rows(storable):
+            kept.append((row.name, row.generation, row.state, records[row.key]))
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                # Not over a newer generation of the same name, and then the older ones go.
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO jobs (name, generation, state, record) VALUES (?, ?, ?, ?)", kept
+                    "INSERT OR REPLACE INTO jobs (name, generation, state, record) SELECT ?1, ?2, ?3, ?4 "
+                    "WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE name = ?1 AND generation > ?2)",
+                    kept,
+                )
+                self._db.executemany(
+                    "DELETE FROM jobs WHERE name = ? AND generation < ?", [(k[0], k[1]) for k in kept]
                 )
             except BaseException:
                 self._db.execute("ROLLBACK")
