@@ -125,8 +125,8 @@ def test_sqlite_keeps_one_row_per_job_the_newest_generation(tmp_path: Path) -> N
 def test_etcd_keeps_one_record_per_job_and_deletes_the_older_generations_chunks(
     module_etcd_cluster: EtcdCluster, etcd_prefix: str
 ) -> None:
-    """Generation numbers do not sort as text ("10" < "2"): the deletes are cut around the
-    generation written, and a chunked record's chunks go with its head."""
+    """Generation numbers do not sort as text ("10" < "2"): only older generations by number
+    are deleted, each with its chunks, and a generation older than one stored is not written."""
     client = EtcdClient(EtcdSettings(module_etcd_cluster.url(etcd_prefix)))
     prefix = "/" + etcd_prefix
     store = EtcdStore(client, prefix)
@@ -153,6 +153,11 @@ def test_etcd_keeps_one_record_per_job_and_deletes_the_older_generations_chunks(
         successor = EtcdStore(client, prefix)
         successor.fence(store_fence(client, store))
         successor.write_rows([encode_job({**big, "generation": 10, "state": "FINISHED"})])
+        assert keys() == (["big/10", "small/1"], ["10"])
+        # A write that lags behind (a leader that knows nothing newer) never removes a newer one.
+        laggard = EtcdStore(client, prefix)
+        laggard.fence(store_fence(client, store))
+        laggard.write_rows([encode_job({**big, "generation": 3, "members": []})])
         assert keys() == (["big/10", "small/1"], ["10"])
         loaded = {r["name"]: r for r in successor.load_jobs()}
         assert (loaded["big"]["state"], len(loaded["big"]["members"])) == ("FINISHED", 4096)
@@ -216,9 +221,15 @@ def test_a_store_without_the_quorum_raises_unavailable_naming_etcd(etcd_cluster:
     store = EtcdStore(client, "/quorum")
     try:
         lead(client, store)
+        store.write_rows([encode_job(_formed_job("q"))])  # its stored generations are looked at now
         stopped = etcd_cluster.lose_quorum()
         with pytest.raises(StoreUnavailableError, match=r"^etcd at .* could not write 1 job record"):
             store.write_rows([encode_job(_formed_job("q"))])
+        # A job this leader has not written yet: which generations of it are stored is read first.
+        with pytest.raises(
+            StoreUnavailableError, match=r"^etcd at .* could not read the keys under .*quorum"
+        ):
+            store.write_rows([encode_job(_formed_job("r"))])
         etcd_cluster.regain_quorum(stopped)
         wait_for(
             lambda: _writes(store, encode_job(_formed_job("q"))),

@@ -24,12 +24,11 @@ read the head at*, which etcd keeps: one consistent record. Chunks keyed by memb
 places (from 256 k on, a halved piece between) are also what lets a later write rewrite only the
 chunks that changed.
 
-One record per job name: writing a generation deletes the head and chunks of every other
-generation of its name in the transaction of its head (the first time this leader writes that
-generation: a leader remembers what it pruned), and a generation older than one already written is
-not written (see :func:`~.store.newest_rows`). Job names hold no ``/``, so ``<name>/`` holds only
-that job's keys; the ranges are cut around the generation written, since generation numbers do not
-sort as text.
+One record per job name (see :func:`~.store.newest_rows`): the first time a leader writes a
+generation of a job, it lists the generations stored under ``<name>/`` (keys only; job names hold
+no ``/``), writes nothing if a newer one is there, and otherwise deletes the older ones' heads and
+chunks in fenced transactions after its own head. Only older ones, by number: generation numbers
+do not sort as text, and a write that lags behind a newer one must never remove it.
 
 Why ``@``: one deployment must never read (or delete) another's keys. Prefix segments are letters,
 digits, ``.``, ``_`` and ``-`` (see :mod:`etcd_config`), so no deployment's prefix, however nested
@@ -138,8 +137,8 @@ class EtcdStore:
         self.leader_key = f"{prefix}/leader".encode()
         self._fence: int | None = None
         self._writes = 0
-        # The newest generation of each job name this leader wrote (every other one of its name is
-        # deleted): a row of an older one is not written, and its generation is not pruned again.
+        # The newest generation of each job name this leader wrote (and deleted the older ones
+        # of): a row of an older one is not written, and that generation is not looked at again.
         self._newest: dict[str, int] = {}
         self.on_fenced: Callable[[], None] = lambda: None
         self.where = f"its state in {client.settings.describe()}"
@@ -236,17 +235,26 @@ class EtcdStore:
             )
         refused: dict[Key, str] = {}
         plans: list[_Plan] = []
+        older: list[_Group] = []
         for row in newest_rows(rows):
             if row.generation < self._newest.get(row.name, 0):
                 continue  # a newer generation of its job is written: this one is gone for good
+            if self._newest.get(row.name) != row.generation:
+                stored = self._stored_generations(row.name)
+                if stored and max(stored) > row.generation:
+                    log.debug("job %r generation %d: not written over generation %d", *row.key, max(stored))
+                    continue
+                older += [self._delete_generation(row, g) for g in sorted(stored) if g < row.generation]
             try:
                 plans.append(self._plan(row, fence))
             except StoreLimitError as error:
                 refused[row.key] = str(error)
-        # Every chunk before any head that names it; a row refused on the way keeps its old head.
+        # Every chunk before any head that names it; a row refused on the way keeps its old head,
+        # and the generations before it.
         self._commit_groups(fence, [g for plan in plans for g in plan.chunks], refused, "record chunk(s)")
         heads = [plan.head for plan in plans if plan.head is not None and plan.key not in refused]
         self._commit_groups(fence, heads, refused, "job record(s)")
+        self._commit_groups(fence, older, refused, "earlier generation(s) deleted")
         for plan in plans:
             if plan.key not in refused:
                 name, generation = plan.key
@@ -265,7 +273,7 @@ class EtcdStore:
             # Whole: the chunks of an earlier, larger write of it (if any) go with the same step.
             ops = [etcd_client.put(self._head_key(name, generation), value)]
             ops.append(etcd_client.delete_range(space, etcd_client.prefix_end(space)))
-            plan.head = _Group(row.key, ops + self._older_generations(name, generation), len(value))
+            plan.head = _Group(row.key, ops, len(value))
             return plan
         self._writes += 1
         write = f"{fence}-{self._writes}"
@@ -291,27 +299,31 @@ class EtcdStore:
             # Every other write's chunks: the one this head replaces, and any cut short.
             etcd_client.delete_range(space, ours),
             etcd_client.delete_range(etcd_client.prefix_end(ours), etcd_client.prefix_end(space)),
-            *self._older_generations(name, generation),
         ]
         plan.head = _Group(row.key, ops, len(value))
         return plan
 
-    def _older_generations(self, name: str, generation: int) -> list[RequestOp]:
-        """The deletes of every other generation of ``name`` (heads and chunks) than
-        ``generation``, unless this leader did that already: two ranges around its head key, and
-        two around its chunk space."""
-        if self._newest.get(name) == generation:
-            return []
-        heads = self._heads + f"{name}/".encode()
-        head = self._head_key(name, generation)
-        chunks = self._chunks + f"{name}/".encode()
-        space = self._chunk_space(name, generation)
-        return [
-            etcd_client.delete_range(heads, head),
-            etcd_client.delete_range(head + b"\0", etcd_client.prefix_end(heads)),
-            etcd_client.delete_range(chunks, space),
-            etcd_client.delete_range(etcd_client.prefix_end(space), etcd_client.prefix_end(chunks)),
+    def _stored_generations(self, name: str) -> set[int]:
+        """The generations of ``name`` stored: with a head, or with chunks only (a write cut
+        short)."""
+        found: set[int] = set()
+        for space in (self._heads, self._chunks):
+            start = space + f"{name}/".encode()
+            for kv in self._client.range_prefix(start, keys_only=True):
+                generation = kv.key[len(start) :].split(b"/", 1)[0]
+                if generation.isdigit():
+                    found.add(int(generation))
+        return found
+
+    def _delete_generation(self, row: JobRow, generation: int) -> _Group:
+        """The deletes of generation ``generation`` of ``row``'s job: its head and its chunks."""
+        head = self._head_key(row.name, generation)
+        space = self._chunk_space(row.name, generation)
+        ops = [
+            etcd_client.delete_range(head, head + b"\0"),
+            etcd_client.delete_range(space, etcd_client.prefix_end(space)),
         ]
+        return _Group(row.key, ops, 0)
 
     def _chunk_values(self, row: JobRow) -> Iterator[tuple[int, bytes]]:
         """``(index of the first member, compressed chunk)`` for each chunk of ``row``'s members;
