@@ -19,7 +19,7 @@ from sarcomm.coordinator.domain.membership import (
     MemberState,
     Ticket,
 )
-from sarcomm.coordinator.domain.model import ElasticRange
+from sarcomm.coordinator.domain.model import ElasticRange, FailureReason
 from sarcomm.coordinator.storage.records import load_state, write_at_once
 from sarcomm.coordinator.storage.store import SqliteStore
 from tests.helpers import FakeClock, assigned_rank, spec
@@ -313,6 +313,30 @@ def test_rejoin_restarts_generation_and_keeps_rank_order(
     a2 = membership.join(espec("a", high=4, rejoin=a))
     assert state(a2) is JobState.RUNNING  # max_members: at once
     assert [assigned_rank(t.members[0]) for t in (a2, b2, c2, d)] == [0, 1, 2, 3]
+
+
+def test_rejoin_first_fails_a_member_whose_stream_broke_as_its_cause(
+    membership: Membership, clock: FakeClock, events: list[JobEvent]
+) -> None:
+    # A dead peer's reset connection fails a survivor's gloo collective within milliseconds; torch
+    # spends a restart and the survivor's node re-joins before the peer's broken stream is judged
+    # (lost_grace). The generation's end names the lost node, not the survivor.
+    a, b, _ = running_world(membership, clock, "a", "b", "c")
+    stream = object()
+    b.members[0].stream = stream
+    membership.stream_lost(stream, [b.members[0].member_id])
+    membership.join(espec("a", rejoin=a))
+    lost = b.members[0]
+    assert (lost.state, lost.failure) == (MemberState.FAILED, FailureReason.CONNECTION_LOST)
+    assert lost.reason == (
+        "connection lost: its heartbeat stream broke (process or agent gone), "
+        "and then rank 0 on host a re-joined"
+    )
+    assert state(a) is JobState.RESTARTED
+    assert kinds(events)[1:] == [(EventKind.MEMBER_FAILED, 1), (EventKind.JOB_RESTARTING, 1)]
+    assert events[-1].reason.startswith("re-rendezvous: rank 1 on host b failed: connection lost: ")
+    assert [m.state for m in a.job.members] == [MemberState.LEFT, MemberState.FAILED, MemberState.LEFT]
+    assert [m.host for m in a.job.memory.survivors] == ["a", "c"]
 
 
 def test_rejoin_raises_unauthenticated_if_secret_is_wrong(membership: Membership, clock: FakeClock) -> None:

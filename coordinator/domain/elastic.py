@@ -18,7 +18,9 @@ The rules (a fixed world, ``JoinSpec.elastic`` None, follows none of them):
 4. **Re-join.** A join that names a member of the running generation (``rejoin_member_id`` and its
    secret: torchrun's agent re-rendezvousing) ends that generation as a re-rendezvous too, and
    joins the next one. Survivors keep their order: ranks go to returning members first, in the
-   order of their previous ranks, then to newcomers in the order they joined.
+   order of their previous ranks, then to newcomers in the order they joined. A member of that
+   generation whose stream had already broken is failed first, as the re-join's cause (connection
+   lost), so the generation's end names the node that was lost.
 5. **Closed.** A member that leaves (its work done, or failed) or asks to close (``close_job``:
    torch's ``set_closed``) closes the job's rendezvous: the running world goes on, but no new world
    forms under the job while this generation runs. Joins are answered closed
@@ -42,6 +44,7 @@ from sarcomm.common.errors import (
     JobClosedError,
     UnauthenticatedError,
 )
+from sarcomm.coordinator.domain import liveness
 from sarcomm.coordinator.domain.context import MembershipContext
 from sarcomm.coordinator.domain.model import (
     MAX_HISTORY,
@@ -151,6 +154,8 @@ class ElasticRendezvous:
         if job.state is JobState.RUNNING and job.closed is not None:
             raise JobClosedError(_closed_text(job))
         if job.state is JobState.RUNNING:
+            self._blame_lost_peers(job, member)
+        if job.state is JobState.RUNNING:
             why = f"rank {member.rank} on host {member.host} re-joins"
             if waiting(job):
                 why += f"; {waiting(job)} member(s) wait to join"
@@ -163,6 +168,18 @@ class ElasticRendezvous:
                 + "; its rendezvous is closed: no new world forms from it"
             )
         return member.rank
+
+    def _blame_lost_peers(self, job: Job, member: Member) -> None:
+        """A node whose worker failed (torch spent a restart on it) re-joins ``job`` at once, and
+        a dead peer is the likeliest cause: gloo sees the reset connection within milliseconds,
+        before the peer's broken stream is judged (lost_grace). A member of ``job`` whose stream
+        already broke fails now as that cause, as it does when a survivor exits first (see
+        :meth:`~.membership.Membership.leave`), and its loss re-forms the generation."""
+        m = self._m
+        for other in job.members:
+            if other is not member and other.state is MemberState.RUNNING and other.lost_at is not None:
+                blame, text = liveness.connection_lost_blame(member.rank, member.host, "re-joined")
+                m.machine.member_to(job, other, MemberState.FAILED, text, blame)
 
     def _park(self, running: Job, spec: JoinSpec) -> Job:
         """Rule 2: the next generation behind ``running``, where a join waits."""
