@@ -67,8 +67,9 @@ def section(doc: dict[str, Any], ctx: Context) -> Section:
         table
         + f"\n\nJobs of {doc['hosts']} members, {doc['interfaces']} interfaces of 32 random IPv6 addresses "
         "per host; one etcd member, its default 2 GiB quota, no auto-compaction of its own. The database "
-        "is etcd's file (what its quota counts). With compaction it still grows by every finished "
-        "generation's record (~0.3 MB each here), which stays stored, and by the pages etcd's file keeps "
-        "free for reuse."
+        "is etcd's file (what its quota counts). A job keeps one record, its newest generation's: writing "
+        "a generation deletes the earlier ones (before 2026-12-07 every finished generation's record, "
+        "~0.3 MB each here, stayed stored, and the database grew by it even with compaction). With "
+        "compaction it still grows by the pages etcd's file keeps free for reuse."
     )
     return Section.of(doc, "etcd_history", TITLE, headline, body)
