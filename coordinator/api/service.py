@@ -252,11 +252,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # grpc ends the requests of a client whose connection died just like a half-close,
                 # and cancels the call a moment later: a client that did not say it was closing
                 # gets that moment to turn out dead (measured: the cancellation follows within ms).
-                # Meanwhile its members count as lost already, so that a peer's re-join in that
-                # moment (its collective failed at once on the reset connection) names them as its
-                # cause; a half-close clears that below (stream_closed).
-                if state.reported:
-                    self._membership.stream_lost(state.token, state.reported)
                 await asyncio.sleep(_CANCEL_GRACE_S)
             broken = False  # the reporter half-closed: an orderly end
         finally:

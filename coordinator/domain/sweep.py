@@ -76,9 +76,7 @@ class LivenessSweep:
 
     def stream_closed(self, stream: object, member_ids: Iterable[str]) -> None:
         """The stream ``stream`` ended in order: its members are judged by their reports alone
-        from now on (a quiet member of an open stream is not, see :mod:`liveness`). A member
-        counted lost when the stream's requests ended (see :meth:`stream_lost`) is not: the end
-        turned out to be a half-close."""
+        from now on (a quiet member of an open stream is not, see :mod:`liveness`)."""
         m = self._m
         if isinstance(stream, Reporter):
             self._by_exception.ended(stream)
@@ -86,7 +84,6 @@ class LivenessSweep:
             found = m.member(member_id)
             if found is not None and found[1].stream is stream:
                 found[1].stream = None
-                found[1].lost_at = None
 
     def sweep(self, excused: float = 0.0) -> list[tuple[Job, Member]]:
         """Fail every running member silent for longer than the liveness timeout, or whose stream
